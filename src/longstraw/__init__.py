@@ -1,0 +1,21 @@
+"""LongStraw: GRPO post-training on million-token prompts.
+
+The shared prompt is evaluated once, in chunks, without autograd, into a prompt state; the G response branches are
+replayed one at a time with autograd against it; in exact mode a reverse pass carries the gradient back through the
+prompt. See docs/DESIGN.md.
+"""
+
+from longstraw.checkpoint.hf import hf_grads, load_model, save_model
+from longstraw.models.registry import build_model, supported_model_types
+from longstraw.state import PromptState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load_model",
+    "save_model",
+    "hf_grads",
+    "build_model",
+    "supported_model_types",
+    "PromptState",
+]

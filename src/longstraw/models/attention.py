@@ -1,0 +1,85 @@
+"""Full (softmax) attention with grouped K/V heads, as a token mixer over a prefix state.
+
+Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm before RoPE, ``head_dim``
+independent of ``hidden / heads``) and the gated attention of Qwen3-Next / Qwen3.5 (``q_proj`` emits a per-head
+``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k norms, partial RoPE).
+
+``forward(x, rope, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
+``prefix`` (a list of :class:`KVSegment`: the stored prompt K/V, earlier chunks, generated tokens). The new tokens'
+own K/V form a causal segment. Returns ``(y [B, T, hidden], (k, v))`` where ``k``/``v`` ``[B, Hkv, T, D]`` are the
+post-RoPE keys/values of the new tokens, which prefill stores and the exact reverse pass back-propagates through.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from longstraw.models.norms import RMSNorm
+from longstraw.models.rope import apply_rope
+from longstraw.ops.attention import KVSegment, segment_attention
+from longstraw.state import KVState
+
+
+class Attention(nn.Module):
+    state_type = KVState
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        qk_norm_zero_centered: bool = False,
+        norm_eps: float = 1e-6,
+        output_gate: bool = False,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.output_gate = output_gate
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=qk_norm_zero_centered)
+            self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=qk_norm_zero_centered)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def new_state(self, capacity: int) -> KVState:
+        return KVState(capacity)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], prefix: list[KVSegment] | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, -1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(b, t, -1)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        segments = list(prefix or []) + [KVSegment(k, v, causal=True)]
+        o = segment_attention(q, segments, self.scale)  # [B, H, T, D]
+        o = o.transpose(1, 2).reshape(b, t, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o), (k, v)
+
+    def flops_per_token(self, context: int) -> float:
+        """Forward FLOPs per new token: projections plus attention over ``context`` keys."""
+        hidden = self.k_proj.in_features
+        proj = 2.0 * hidden * (self.q_proj.out_features + 2 * self.num_kv_heads * self.head_dim + self.num_heads * self.head_dim)
+        return proj + 4.0 * self.num_heads * self.head_dim * context

@@ -1,0 +1,86 @@
+"""Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3`` (also ``mistral`` without sliding windows).
+
+The three differ only in switches of the shared blocks: attention/MLP bias (Llama's ``attention_bias`` and
+``mlp_bias``), Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``. Sliding-window layers are
+not supported (they are off in the released checkpoints of these families) and are rejected by name.
+"""
+
+from __future__ import annotations
+
+from longstraw.models.attention import Attention
+from longstraw.models.config import ConfigReader
+from longstraw.models.mlp import GatedMLP
+from longstraw.models.norms import RMSNorm
+from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
+from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def model_spec(cfg: dict, r: ConfigReader) -> ModelSpec:
+    return ModelSpec(
+        model_type=cfg["model_type"],
+        vocab_size=r.positive("vocab_size"),
+        hidden_size=r.positive("hidden_size"),
+        num_layers=r.positive("num_hidden_layers"),
+        max_position_embeddings=r.positive("max_position_embeddings", 2048),
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        eos_token_id=cfg.get("eos_token_id"),
+        bos_token_id=cfg.get("bos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def _reject_sliding(cfg: dict, r: ConfigReader) -> None:
+    types = cfg.get("layer_types") or []
+    bad = sorted({t for t in types if t != "full_attention"})
+    if bad:
+        raise ValueError(f"{r.where}: layer_types {bad} are not supported for {cfg['model_type']}; "
+                         "supported: ['full_attention']")
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window") and cfg["model_type"] in ("qwen2", "qwen3"):
+        raise ValueError(f"{r.where}: use_sliding_window=True is not supported; set it to false")
+    if cfg["model_type"] == "mistral" and cfg.get("sliding_window"):
+        raise ValueError(f"{r.where}: sliding_window={cfg['sliding_window']} is not supported; supported: null")
+
+
+def build(cfg: dict) -> CausalLM:
+    r = ConfigReader(cfg)
+    mt = cfg["model_type"]
+    spec = model_spec(cfg, r)
+    _reject_sliding(cfg, r)
+    heads = r.positive("num_attention_heads")
+    kv_heads = r.opt("num_key_value_heads", heads, int)
+    head_dim = r.opt("head_dim", spec.hidden_size // heads, int)
+    eps = r.opt("rms_norm_eps", 1e-6, float)
+    act = r.opt("hidden_act", "silu", str)
+    inter = r.positive("intermediate_size")
+    if mt == "qwen2":
+        qkv_bias, o_bias, mlp_bias, qk_norm = True, False, False, False
+    elif mt == "qwen3":
+        attn_bias = r.opt("attention_bias", False, bool)
+        qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, False, True
+    else:  # llama, mistral
+        attn_bias = r.opt("attention_bias", False, bool)
+        qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, r.opt("mlp_bias", False, bool), False
+    layers = [
+        DecoderLayer(
+            Attention(spec.hidden_size, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
+                      qk_norm=qk_norm, norm_eps=eps),
+            GatedMLP(spec.hidden_size, inter, act, bias=mlp_bias),
+            RMSNorm(spec.hidden_size, eps),
+            RMSNorm(spec.hidden_size, eps),
+        )
+        for _ in range(spec.num_layers)
+    ]
+    rotary = RotaryEmbedding(rope_params_from_hf(cfg, head_dim))
+    return CausalLM(spec, cfg, Backbone(spec.vocab_size, spec.hidden_size, layers, RMSNorm(spec.hidden_size, eps),
+                                        rotary))
+
+
+def _family():
+    from longstraw.models.registry import Family
+
+    return Family("dense", MODEL_TYPES, build)
+
+
+FAMILY = _family()

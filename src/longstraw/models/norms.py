@@ -1,0 +1,49 @@
+"""RMS norms in the exact operation order of the reference implementations (it matters in bf16).
+
+* ``RMSNorm`` (Llama/Qwen2/Qwen3/DeepSeek): normalise in float32, cast back to the input dtype, then multiply by
+  ``weight`` (initialised to ones).
+* ``RMSNorm(zero_centered=True)`` (Qwen3-Next / Qwen3.5): normalise in float32, multiply by ``1 + weight`` in
+  float32 (weight initialised to zeros), then cast back.
+* ``GatedRMSNorm`` (the Gated DeltaNet output norm): ``weight * norm(x)`` then ``* silu(gate)`` in float32; plain
+  ``weight`` (init ones) even in the zero-centred families.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
+        super().__init__()
+        self.zero_centered = zero_centered
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32) if dtype != torch.float64 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            w = self.weight if self.weight.dtype == torch.float64 else self.weight.float()
+            return (h * (1.0 + w)).to(dtype)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32) if dtype != torch.float64 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        g = gate.to(torch.float32) if gate.dtype != torch.float64 else gate
+        return (h * nn.functional.silu(g)).to(dtype)

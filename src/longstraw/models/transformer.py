@@ -1,0 +1,153 @@
+"""The decoder-only language model every family builds: embeddings, decoder layers, final norm, LM head.
+
+Module and parameter names mirror the HF checkpoints (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
+``model.norm``, ``lm_head``), so that for most families the checkpoint-name map is the identity.
+
+One forward path processes new tokens given a prefix state (DESIGN.md principle 4): ``run(ids, start, prefix)``
+serves prefill chunks, branch replay and decoding alike; only the inputs differ. ``forward(ids)`` is the HF-like
+full forward from position 0 that returns logits. The model knows nothing of RL, distribution or checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from longstraw.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The facts about a model that code outside the model needs (engine, planner, trainer)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_id: Any = None
+    bos_token_id: Any = None
+    pad_token_id: Any = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``.
+
+    The mixer is registered under the name the checkpoint uses (``self_attn`` or ``linear_attn``).
+    """
+
+    def __init__(self, mixer: nn.Module, ffn: nn.Module, input_norm: nn.Module, post_norm: nn.Module,
+                 mixer_name: str = "self_attn", ffn_name: str = "mlp"):
+        super().__init__()
+        self.mixer_name, self.ffn_name = mixer_name, ffn_name
+        self.add_module(mixer_name, mixer)
+        self.add_module(ffn_name, ffn)
+        self.input_layernorm = input_norm
+        self.post_attention_layernorm = post_norm
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
+
+    def forward(self, x: Tensor, rope: Any, prefix: Any, need_ffn: bool = True):
+        y, piece = self.mixer(self.input_layernorm(x), rope, prefix)
+        x = x + y
+        if need_ffn:
+            x = x + self.ffn(self.post_attention_layernorm(x))
+        return x, piece
+
+
+class Backbone(nn.Module):
+    def __init__(self, vocab: int, hidden: int, layers: list[DecoderLayer], norm: nn.Module,
+                 rotary: RotaryEmbedding | None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rotary
+
+
+class CausalLM(nn.Module):
+    """A LongStraw language model. ``spec`` holds its shape facts, ``hf_config`` the checkpoint's config dict."""
+
+    def __init__(self, spec: ModelSpec, hf_config: dict, backbone: Backbone):
+        super().__init__()
+        self.spec = spec
+        self.hf_config = dict(hf_config)
+        self.model = backbone
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tie_weights()
+
+    # ------------------------------------------------------------------ structure
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def new_prompt_states(self, capacity: int) -> list[Any]:
+        """One empty state per layer, sized for ``capacity`` prompt positions."""
+        return [layer.mixer.new_state(capacity) for layer in self.model.layers]
+
+    def head(self) -> tuple[Tensor, Tensor | None]:
+        """(weight [V, H], bias) of the LM head, for the chunked log-prob op."""
+        return self.lm_head.weight, self.lm_head.bias
+
+    # ------------------------------------------------------------------ forward
+    def check_ids(self, ids: Tensor) -> None:
+        """ValueError unless ``ids`` is an integer tensor of token ids inside the vocabulary."""
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"token ids must be an int64 tensor, got {type(ids).__name__} "
+                             f"{getattr(ids, 'dtype', '')}".rstrip())
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.spec.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
+
+    def run(self, ids: Tensor, start: int = 0, prefix: list[Any] | None = None, *, need_hidden: bool = True,
+            checkpoint_layers: bool = False) -> tuple[Tensor | None, list[Any]]:
+        """Process new tokens ``ids [B, T]`` at positions ``start .. start+T-1`` after a prefix state.
+
+        prefix: one entry per layer (what that layer's ``state.prefix()`` returned) or None for none.
+        Returns ``(hidden [B, T, hidden] after the final norm, or None if not need_hidden; pieces)`` where
+        ``pieces[l]`` is the state layer ``l`` produced for the new tokens. With ``need_hidden=False`` (prefill)
+        the last layer's feed-forward block and the final norm are skipped: nothing reads them.
+        """
+        x = self.model.embed_tokens(ids)
+        t = ids.shape[1]
+        rope = None
+        if self.model.rotary_emb is not None:
+            pos = torch.arange(start, start + t, device=ids.device)
+            rope = self.model.rotary_emb(pos, x.dtype)
+        pieces = []
+        n = len(self.model.layers)
+        for i, layer in enumerate(self.model.layers):
+            p = prefix[i] if prefix is not None else None
+            need_ffn = need_hidden or i < n - 1
+            if checkpoint_layers and torch.is_grad_enabled():
+                x, piece = checkpoint(layer, x, rope, p, need_ffn, use_reentrant=False)
+            else:
+                x, piece = layer(x, rope, p, need_ffn)
+            pieces.append(piece)
+        return (self.model.norm(x) if need_hidden else None), pieces
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """HF-like full forward: ``input_ids [B, T]`` -> logits ``[B, T, vocab]``."""
+        self.check_ids(input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        hidden, _ = self.run(input_ids)
+        return self.lm_head(hidden)

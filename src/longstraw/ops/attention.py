@@ -1,0 +1,392 @@
+"""Attention of new queries over several key/value segments, merged by log-sum-exp.
+
+This one op serves chunked prefill, branch replay, rollout decoding and (later) context parallelism: the
+queries of the new tokens attend to
+
+* stored prefix segments (the shared prompt state, earlier prefill chunks, already generated tokens): no mask;
+* their own segment (the new tokens' keys/values): causal, query t sees keys 0..t of the segment.
+
+Each segment is attended separately by a kernel that returns ``(out_i, lse_i)``; the results are merged with
+log-sum-exp weights ``out = sum_i exp(lse_i - lse) out_i`` with ``lse = logsumexp_i lse_i``. The prompt K/V is never
+concatenated with the new tokens' K/V (that would copy O(P) per layer per branch and keep the copy alive in the
+autograd graph).
+
+Backward (the ring-attention pattern): the gradient of a segment is computed by the kernel's flash-style backward
+fed with the MERGED output and the GLOBAL lse, i.e. each segment recomputes its probabilities
+``p = exp(s - lse)`` against the global normaliser, and ``D = rowsum(dO * O)`` uses the merged output. Summing the
+per-segment ``dq`` gives the exact query gradient; ``dk, dv`` of each segment are exact for that segment.
+
+Gradient sinks: a segment may carry ``k_grad`` / ``v_grad`` accumulators (tensors shaped like ``k`` / ``v``). Its
+key/value gradient is then ADDED into them in place during backward instead of being returned through autograd.
+The shared prompt state uses this: every branch's backward adds its ``dK, dV`` straight into one prompt-state
+gradient buffer, so no O(P) temporary is allocated per branch and the stored K/V never enter an autograd graph.
+
+Grouped-query attention without copying the prefix: for an unmasked segment, the ``g = Hq / Hkv`` query heads that
+share a key head are folded into the query-length axis (``[B, Hkv*g, T, D] -> [1, Hkv, B*g*T, D]`` when the segment
+is shared over the batch), so the stored K/V is read in place. Only the small causal own segment is expanded to
+``Hq`` heads.
+
+Kernels (``backend``):
+
+* ``"flash_cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (any float dtype on CPU;
+  its autograd would drop the gradient through lse, which is why we call forward and backward ourselves).
+* ``"flash_cuda"``: ``aten._scaled_dot_product_flash_attention`` and its backward (fp16/bf16, head dim <= 256).
+* ``"math"``: blockwise pure-torch online-softmax kernel, any device and dtype, memory bounded by a block.
+
+``segment_attention_reference`` is the obviously-correct version: concatenate all segments, build the full mask,
+softmax, with plain autograd. Tests hold the fast paths to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend"]
+
+BACKENDS = ("flash_cpu", "flash_cuda", "math")
+
+
+@dataclass
+class KVSegment:
+    """Keys and values that a block of queries attends to.
+
+    k: ``[Bk, Hkv, S, Dk]``, v: ``[Bk, Hkv, S, Dv]``. ``Bk`` is 1 (shared by every sequence of the query batch, like
+    the prompt state) or equal to the query batch. ``causal``: this is the queries' own segment (``S == T``); query
+    ``t`` sees keys ``0..t``. ``k_grad`` / ``v_grad``: optional accumulators shaped like ``k`` / ``v`` that receive
+    ``dK`` / ``dV`` in place during backward (see module docstring).
+    """
+
+    k: Tensor
+    v: Tensor
+    causal: bool = False
+    k_grad: Tensor | None = None
+    v_grad: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+def default_backend(q: Tensor, head_dim: int) -> str:
+    """The kernel the op picks for these queries when no backend is given."""
+    if q.device.type == "cpu":
+        return "flash_cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
+        return "flash_cuda"
+    return "math"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernels: fwd(q, k, v, causal, scale) -> (o, lse) and bwd(do, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+# q [B, H, M, D], k [B, H, S, D], v [B, H, S, Dv]; lse [B, H, M] float32 (float64 for float64 inputs).
+
+
+def _pad_last(x: Tensor, size: int) -> Tensor:
+    if x.shape[-1] == size:
+        return x
+    return torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+
+
+def _flash_cpu_fwd(q, k, v, causal, scale):
+    dk, dv = q.shape[-1], v.shape[-1]
+    d = max(dk, dv)  # the aten kernel needs one head size: pad with zeros (scores and outputs unchanged)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _pad_last(q, d), _pad_last(k, d), _pad_last(v, d), 0.0, causal, scale=scale
+    )
+    return o[..., :dv], lse
+
+
+def _flash_cpu_bwd(do, q, k, v, o, lse, causal, scale):
+    dk_, dv_ = q.shape[-1], v.shape[-1]
+    d = max(dk_, dv_)
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _pad_last(do, d), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d), _pad_last(o, d), lse, 0.0, causal,
+        scale=scale,
+    )
+    return gq[..., :dk_], gk[..., :dk_], gv[..., :dv_]
+
+
+def _flash_cuda_fwd(q, k, v, causal, scale):  # pragma: no cover - needs a GPU
+    dk, dv = q.shape[-1], v.shape[-1]
+    d = max(dk, dv)
+    d = (d + 7) // 8 * 8
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        _pad_last(q, d), _pad_last(k, d), _pad_last(v, d), 0.0, causal, False, scale=scale
+    )
+    o, lse = out[0], out[1]
+    return o[..., :dv], lse[..., : q.shape[2]].float()
+
+
+def _flash_cuda_bwd(do, q, k, v, o, lse, causal, scale):  # pragma: no cover - needs a GPU
+    dk_, dv_ = q.shape[-1], v.shape[-1]
+    d = max(dk_, dv_)
+    d = (d + 7) // 8 * 8
+    b, h, m = q.shape[:3]
+    s = k.shape[2]
+    dummy = torch.empty(0, device=q.device, dtype=torch.int64)
+    cum_q = torch.empty(0, device=q.device, dtype=torch.int32)
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _pad_last(do, d).contiguous(), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d), _pad_last(o, d).contiguous(),
+        lse.contiguous(), cum_q, cum_q, m, s, 0.0, causal, dummy, dummy, scale=scale,
+    )
+    return gq[..., :dk_], gk[..., :dk_], gv[..., :dv_]
+
+
+_MATH_BLOCK_ELEMS = 1 << 24  # scores block: at most 16M elements (64 MB in fp32)
+
+
+def _math_scores(q, k, causal, scale, q0, k0):
+    s = torch.matmul(q, k.transpose(-1, -2)).float() if q.dtype != torch.float64 else torch.matmul(q, k.transpose(-1, -2))
+    s = s * scale
+    if causal:
+        qi = torch.arange(q0, q0 + q.shape[2], device=q.device)[:, None]
+        kj = torch.arange(k0, k0 + k.shape[2], device=q.device)[None, :]
+        s = s.masked_fill(kj > qi, float("-inf"))
+    return s
+
+
+def _math_blocks(b, h, m, s):
+    bk = max(64, min(s, _MATH_BLOCK_ELEMS // max(1, b * h * min(m, 4096))))
+    bq = max(1, min(m, _MATH_BLOCK_ELEMS // max(1, b * h * bk)))
+    return bq, bk
+
+
+def _math_fwd(q, k, v, causal, scale):
+    b, h, m, _ = q.shape
+    s_len = k.shape[2]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bq, bk = _math_blocks(b, h, m, s_len)
+    out = torch.empty(b, h, m, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, m, dtype=acc_dtype, device=q.device)
+    for i in range(0, m, bq):
+        qi = q[:, :, i : i + bq]
+        mx = torch.full(qi.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
+        den = torch.zeros_like(mx)
+        acc = torch.zeros(*qi.shape[:3], v.shape[-1], dtype=acc_dtype, device=q.device)
+        k_end = min(s_len, i + bq) if causal else s_len
+        for j in range(0, k_end, bk):
+            sc = _math_scores(qi, k[:, :, j : j + bk], causal, scale, i, j)
+            new_mx = torch.maximum(mx, sc.amax(-1))
+            safe = torch.where(torch.isinf(new_mx), torch.zeros_like(new_mx), new_mx)
+            p = torch.exp(sc - safe[..., None])
+            corr = torch.exp(mx - safe)
+            den = den * corr + p.sum(-1)
+            acc = acc * corr[..., None] + torch.matmul(p, v[:, :, j : j + bk].to(acc_dtype))
+            mx = new_mx
+        out[:, :, i : i + bq] = (acc / den[..., None]).to(q.dtype)
+        lse[:, :, i : i + bq] = mx + torch.log(den)
+    return out, lse
+
+
+def _math_bwd(do, q, k, v, o, lse, causal, scale):
+    b, h, m, _ = q.shape
+    s_len = k.shape[2]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bq, bk = _math_blocks(b, h, m, s_len)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+    delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(-1)  # [B, H, M]
+    for i in range(0, m, bq):
+        qi, doi = q[:, :, i : i + bq], do[:, :, i : i + bq].to(acc_dtype)
+        li, di = lse[:, :, i : i + bq].to(acc_dtype), delta[:, :, i : i + bq]
+        k_end = min(s_len, i + bq) if causal else s_len
+        for j in range(0, k_end, bk):
+            kj, vj = k[:, :, j : j + bk], v[:, :, j : j + bk]
+            p = torch.exp(_math_scores(qi, kj, causal, scale, i, j) - li[..., None])
+            dv[:, :, j : j + bk] += torch.matmul(p.transpose(-1, -2), doi)
+            dp = torch.matmul(doi, vj.to(acc_dtype).transpose(-1, -2))
+            ds = p * (dp - di[..., None]) * scale
+            dq[:, :, i : i + bq] += torch.matmul(ds, kj.to(acc_dtype))
+            dk[:, :, j : j + bk] += torch.matmul(ds.transpose(-1, -2), qi.to(acc_dtype))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_KERNELS = {
+    "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd),
+    "flash_cuda": (_flash_cuda_fwd, _flash_cuda_bwd),
+    "math": (_math_fwd, _math_bwd),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# query folding for grouped-query attention
+
+
+def _fold(x: Tensor, hkv: int, shared: bool) -> Tensor:
+    """``[B, Hkv*g, T, ...] -> [1, Hkv, B*g*T, ...]`` (shared segment) or ``[B, Hkv, g*T, ...]``."""
+    b, hq, t = x.shape[:3]
+    rest = x.shape[3:]
+    g = hq // hkv
+    x = x.reshape(b, hkv, g, t, *rest)
+    if shared and b > 1:
+        return x.transpose(0, 1).reshape(1, hkv, b * g * t, *rest)
+    return x.reshape(b, hkv, g * t, *rest)
+
+
+def _unfold(x: Tensor, b: int, hq: int, t: int, shared: bool) -> Tensor:
+    hkv = x.shape[1]
+    rest = x.shape[3:]
+    g = hq // hkv
+    if shared and b > 1:
+        return x.reshape(hkv, b, g, t, *rest).transpose(0, 1).reshape(b, hq, t, *rest)
+    return x.reshape(b, hq, t, *rest)
+
+
+def _repeat_heads(x: Tensor, g: int) -> Tensor:
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _segment_fwd(fwd, q, seg_k, seg_v, causal, scale):
+    b, hq, t, _ = q.shape
+    hkv = seg_k.shape[1]
+    if causal:
+        g = hq // hkv
+        return fwd(q, _repeat_heads(seg_k, g), _repeat_heads(seg_v, g), True, scale)
+    shared = seg_k.shape[0] == 1
+    o, lse = fwd(_fold(q, hkv, shared), seg_k, seg_v, False, scale)
+    return _unfold(o, b, hq, t, shared), _unfold(lse, b, hq, t, shared)
+
+
+def _segment_bwd(bwd, do, q, seg_k, seg_v, o, lse, causal, scale):
+    b, hq, t, _ = q.shape
+    hkv = seg_k.shape[1]
+    if causal:
+        g = hq // hkv
+        dq, dk, dv = bwd(do, q, _repeat_heads(seg_k, g), _repeat_heads(seg_v, g), o, lse, True, scale)
+        if g > 1:
+            dk = dk.reshape(b, hkv, g, *dk.shape[2:]).sum(2)
+            dv = dv.reshape(b, hkv, g, *dv.shape[2:]).sum(2)
+        return dq, dk, dv
+    shared = seg_k.shape[0] == 1
+    f = lambda x: _fold(x, hkv, shared)  # noqa: E731
+    dq, dk, dv = bwd(f(do), f(q), seg_k, seg_v, f(o), f(lse), False, scale)
+    return _unfold(dq, b, hq, t, shared), dk, dv
+
+
+def _merge(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    if len(outs) == 1:
+        return outs[0].to(dtype), lses[0]
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    acc = None
+    for o, l in zip(outs, lses):
+        w = torch.exp(l - lse)[..., None]
+        term = o.to(w.dtype) * w
+        acc = term if acc is None else acc + term
+    return acc.to(dtype), lse
+
+
+class _SegmentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, scale, backend, meta, *kv):
+        fwd, _ = _KERNELS[backend]
+        outs, lses = [], []
+        for idx, (causal, _, _) in enumerate(meta):
+            o, l = _segment_fwd(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale)
+            outs.append(o)
+            lses.append(l)
+        out, lse = _merge(outs, lses, q.dtype)
+        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.scale, ctx.backend, ctx.meta = scale, backend, meta
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, out, lse, *kv = ctx.saved_tensors
+        _, bwd = _KERNELS[ctx.backend]
+        dout = dout.contiguous()
+        dq = None
+        grads: list[Tensor | None] = []
+        for idx, (causal, k_sink, v_sink) in enumerate(ctx.meta):
+            k, v = kv[2 * idx], kv[2 * idx + 1]
+            need_kv = k_sink is not None or ctx.needs_input_grad[4 + 2 * idx] or ctx.needs_input_grad[5 + 2 * idx]
+            if not need_kv and not ctx.needs_input_grad[0]:
+                grads += [None, None]
+                continue
+            dq_i, dk, dv = _segment_bwd(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
+            dq = dq_i if dq is None else dq + dq_i
+            if k_sink is not None:
+                k_sink.add_(dk.to(k_sink.dtype))
+                v_sink.add_(dv.to(v_sink.dtype))
+                grads += [None, None]
+            else:
+                grads += [dk, dv]
+        return (dq, None, None, None, *grads)
+
+
+def segment_attention(
+    q: Tensor,
+    segments: list[KVSegment],
+    scale: float,
+    *,
+    backend: str | None = None,
+    return_lse: bool = False,
+):
+    """Attention of ``q`` over the concatenation of ``segments``, computed per segment and merged by LSE.
+
+    q: ``[B, Hq, T, Dk]``; segments: see :class:`KVSegment` (``Hq`` a multiple of each segment's ``Hkv``).
+    Returns ``out [B, Hq, T, Dv]`` in q's dtype (and ``lse [B, Hq, T]`` in float32/float64 if ``return_lse``).
+    Differentiable w.r.t. q and each segment's k, v (or accumulated into its sinks).
+    """
+    segments = [s for s in segments if s.length > 0]
+    if not segments:
+        raise ValueError("segment_attention needs at least one non-empty key/value segment")
+    b, hq, t, d = q.shape
+    for s in segments:
+        bk, hkv = s.k.shape[:2]
+        assert bk in (1, b), f"segment batch {bk} must be 1 or the query batch {b}"
+        assert hq % hkv == 0, f"query heads {hq} not a multiple of key heads {hkv}"
+        assert s.k.shape[-1] == d and s.v.shape[:3] == s.k.shape[:3]
+        if s.causal:
+            assert s.length == t and bk == b, "a causal segment holds the queries' own tokens"
+        assert (s.k_grad is None) == (s.v_grad is None)
+    if backend is None:
+        backend = default_backend(q, max(d, segments[0].v.shape[-1]))
+    if backend not in _KERNELS:
+        raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    meta = tuple((s.causal, s.k_grad, s.v_grad) for s in segments)
+    kv = []
+    for s in segments:
+        if s.k_grad is not None:  # sink segments are read-only data for autograd
+            kv += [s.k.detach(), s.v.detach()]
+        else:
+            kv += [s.k, s.v]
+    out, lse = _SegmentAttention.apply(q.contiguous(), float(scale), backend, meta, *kv)
+    return (out, lse) if return_lse else out
+
+
+def segment_attention_reference(q: Tensor, segments: list[KVSegment], scale: float, return_lse: bool = False):
+    """Slow reference: concatenate all segments, full mask, softmax in float64-or-float32, plain autograd.
+
+    Sinks are ignored (gradients flow to ``k``/``v`` through autograd instead).
+    """
+    b, hq, t, _ = q.shape
+    ks, vs, masks = [], [], []
+    for s in segments:
+        if s.length == 0:
+            continue
+        g = hq // s.k.shape[1]
+        ks.append(s.k.repeat_interleave(g, dim=1).expand(b, -1, -1, -1))
+        vs.append(s.v.repeat_interleave(g, dim=1).expand(b, -1, -1, -1))
+        if s.causal:
+            masks.append(torch.ones(t, s.length, dtype=torch.bool, device=q.device).tril())
+        else:
+            masks.append(torch.ones(t, s.length, dtype=torch.bool, device=q.device))
+    k, v, mask = torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(masks, 1)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.to(acc)).to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def attention_flops(q_len: int, k_len: int, heads: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of one attention call (two matmuls), for throughput accounting."""
+    pairs = q_len * k_len if not causal else q_len * (q_len + 1) / 2
+    return 4.0 * heads * head_dim * pairs
+

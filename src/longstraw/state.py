@@ -1,0 +1,140 @@
+"""The prompt state: what later tokens need from the shared prompt, per layer, as plain data.
+
+A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of token mixer defines its state type
+(``Mixer.state_type``); the engine talks to every kind through the same few methods:
+
+``write(piece, start, end)``
+    store the state produced by prefill chunk ``[start, end)`` (under ``no_grad``);
+``prefix(length, grad)``
+    what the mixer consumes to process tokens that follow the first ``length`` prompt positions. With ``grad``,
+    gradients that flow into this prefix are collected by the state (attention: added in place into a buffer the
+    size of the K/V; recurrent: the ``.grad`` of leaf tensors), to be handed back by ``backward_roots``;
+``backward_roots(piece, start, end)``
+    for the exact reverse pass: pairs ``(tensor, grad)`` that back-propagate the gradient collected for chunk
+    ``[start, end)`` through that chunk's recomputed state ``piece``;
+``nbytes()`` / ``grad_nbytes()``
+    memory of the stored state and of its gradient buffers.
+
+``KVState`` is the full-attention kind: post-RoPE keys and values of every prompt position. Hybrid (recurrent) and
+compressed-attention (latent) kinds live beside their mixers and follow the same protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from longstraw.ops.attention import KVSegment
+
+
+class LayerState(Protocol):
+    def write(self, piece: Any, start: int, end: int) -> None: ...
+
+    def prefix(self, length: int, grad: bool) -> Any: ...
+
+    def backward_roots(self, piece: Any, start: int, end: int) -> list[tuple[Tensor, Tensor]]: ...
+
+    def enable_grad(self, dtype: torch.dtype | None) -> None: ...
+
+    def nbytes(self) -> int: ...
+
+    def grad_nbytes(self) -> int: ...
+
+
+def grad_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Gradient buffers accumulate in float32 for low-precision states (float64 stays float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class KVState:
+    """Full attention: post-RoPE ``k [1, Hkv, P, Dk]`` and ``v [1, Hkv, P, Dv]`` of the prompt positions.
+
+    Buffers are allocated at the first ``write`` for ``capacity`` positions. ``k_grad`` / ``v_grad`` (exact mode)
+    have the same shapes and receive the gradient of every later token's attention in place.
+    """
+
+    capacity: int
+    k: Tensor | None = None
+    v: Tensor | None = None
+    k_grad: Tensor | None = None
+    v_grad: Tensor | None = None
+    length: int = 0
+
+    def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
+        k, v = piece
+        assert k.shape[0] == 1 and k.shape[2] == end - start, "prefill writes one sequence, one chunk at a time"
+        if self.k is None:
+            self.k = k.new_empty(1, k.shape[1], self.capacity, k.shape[3])
+            self.v = v.new_empty(1, v.shape[1], self.capacity, v.shape[3])
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = max(self.length, end)
+
+    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+        if self.k is None:
+            return
+        dt = dtype or grad_dtype_for(self.k.dtype)
+        self.k_grad = torch.zeros(self.k.shape, dtype=dt, device=self.k.device)
+        self.v_grad = torch.zeros(self.v.shape, dtype=dt, device=self.v.device)
+
+    def prefix(self, length: int, grad: bool) -> list[KVSegment]:
+        if length == 0 or self.k is None:
+            return []
+        assert length <= self.length
+        kg = self.k_grad[:, :, :length] if grad and self.k_grad is not None else None
+        vg = self.v_grad[:, :, :length] if grad and self.v_grad is not None else None
+        return [KVSegment(self.k[:, :, :length], self.v[:, :, :length], k_grad=kg, v_grad=vg)]
+
+    def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        k, v = piece
+        return [
+            (k, self.k_grad[:, :, start:end].to(k.dtype)),
+            (v, self.v_grad[:, :, start:end].to(v.dtype)),
+        ]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+    def grad_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_grad, self.v_grad) if t is not None)
+
+
+@dataclass
+class PromptState:
+    """The shared prompt state of one GRPO group: per-layer states for ``length`` prompt positions.
+
+    ``token_ids`` are the prefilled ids (the prompt without its last token, which every branch replays);
+    ``chunks`` the ``(start, end)`` of each prefill chunk, which the exact reverse pass recomputes.
+    """
+
+    layers: list[Any]
+    token_ids: Tensor
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def prefix(self, length: int | None = None, grad: bool = False) -> list[Any]:
+        """Per-layer prefixes for tokens following the first ``length`` positions (default: all of them)."""
+        n = self.length if length is None else length
+        return [ls.prefix(n, grad) for ls in self.layers]
+
+    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+        for ls in self.layers:
+            ls.enable_grad(dtype)
+
+    def nbytes(self) -> int:
+        return sum(ls.nbytes() for ls in self.layers)
+
+    def grad_nbytes(self) -> int:
+        return sum(ls.grad_nbytes() for ls in self.layers)
+
+    def bytes_per_position(self) -> list[float]:
+        """Stored bytes per prompt position for each layer (O(1) layers report their total / length)."""
+        n = max(1, self.length)
+        return [ls.nbytes() / n for ls in self.layers]

@@ -1,0 +1,76 @@
+"""Helpers that build tiny random transformers models and run them as exact float64 references.
+
+transformers casts to float32 inside float64 models (RMSNorm ``.to(torch.float32)``, routers ``.float()``, the
+DeltaNet kernels), which makes a "float64" HF model only float32-accurate and turns 1e-16 differences into random
+6e-8 rounding flips. ``true_float64()`` makes those casts no-ops for float64 tensors while a reference runs, so the
+reference is a genuine float64 computation of the same math. RoPE keeps its float32 angles as in real use:
+``float32_rope`` puts the ``inv_freq`` buffers back to float32 after ``model.to(float64)`` (HF forms angles in
+float32, and so do we).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+
+import torch
+
+_orig_to = torch.Tensor.to
+_orig_float = torch.Tensor.float
+
+
+def _to(self, *args, **kwargs):
+    if self.dtype == torch.float64:
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+    return _orig_to(self, *args, **kwargs)
+
+
+def _float(self, *args, **kwargs):
+    if self.dtype == torch.float64:
+        return self
+    return _orig_float(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def true_float64():
+    torch.Tensor.to, torch.Tensor.float = _to, _float
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float = _orig_to, _orig_float
+
+
+def float32_rope(model):
+    for mod in model.modules():
+        for name in ("inv_freq", "original_inv_freq"):
+            buf = getattr(mod, name, None)
+            if isinstance(buf, torch.Tensor) and buf.dtype == torch.float64:
+                setattr(mod, name, buf.float())
+    return model
+
+
+def save_tiny(hf_model, dtype=torch.float64, **save_kwargs) -> Path:
+    """Save an HF model in ``dtype`` to a fresh temp dir and return the path."""
+    d = Path(tempfile.mkdtemp(prefix="longstraw-test-"))
+    float32_rope(hf_model.to(dtype)).save_pretrained(d, **save_kwargs)
+    return d
+
+
+def tiny_hf(config, seed: int = 0, dtype=torch.float64, init_std: float = 0.2):
+    """A random HF causal LM for ``config`` with weights large enough that logits are not all near zero,
+    and norm weights perturbed away from their init so a wrong norm variant would be caught."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, init_std)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    return float32_rope(model.to(dtype)).eval()
