@@ -6,6 +6,8 @@ prompt. See docs/DESIGN.md.
 """
 
 from longstraw.checkpoint.hf import hf_grads, load_model, save_model
+from longstraw.engine.grpo import GRPOConfig, GRPOStats, PromptGrad, grpo_backward, score
+from longstraw.rl.losses import KLType, LossAggMode, group_advantages, loss_denominator
 from longstraw.models.registry import build_model, supported_model_types
 from longstraw.state import PromptState
 
@@ -18,4 +20,13 @@ __all__ = [
     "build_model",
     "supported_model_types",
     "PromptState",
+    "GRPOConfig",
+    "GRPOStats",
+    "PromptGrad",
+    "LossAggMode",
+    "KLType",
+    "grpo_backward",
+    "score",
+    "group_advantages",
+    "loss_denominator",
 ]

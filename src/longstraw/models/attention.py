@@ -54,7 +54,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def new_state(self, capacity: int) -> KVState:
+    def new_state(self, capacity: int, exact: bool = False) -> KVState:
+        """Empty prompt state for ``capacity`` positions (exact mode needs nothing extra: K/V of every position
+        are stored anyway)."""
         return KVState(capacity)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], prefix: list[KVSegment] | None):

@@ -96,9 +96,10 @@ class CausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def new_prompt_states(self, capacity: int) -> list[Any]:
-        """One empty state per layer, sized for ``capacity`` prompt positions."""
-        return [layer.mixer.new_state(capacity) for layer in self.model.layers]
+    def new_prompt_states(self, capacity: int, exact: bool = False) -> list[Any]:
+        """One empty state per layer, sized for ``capacity`` prompt positions; ``exact`` keeps what the exact
+        reverse pass needs (e.g. recurrent states at chunk boundaries)."""
+        return [layer.mixer.new_state(capacity, exact) for layer in self.model.layers]
 
     def head(self) -> tuple[Tensor, Tensor | None]:
         """(weight [V, H], bias) of the LM head, for the chunked log-prob op."""

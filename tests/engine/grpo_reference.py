@@ -1,0 +1,102 @@
+"""The naive GRPO reference: an HF transformers model on the G concatenated prompt+response sequences, with
+autograd, and the loss written in verl's batch form (``[G, T]`` matrices, a mask, ``agg_loss``).
+
+``detached=True`` evaluates the prompt without autograd (HF KV/recurrent cache from a ``no_grad`` prompt pass,
+then each branch with autograd on top of a copy of it): the reference for LongStraw's detached mode.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hf_reference import true_float64
+
+
+def agg_loss(mat, mask, mode, scale_factor=None):
+    if mode == "token-mean":
+        return (mat * mask).sum() / mask.sum()
+    if mode == "seq-mean-token-sum":
+        return (mat * mask).sum(-1).mean()
+    if mode == "seq-mean-token-mean":
+        return ((mat * mask).sum(-1) / mask.sum(-1)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (mat * mask).sum() / (scale_factor or mask.shape[-1])
+    raise AssertionError(mode)
+
+
+def _branch_logits_detached(hf, prompt, responses):
+    with torch.no_grad():
+        cache = hf(prompt[None, :-1], use_cache=True).past_key_values
+    out = []
+    p = prompt.numel()
+    for r in responses:
+        ids = torch.cat([prompt[-1:], r[:-1]])[None]
+        pos = torch.arange(p - 1, p - 1 + ids.shape[1])[None]
+        out.append(hf(ids, past_key_values=copy.deepcopy(cache), position_ids=pos, use_cache=True).logits[0])
+    return out
+
+
+def reference_loss(hf, prompt, responses, adv, *, mode="token-mean", clip_low=0.2, clip_high=0.2, clip_c=3.0,
+                   kl_coef=0.0, kl_type="low_var_kl", entropy_coef=0.0, old=None, ref=None, detached=False,
+                   temperature=1.0, scale_factor=None):
+    """Returns (loss, per-branch log-probs [n_i]) computed the naive way, graph attached to hf's parameters."""
+    g = len(responses)
+    p = prompt.numel()
+    lens = [r.numel() for r in responses]
+    t = max(lens)
+    with true_float64():
+        if detached and p > 1:
+            branch_logits = _branch_logits_detached(hf, prompt, responses)
+        else:
+            seqs = torch.zeros(g, p + t, dtype=torch.long)
+            for i, r in enumerate(responses):
+                seqs[i, :p] = prompt
+                seqs[i, p : p + lens[i]] = r
+            logits = hf(seqs).logits
+            branch_logits = [logits[i, p - 1 : p - 1 + lens[i]] for i in range(g)]
+        dtype = branch_logits[0].dtype
+        logp = torch.zeros(g, t, dtype=dtype)
+        ent = torch.zeros(g, t, dtype=dtype)
+        mask = torch.zeros(g, t, dtype=dtype)
+        for i, (lg, r) in enumerate(zip(branch_logits, responses)):
+            ls = torch.log_softmax(lg / temperature, -1)
+            logp[i, : lens[i]] = ls.gather(1, r[:, None])[:, 0]
+            ent[i, : lens[i]] = -(ls.exp() * ls).sum(-1)
+            mask[i, : lens[i]] = 1
+        pad = lambda xs: torch.stack([torch.nn.functional.pad(torch.as_tensor(x, dtype=dtype), (0, t - len(x)))  # noqa
+                                      for x in xs])
+        old_m = pad(old) if old is not None else logp.detach()
+        a = torch.as_tensor(adv, dtype=dtype)[:, None]
+        neg_kl = torch.clamp(logp - old_m, -20, 20)
+        ratio = torch.exp(neg_kl)
+        pg1, pg2 = -a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+        c1 = torch.maximum(pg1, pg2)
+        pg = torch.where(a < 0, torch.minimum(-a * clip_c, c1), c1) if clip_c is not None else c1
+        loss = agg_loss(pg, mask, mode, scale_factor)
+        if kl_coef:
+            ref_m = pad(ref)
+            if kl_type == "k1":
+                kl = logp - ref_m
+            elif kl_type == "k2":
+                kl = 0.5 * (logp - ref_m) ** 2
+            else:
+                d = torch.clamp(ref_m - logp, -20, 20)
+                kl = torch.clamp(torch.exp(d) - d - 1, -10, 10)
+            loss = loss + kl_coef * agg_loss(kl, mask, mode, scale_factor)
+        if entropy_coef:
+            loss = loss - entropy_coef * agg_loss(ent, mask, mode, scale_factor)
+    return loss, [logp[i, : lens[i]].detach() for i in range(g)]
+
+
+def assert_grads_close(ours: dict, hf_model, rel=1e-8):
+    want = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
+    assert set(ours) == set(want), (set(ours) ^ set(want))
+    worst = 0.0
+    for n, w in want.items():
+        scale = w.abs().max().item()
+        err = (ours[n] - w).abs().max().item()
+        r = err / scale if scale > 0 else err
+        worst = max(worst, r)
+        assert r <= rel, f"{n}: relative error {r:.3e} > {rel:.0e} (max |grad| {scale:.3e})"
+    return worst
