@@ -4,4 +4,5 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_reference.py is importable as a helper module
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread per xdist worker (``make test`` runs 2 workers on 2 cores), both cores otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))

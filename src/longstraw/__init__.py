@@ -6,6 +6,7 @@ prompt. See docs/DESIGN.md.
 """
 
 from longstraw.checkpoint.hf import hf_grads, load_model, save_model
+from longstraw.engine.rollout import Rollout, SamplingConfig, generate
 from longstraw.engine.grpo import GRPOConfig, GRPOStats, PromptGrad, grpo_backward, score
 from longstraw.rl.losses import KLType, LossAggMode, group_advantages, loss_denominator
 from longstraw.models.registry import build_model, supported_model_types
@@ -27,6 +28,9 @@ __all__ = [
     "KLType",
     "grpo_backward",
     "score",
+    "generate",
+    "SamplingConfig",
+    "Rollout",
     "group_advantages",
     "loss_denominator",
 ]

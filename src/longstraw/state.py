@@ -13,7 +13,11 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
     for the exact reverse pass: pairs ``(tensor, grad)`` that back-propagate the gradient collected for chunk
     ``[start, end)`` through that chunk's recomputed state ``piece``;
 ``nbytes()`` / ``grad_nbytes()``
-    memory of the stored state and of its gradient buffers.
+    memory of the stored state and of its gradient buffers;
+``decoder(batch, max_new)``
+    per-branch state for decoding ``batch`` branches together over the shared prompt state (rollouts): its
+    ``prefix(step)`` is what the mixer consumes at decode step ``step`` and ``append(piece, step)`` stores the new
+    token's state. The prompt state itself is never copied per branch.
 
 ``KVState`` is the full-attention kind: post-RoPE keys and values of every prompt position. Hybrid (recurrent) and
 compressed-attention (latent) kinds live beside their mixers and follow the same protocol.
@@ -39,9 +43,13 @@ class LayerState(Protocol):
 
     def enable_grad(self, dtype: torch.dtype | None) -> None: ...
 
+    def release_grad(self) -> None: ...
+
     def nbytes(self) -> int: ...
 
     def grad_nbytes(self) -> int: ...
+
+    def decoder(self, batch: int, max_new: int) -> Any: ...
 
 
 def grad_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -81,6 +89,9 @@ class KVState:
         self.k_grad = torch.zeros(self.k.shape, dtype=dt, device=self.k.device)
         self.v_grad = torch.zeros(self.v.shape, dtype=dt, device=self.v.device)
 
+    def release_grad(self) -> None:
+        self.k_grad = self.v_grad = None
+
     def prefix(self, length: int, grad: bool) -> list[KVSegment]:
         if length == 0 or self.k is None:
             return []
@@ -101,6 +112,39 @@ class KVState:
 
     def grad_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_grad, self.v_grad) if t is not None)
+
+    def decoder(self, batch: int, max_new: int) -> "KVDecoder":
+        return KVDecoder(self, batch, max_new)
+
+
+class KVDecoder:
+    """Decoding ``batch`` branches: the shared prompt K/V (batch 1, read in place) plus per-branch buffers of the
+    generated tokens' K/V ``[batch, Hkv, max_new, D]``."""
+
+    def __init__(self, prompt: KVState, batch: int, max_new: int):
+        self.prompt, self.batch, self.max_new = prompt, batch, max_new
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def prefix(self, step: int) -> list[KVSegment]:
+        segs = self.prompt.prefix(self.prompt.length, False)
+        if step > 0:
+            segs.append(KVSegment(self.k[:, :, :step], self.v[:, :, :step]))
+        return segs
+
+    def append(self, piece: tuple[Tensor, Tensor], step: int) -> None:
+        k, v = piece
+        if self.k is None:
+            self.k = k.new_empty(self.batch, k.shape[1], self.max_new, k.shape[3])
+            self.v = v.new_empty(self.batch, v.shape[1], self.max_new, v.shape[3])
+        self.k[:, :, step : step + k.shape[2]] = k
+        self.v[:, :, step : step + v.shape[2]] = v
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the branches ``rows`` (finished ones are dropped from the batch)."""
+        self.batch = int(rows.numel())
+        if self.k is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
 
 
 @dataclass
@@ -127,6 +171,10 @@ class PromptState:
     def enable_grad(self, dtype: torch.dtype | None = None) -> None:
         for ls in self.layers:
             ls.enable_grad(dtype)
+
+    def release_grad(self) -> None:
+        for ls in self.layers:
+            ls.release_grad()
 
     def nbytes(self) -> int:
         return sum(ls.nbytes() for ls in self.layers)

@@ -130,7 +130,7 @@ class GRPOStats:
 # ---------------------------------------------------------------------------------------------------- validation
 
 
-def _check_1d_ids(name: str, t) -> None:
+def check_ids_1d(name: str, t) -> None:
     if not isinstance(t, Tensor):
         raise ValueError(f"{name} must be a 1-D LongTensor, got {type(t).__name__}")
     if t.dim() != 1:
@@ -159,18 +159,23 @@ def _check_per_token(name: str, values, responses: list[Tensor]) -> list[Tensor]
 
 def validate_group(model: CausalLM, prompt_ids, responses) -> None:
     """ValueError naming the first bad value among a prompt and its responses."""
-    _check_1d_ids("prompt_ids", prompt_ids)
+    check_ids_1d("prompt_ids", prompt_ids)
     if not isinstance(responses, (list, tuple)) or len(responses) == 0:
         raise ValueError("responses must be a non-empty list of 1-D LongTensors")
     model.check_ids(prompt_ids)
     limit = model.spec.max_position_embeddings
     p = prompt_ids.numel()
     for i, r in enumerate(responses):
-        _check_1d_ids(f"responses[{i}]", r)
+        check_ids_1d(f"responses[{i}]", r)
         model.check_ids(r)
         if p + r.numel() > limit:
             raise ValueError(f"prompt ({p} tokens) + responses[{i}] ({r.numel()} tokens) = {p + r.numel()} positions "
                              f"exceeds the model's max_position_embeddings={limit}")
+
+
+def _check_state(state, prompt_ids) -> None:
+    if state is not None and state.length != prompt_ids.numel() - 1:
+        raise ValueError(f"prompt_state holds {state.length} positions, the prompt needs {prompt_ids.numel() - 1}")
 
 
 def _validate(model, prompt_ids, responses, advantages, old_logprobs, ref_logprobs, cfg: GRPOConfig):
@@ -241,16 +246,19 @@ def build_prompt_state(model: CausalLM, prompt_ids: Tensor, cfg: GRPOConfig, exa
 
 def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], advantages, cfg: GRPOConfig,
                   old_logprobs: list[Tensor] | None = None, ref_logprobs: list[Tensor] | None = None,
-                  loss_scale: float | None = None) -> GRPOStats:
+                  loss_scale: float | None = None, prompt_state: PromptState | None = None) -> GRPOStats:
     """Add the gradient of one group's GRPO loss into ``.grad`` (see module docstring).
 
     prompt_ids ``[P]``; responses: G tensors ``[n_i]``; advantages: G numbers (one per response);
     old_logprobs / ref_logprobs: G tensors ``[n_i]`` or None (None old = on-policy); loss_scale: the normaliser D
     of the loss (default: this group's, :func:`longstraw.rl.losses.loss_denominator`).
+    prompt_state: the state of ``prompt_ids[:-1]`` under the CURRENT parameters (e.g. from the rollout), to skip the
+    prefill; exact mode needs one built with ``exact=True``.
     """
     if not isinstance(cfg, GRPOConfig):
         raise ValueError(f"cfg must be a longstraw.GRPOConfig, got {type(cfg).__name__}")
     adv, old, ref = _validate(model, prompt_ids, responses, advantages, old_logprobs, ref_logprobs, cfg)
+    _check_state(prompt_state, prompt_ids)
     if loss_scale is not None and not (isinstance(loss_scale, (int, float)) and loss_scale > 0
                                        and math.isfinite(loss_scale)):
         raise ValueError(f"loss_scale={loss_scale!r} must be a finite number > 0")
@@ -267,7 +275,7 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
     need_entropy = cfg.entropy_coef != 0
 
     with meter.phase("prefill"):
-        state = build_prompt_state(model, prompt_ids, cfg, cfg.exact)
+        state = prompt_state if prompt_state is not None else build_prompt_state(model, prompt_ids, cfg, cfg.exact)
         if cfg.exact:
             state.enable_grad()
     prefix = state.prefix(grad=cfg.exact)
@@ -311,21 +319,23 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         seconds=dict(meter.seconds), peak_memory=dict(meter.peak_bytes), prompt_state_bytes=state.nbytes(),
         prompt_state_grad_bytes=state.grad_nbytes(),
     )
-    del state, prefix
+    del prefix
+    state.release_grad()
     return stats
 
 
 @torch.no_grad()
 def score(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], cfg: GRPOConfig | None = None,
-          with_entropy: bool = False):
+          with_entropy: bool = False, prompt_state: PromptState | None = None):
     """Float32 log-probs of each response given the prompt (the prompt run once). Returns a list of ``[n_i]``
     tensors, or ``(logprobs, entropies)`` with ``with_entropy``."""
     cfg = cfg or GRPOConfig()
     validate_group(model, prompt_ids, responses)
+    _check_state(prompt_state, prompt_ids)
     device = _device(model)
     prompt_ids = prompt_ids.to(device)
     responses = [r.to(device) for r in responses]
-    state = build_prompt_state(model, prompt_ids, cfg, exact=False)
+    state = prompt_state if prompt_state is not None else build_prompt_state(model, prompt_ids, cfg, exact=False)
     prefix = state.prefix(grad=False)
     out: list[Tensor] = []
     ents: list[Tensor] = []

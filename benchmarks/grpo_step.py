@@ -1,0 +1,226 @@
+"""One GRPO step on a tiny dense model, side by side: naive HF, shared-prefix with autograd, LongStraw.
+
+Every configuration runs in a fresh process (peak memory = the process's peak RSS above its post-load baseline on
+CPU, ``max_memory_allocated`` above the post-load allocation on CUDA), peak memory of the first step, time of the second.
+
+Methods:
+  naive     the HF transformers model on the G concatenated prompt+response sequences with autograd (what TRL and
+            verl do without sequence parallelism): G x (P + R) tokens through autograd.
+  prefix    shared prefix with autograd (the Prefix Grouper / DualKV idea, written here on LongStraw's model): the
+            prompt runs once WITH its graph kept, every branch attends to its K/V, one backward at the end.
+  detached  LongStraw, prompt state detached (the published system's mode).
+  exact     LongStraw, exact gradients through the prompt.
+
+Usage:
+  python benchmarks/grpo_step.py --prompt-len 8192 --response-len 64 --groups 2,4,8
+  python benchmarks/grpo_step.py ... --markdown   # also print a markdown table
+
+Prints one JSON line per configuration and a summary with the ratios measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+METHODS = ("naive", "prefix", "detached", "exact")
+
+
+def tiny_dense_dir(args) -> str:
+    """A random Llama-style checkpoint in a temp dir (built once per run, shared by the workers)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import torch
+
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                      max_position_embeddings=args.prompt_len + args.response_len + 8, rope_theta=500000.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    d = tempfile.mkdtemp(prefix="longstraw-bench-")
+    model.save_pretrained(d)
+    return d
+
+
+def _inputs(args, g):
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, args.vocab, (args.prompt_len,), generator=gen)
+    responses = [torch.randint(0, args.vocab, (args.response_len,), generator=gen) for _ in range(g)]
+    adv = torch.randn(g, generator=gen)
+    return prompt, responses, adv
+
+
+def _naive_step(hf, prompt, responses, adv):
+    import torch
+
+    g, p, r = len(responses), prompt.numel(), responses[0].numel()
+    seqs = torch.stack([torch.cat([prompt, x]) for x in responses])
+    logits = hf(seqs).logits[:, p - 1 : p - 1 + r].float()
+    logp = torch.log_softmax(logits, -1).gather(2, torch.stack(responses)[:, :, None])[:, :, 0]
+    ratio = torch.exp(logp - logp.detach())
+    loss = (-adv[:, None] * ratio).sum() / (g * r)
+    loss.backward()
+
+
+def _prefix_step(model, prompt, responses, adv):
+    """Shared prefix with autograd: prompt graph kept, branches attend to its K/V, one backward."""
+    import torch
+
+    from longstraw.ops.attention import KVSegment
+    from longstraw.ops.logprobs import token_logprobs
+
+    p = prompt.numel()
+    _, pieces = model.run(prompt[None, :-1], 0, None, need_hidden=False)
+    prefix = [[KVSegment(k, v)] for k, v in pieces]
+    ids = torch.stack([torch.cat([prompt[-1:], x[:-1]]) for x in responses])
+    hidden, _ = model.run(ids, p - 1, prefix)
+    w, b = model.head()
+    logp, _ = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), w, torch.cat(responses), bias=b)
+    ratio = torch.exp(logp - logp.detach()).view(len(responses), -1)
+    loss = (-adv[:, None] * ratio).sum() / ratio.numel()
+    loss.backward()
+
+
+def worker(args) -> dict:
+    import torch
+
+    import longstraw
+    from longstraw.profiling import cpu_peak_bytes, cpu_current_bytes, reset_cpu_peak
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    g = args.worker_g
+    prompt, responses, adv = _inputs(args, g)
+    if args.worker_method == "naive":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32).to(device)
+        model.config._attn_implementation = "sdpa"
+        step = lambda: _naive_step(model, prompt.to(device), [r.to(device) for r in responses], adv.to(device))  # noqa
+    else:
+        model = longstraw.load_model(args.ckpt, dtype="float32", device=device)
+        if args.worker_method == "prefix":
+            step = lambda: _prefix_step(model, prompt.to(device), [r.to(device) for r in responses], adv.to(device))  # noqa
+        else:
+            cfg = longstraw.GRPOConfig(prompt_grad=args.worker_method, prefill_chunk=args.chunk, clip_ratio_c=None)
+            step = lambda: longstraw.grpo_backward(model, prompt, responses, adv, cfg)  # noqa
+    model.train()
+
+    def run_once():
+        for p in model.parameters():
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # peak of the first step above the post-load baseline (the allocator keeps what a warm-up grew, so a warm-up
+    # before the measurement would hide the peak); the time is that of a second step
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = cpu_current_bytes()
+        reset_cpu_peak()
+    first = run_once()
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else cpu_peak_bytes()) - base
+    secs = run_once()
+    return {"method": args.worker_method, "G": g, "prompt_len": args.prompt_len, "response_len": args.response_len,
+            "seconds": round(secs, 4), "first_step_seconds": round(first, 4),
+            "peak_bytes": int(peak)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--groups", default="2,4,8")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json-out", default=None, help="write all results to this JSON file")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--worker-method", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-g", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker_method:
+        print(json.dumps(worker(args)))
+        return 0
+
+    args.ckpt = tiny_dense_dir(args)
+    results = []
+    groups = [int(x) for x in args.groups.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    passthrough = [f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}", f"--hidden={args.hidden}",
+                   f"--layers={args.layers}", f"--heads={args.heads}", f"--kv-heads={args.kv_heads}",
+                   f"--vocab={args.vocab}", f"--chunk={args.chunk}", f"--threads={args.threads}",
+                   f"--device={args.device}", f"--ckpt={args.ckpt}"]
+    for g in groups:
+        for m in methods:
+            cmd = [sys.executable, __file__, *passthrough, f"--worker-method={m}", f"--worker-g={g}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                res = {"method": m, "G": g, "prompt_len": args.prompt_len, "error": proc.stderr.strip()[-300:]}
+            else:
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(res)
+            print(json.dumps(res), flush=True)
+
+    summary(results, groups, methods, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+def summary(results, groups, methods, args):
+    by = {(r["method"], r["G"]): r for r in results if "error" not in r}
+    print(f"\nmachine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
+          f"threads={args.threads}, device={args.device}")
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, vocab "
+          f"{args.vocab}; prompt {args.prompt_len}, response {args.response_len}, prefill chunk {args.chunk}")
+    hdr = "| method | " + " | ".join(f"G={g} peak MiB | G={g} step s" for g in groups) + " |"
+    print(hdr)
+    print("|" + "---|" * (1 + 2 * len(groups)))
+    for m in methods:
+        cells = []
+        for g in groups:
+            r = by.get((m, g))
+            cells += [f"{r['peak_bytes'] / 2**20:.1f}", f"{r['seconds']:.3f}"] if r else ["failed", "failed"]
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    lo, hi = min(groups), max(groups)
+    for m in methods:
+        a, b = by.get((m, lo)), by.get((m, hi))
+        if a and b:
+            print(f"{m}: peak(G={hi})/peak(G={lo}) = {b['peak_bytes'] / max(1, a['peak_bytes']):.3f}")
+    for m in ("detached", "exact"):
+        n, r = by.get(("naive", hi)), by.get((m, hi))
+        if n and r:
+            print(f"{m} vs naive at G={hi}: {n['seconds'] / r['seconds']:.2f}x faster, "
+                  f"{n['peak_bytes'] / max(1, r['peak_bytes']):.2f}x less peak memory")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Rollouts: G branches sampled together from one shared prompt state.
+
+The prompt is prefilled once (or its state is handed in, e.g. the state the training step then reuses). Decoding
+runs all live branches as one batch: each layer's decoder reads the shared prompt state in place (attention: the
+prompt K/V segment with batch 1, broadcast over the branches by query folding; recurrent layers: the prompt's
+final state, expanded without copying) plus the branch's own generated tokens. Finished branches are dropped from
+the batch. The same ``model.run`` path as prefill and replay processes every step.
+
+Each sampled token's log-probability is kept: ``log_softmax(logits / temperature)`` of the full distribution (before
+top-k / top-p truncation), which is exactly what :func:`longstraw.score` with the same temperature computes, so it
+serves as ``old_logprobs`` of an on-policy update. With ``temperature == 0`` decoding is greedy and log-probs are
+those of the temperature-1 distribution.
+
+A response includes the stop token (so the policy learns to stop); a stop string ends a branch after the token
+that completes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from longstraw.engine.grpo import check_ids_1d
+from longstraw.engine.prefill import prefill
+from longstraw.models.transformer import CausalLM
+from longstraw.state import PromptState
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), max_new_tokens, stops, seed."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must not contain an empty string")
+
+
+@dataclass
+class Rollout:
+    """Sampled responses of one prompt: token ids, the log-prob of each sampled token, why each ended."""
+
+    responses: list[Tensor]
+    logprobs: list[Tensor]
+    finish_reasons: list[str] = field(default_factory=list)
+    prompt_state: PromptState | None = None
+
+
+def sample_tokens(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """logits ``[n, V]`` -> (sampled ids ``[n]``, their log-probs under the temperature-scaled full softmax)."""
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    if cfg.temperature == 0:
+        ids = logits.argmax(-1)
+        return ids, torch.log_softmax(logits, -1).gather(1, ids[:, None])[:, 0]
+    z = logits / cfg.temperature
+    logp = torch.log_softmax(z, -1)
+    filt = z
+    if cfg.top_k and cfg.top_k < z.shape[-1]:
+        kth = torch.topk(z, cfg.top_k, dim=-1).values[:, -1:]
+        filt = filt.masked_fill(filt < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_z, order = torch.sort(filt, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, -1)
+        cum = probs.cumsum(-1)
+        drop = (cum - probs) >= cfg.top_p  # keep the smallest prefix whose mass reaches top_p (always the first)
+        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+        filt = torch.full_like(filt, float("-inf")).scatter(1, order, sorted_z)
+    probs = torch.softmax(filt, -1)
+    ids = torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
+    return ids, logp.gather(1, ids[:, None])[:, 0]
+
+
+def _stop_string_hit(decode: Callable[[list[int]], str], ids: list[int], stops: Sequence[str], window: int) -> bool:
+    text = decode(ids[-window:])
+    return any(s in text for s in stops)
+
+
+@torch.no_grad()
+def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConfig, *,
+             prompt_state: PromptState | None = None, prefill_chunk: int = 4096,
+             decode: Callable[[list[int]], str] | None = None, keep_state: bool = False,
+             exact_state: bool = False) -> Rollout:
+    """Sample ``n`` responses to ``prompt_ids [P]`` from one shared prompt state.
+
+    prompt_state: the state of ``prompt_ids[:-1]`` if already computed. decode: token ids -> text, needed for
+    stop strings. keep_state: return the prompt state in the result, for the training step to reuse
+    (``exact_state`` builds it with what exact mode needs).
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be an integer >= 1")
+    check_ids_1d("prompt_ids", prompt_ids)
+    model.check_ids(prompt_ids)
+    if sampling.stop_strings and decode is None:
+        raise ValueError("stop_strings need a decode function (token ids -> text), e.g. tokenizer.decode")
+    p = int(prompt_ids.numel())
+    limit = model.spec.max_position_embeddings
+    if p >= limit:
+        raise ValueError(f"prompt of {p} tokens leaves no room for a response below the model's "
+                         f"max_position_embeddings={limit}")
+    max_new = min(sampling.max_new_tokens, limit - p)
+    device = next(model.parameters()).device
+    prompt_ids = prompt_ids.to(device)
+    if prompt_state is None:
+        prompt_state = prefill(model, prompt_ids[:-1], prefill_chunk, exact=exact_state)
+    elif prompt_state.length != p - 1:
+        raise ValueError(f"prompt_state holds {prompt_state.length} positions, the prompt needs {p - 1}")
+    gen = None
+    if sampling.seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(sampling.seed)
+    decoders = [ls.decoder(n, max_new) for ls in prompt_state.layers]
+    stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
+    window = max((len(s) for s in sampling.stop_strings), default=0) + 8
+    out_ids: list[list[int]] = [[] for _ in range(n)]
+    out_lp: list[list[float]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    live = torch.arange(n, device=device)  # original branch index of each live row
+    tokens = prompt_ids[-1:].expand(n)[:, None]
+    weight, bias = model.head()
+    for step in range(max_new):
+        hidden, pieces = model.run(tokens, p - 1 + step, [d.prefix(step) for d in decoders])
+        for d, piece in zip(decoders, pieces):
+            d.append(piece, step)
+        logits = torch.nn.functional.linear(hidden[:, -1], weight, bias)
+        ids, lp = sample_tokens(logits, sampling, gen)
+        finished = torch.zeros_like(ids, dtype=torch.bool)
+        if stop_ids.numel():
+            finished |= (ids[:, None] == stop_ids[None]).any(-1)
+        ids_l, lp_l, live_l = ids.tolist(), lp.tolist(), live.tolist()
+        for row, b in enumerate(live_l):
+            out_ids[b].append(ids_l[row])
+            out_lp[b].append(lp_l[row])
+            if finished[row]:
+                reasons[b] = "stop"
+            elif sampling.stop_strings and _stop_string_hit(decode, out_ids[b], sampling.stop_strings, window):
+                finished[row] = True
+                reasons[b] = "stop"
+        if bool(finished.all()):
+            break
+        if bool(finished.any()):
+            keep = (~finished).nonzero()[:, 0]
+            for d in decoders:
+                d.select(keep)
+            live, ids = live[keep], ids[keep]
+        tokens = ids[:, None]
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return Rollout(
+        responses=[torch.tensor(x, dtype=torch.long) for x in out_ids],
+        logprobs=[torch.tensor(x, dtype=dtype) for x in out_lp],
+        finish_reasons=reasons,
+        prompt_state=prompt_state if keep_state else None,
+    )
