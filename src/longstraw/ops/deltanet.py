@@ -1,0 +1,335 @@
+"""Gated delta rule (Gated DeltaNet, the linear-attention layer of Qwen3-Next / Qwen3.5): pure functions, explicit state.
+
+Recurrence (per batch row and value head; ``S`` is ``[Dk, Dv]``)::
+
+    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T q_t
+
+equivalently: decay ``S <- exp(g_t) S``, read the old answer ``S^T k_t``, write the correction
+``w_t = beta_t (v_t - S^T k_t)`` as ``S <- S + k_t w_t^T``, then read ``o_t = S^T q_t`` (the read sees the token's
+own write). ``g`` is the LOG decay (``<= 0``; Qwen3-Next: ``g = -exp(A_log) * softplus(a + dt_bias)``), ``beta`` is
+the write strength already in ``(0, 1)`` (Qwen3-Next: ``sigmoid(b)``). With ``use_qk_l2norm`` (what Qwen3-Next
+uses) q and k are L2-normalised inside the op, ``x * rsqrt(sum(x^2) + 1e-6)`` as in fla / transformers; then q is
+multiplied by ``scale`` (default ``Dk ** -0.5``). Normalisation and scale happen in the compute dtype.
+
+Shapes: ``q, k: [B, T, Hk, Dk]``, ``v: [B, T, H, Dv]``, ``g, beta: [B, T, H]``, state ``[B, H, Dk, Dv]``
+(key dim first: ``o_t = S^T q_t``, the layout of fla and transformers' cache), output ``[B, T, H, Dv]`` in q's
+dtype. ``Hk`` may divide ``H`` (grouped value heads, Qwen3-Next's ``linear_num_key_heads <
+linear_num_value_heads``): q/k head ``i`` serves value heads ``i*r .. i*r+r-1`` (``repeat_interleave``, as HF).
+Compute dtype: float64 for float64 inputs (so tests can be exact), float32 for everything else (bf16/fp16/fp32);
+the state is always returned in the compute dtype, i.e. fp32 for a bf16 model.
+
+Chunked form (the WY / UT-transform representation of DeltaNet, Yang et al. 2024). Split time into chunks of
+``C`` tokens; inside a chunk let ``G_t = cumsum(g)_t`` (log decay from the chunk start through token t), ``S0`` the
+state entering the chunk, and ``W`` the ``[C, Dv]`` corrections. Unrolling the recurrence inside the chunk gives::
+
+    w_t = beta_t v_t - beta_t e^{G_t} S0^T k_t - sum_{j<t} beta_t e^{G_t - G_j} (k_t . k_j) w_j
+
+a unit lower-triangular system ``(I + A) W = beta*V - (beta*e^G*K) S0`` with ``A_tj = beta_t e^{G_t-G_j} k_t.k_j``
+(j < t). One triangular solve per chunk gives ``U = (I+A)^-1 (beta*V)`` and ``Wk = (I+A)^-1 (beta*e^G*K)``, so
+``W = U - Wk S0`` (the UT transform). Then, with ``P_tj = e^{G_t-G_j} q_t.k_j`` (j <= t) and ``Kd = e^{G_C-G}*K``::
+
+    O      = e^G*Q S0 + P W            = (e^G*Q - P Wk) S0 + P U
+    S_next = e^{G_C} S0 + Kd^T W       = (e^{G_C} I - Kd^T Wk) S0 + Kd^T U  =: M S0 + R
+
+Everything except the chunk-to-chunk product ``S <- M S + R`` is independent across chunks and computed batched
+over a block of chunks; the only Python loop is over chunks (one ``baddbmm`` each), then the states at chunk starts
+are stacked and ``O = Qp S0 + P U`` is one batched matmul. All decay factors are ``exp`` of non-positive
+differences taken in log space (the upper triangle is masked to ``-inf`` before ``exp``), so nothing overflows for
+strong decays. Time is padded to a multiple of ``C`` only inside the last block, with ``g = beta = k = v = 0``
+(which leaves the state untouched). Memory per block is bounded (``block_tokens`` tokens at a time); what autograd
+saves is of course O(T): whoever runs 1M tokens with a graph recomputes per prefill chunk.
+
+Gradients are plain autograd through all of this, with respect to q, k, v, g, beta and initial_state, so a long
+sequence can be split into pieces carrying ``final_state -> initial_state`` and differentiated across them.
+
+``recurrent_gated_delta_rule`` is the token-by-token reference (slow, obviously correct). ``gated_delta_rule``
+dispatches: fla's Triton ``chunk_gated_delta_rule`` for CUDA bf16/fp16 inputs when fla imports, else the torch
+chunked form. The fla import is attempted only for CUDA tensors (a CPU machine with triton installed must never
+reach fla: it has no CPU path). Deliberately left out: variable-length packing (``cu_seqlens``), in-kernel gate
+computation, fp32/fp64 on fla (older fla asserts against fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm"]
+
+_L2NORM_EPS = 1e-6
+_BACKENDS = ("auto", "torch", "fla")
+
+
+def l2norm(x: Tensor, eps: float = _L2NORM_EPS) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the fla / transformers convention, eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None) -> None:
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, Hk, Dk]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    B, T, Hk, Dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, H, Dv] with B, T = {B}, {T} from q; got {tuple(v.shape)}")
+    H, Dv = v.shape[2], v.shape[3]
+    if H % Hk != 0:
+        raise ValueError(f"value heads ({H}) must be a multiple of query/key heads ({Hk})")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (B, T, H):
+            raise ValueError(f"{name} must be [B, T, H] = {(B, T, H)}; got {tuple(t.shape)}")
+    if initial_state is not None and initial_state.shape != (B, H, Dk, Dv):
+        raise ValueError(f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, Dv)}; got {tuple(initial_state.shape)}")
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, cdt):
+    """Cast to the compute dtype, repeat q/k heads to value heads, l2norm, scale, move heads before time.
+
+    Returns q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, g, beta ``[B, H, T]``.
+    """
+    rep = v.shape[2] // q.shape[2]
+    if rep != 1:
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    q, k, v = (x.to(cdt).transpose(1, 2) for x in (q, k, v))
+    g, beta = (x.to(cdt).transpose(1, 2) for x in (g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    return q, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = True,
+    use_qk_l2norm: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token reference of the gated delta rule (see module docstring for shapes and conventions)."""
+    _check(q, k, v, g, beta, initial_state)
+    B, T, _, Dk = q.shape
+    H, Dv = v.shape[2], v.shape[3]
+    out_dtype = q.dtype
+    cdt = _compute_dtype(q.dtype)
+    scale = Dk**-0.5 if scale is None else scale
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, cdt)
+    if initial_state is None:
+        S = torch.zeros(B, H, Dk, Dv, dtype=cdt, device=q.device)
+    else:
+        S = initial_state.to(cdt)
+    outs = []
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None, None]  # decay
+        k_t = k[:, :, t]
+        old = torch.einsum("bhkv,bhk->bhv", S, k_t)  # what the state answers for k_t
+        w = beta[:, :, t, None] * (v[:, :, t] - old)  # the correction to write
+        S = S + k_t[..., :, None] * w[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
+    o = torch.stack(outs, dim=1) if outs else torch.zeros(B, 0, H, Dv, dtype=cdt, device=q.device)
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+def _chunk_block(q, k, v, g, beta, S, C):
+    """One block of whole chunks. q, k ``[B,H,N,C,Dk]``, v ``[B,H,N,C,Dv]``, g, beta ``[B,H,N,C]``, S ``[B,H,Dk,Dv]``.
+
+    Returns the block output ``[B,H,N,C,Dv]`` and the state after the block.
+    """
+    B, H, N, _, Dk = q.shape
+    Dv = v.shape[-1]
+    G = g.cumsum(dim=-1)  # [B,H,N,C] log decay from the chunk start through t (inclusive)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # e^{G_t - G_j} for j <= t, 0 above the diagonal (masked in log space: the raw difference may be large > 0)
+    decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B,H,N,C,C]
+    eG = G.exp()
+    kb = k * beta[..., None]
+    # strictly lower part of A; the solve treats the diagonal as ones (unitriangular)
+    A = (kb @ k.transpose(-1, -2)) * decay.tril(-1)
+    rhs = torch.cat([v * beta[..., None], kb * eG[..., None]], dim=-1)  # [B,H,N,C,Dv+Dk]
+    X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    U, Wk = X[..., :Dv], X[..., Dv:]
+    P = (q @ k.transpose(-1, -2)) * decay  # [B,H,N,C,C], inclusive lower
+    Qp = q * eG[..., None] - P @ Wk  # [B,H,N,C,Dk]
+    Oi = P @ U  # [B,H,N,C,Dv]
+    G_last = G[..., -1:]  # [B,H,N,1]
+    Kd = k * (G_last - G).exp()[..., None]  # [B,H,N,C,Dk]
+    KdT = Kd.transpose(-1, -2)
+    eye = torch.eye(Dk, dtype=q.dtype, device=q.device)
+    M = G_last.exp()[..., None] * eye - KdT @ Wk  # [B,H,N,Dk,Dk]
+    R = KdT @ U  # [B,H,N,Dk,Dv]
+    # sequential scan over chunks: S_{n+1} = M_n S_n + R_n, keeping S_n (the state entering chunk n)
+    M = M.reshape(B * H, N, Dk, Dk)
+    R = R.reshape(B * H, N, Dk, Dv)
+    s = S.reshape(B * H, Dk, Dv)
+    starts = []
+    for n in range(N):
+        starts.append(s)
+        s = torch.baddbmm(R[:, n], M[:, n], s)
+    S0 = torch.stack(starts, dim=1).reshape(B, H, N, Dk, Dv)
+    O = torch.baddbmm(Oi.reshape(-1, C, Dv), Qp.reshape(-1, C, Dk), S0.reshape(-1, Dk, Dv))
+    return O.reshape(B, H, N, C, Dv), s.reshape(B, H, Dk, Dv)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = True,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    block_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked (WY / UT-transform) gated delta rule in pure torch; any device, plain autograd.
+
+    See the module docstring for the math, shapes and dtypes. ``block_tokens`` bounds how many tokens are
+    processed at once (rounded to whole chunks; default: about 2^21 elements per block-sized intermediate, at least
+    4 chunks).
+    Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] in the compute dtype or None)``.
+    """
+    _check(q, k, v, g, beta, initial_state)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    B, T, _, Dk = q.shape
+    H, Dv = v.shape[2], v.shape[3]
+    out_dtype = q.dtype
+    cdt = _compute_dtype(q.dtype)
+    scale = Dk**-0.5 if scale is None else scale
+    C = chunk_size
+    if block_tokens is None:
+        per_chunk = B * H * C * (C + Dk + Dv)
+        chunks_per_block = max(4, (1 << 21) // per_chunk)
+    else:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be positive; got {block_tokens}")
+        chunks_per_block = max(1, block_tokens // C)
+    blk = chunks_per_block * C
+
+    if initial_state is None:
+        S = torch.zeros(B, H, Dk, Dv, dtype=cdt, device=q.device)
+    else:
+        S = initial_state.to(cdt)
+    outs = []
+    for t0 in range(0, T, blk):
+        t1 = min(T, t0 + blk)
+        n = t1 - t0
+        qb, kb, vb, gb, bb = _prepare(
+            q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], scale, use_qk_l2norm, cdt
+        )
+        pad = (-n) % C
+        if pad:  # zero k, v, g, beta: the padded tokens leave the state untouched
+            qb, kb, vb = (F.pad(x, (0, 0, 0, pad)) for x in (qb, kb, vb))
+            gb, bb = (F.pad(x, (0, pad)) for x in (gb, bb))
+        N = (n + pad) // C
+        ob, S = _chunk_block(
+            qb.reshape(B, H, N, C, Dk),
+            kb.reshape(B, H, N, C, Dk),
+            vb.reshape(B, H, N, C, Dv),
+            gb.reshape(B, H, N, C),
+            bb.reshape(B, H, N, C),
+            S,
+            C,
+        )
+        outs.append(ob.reshape(B, H, N * C, Dv)[:, :, :n].transpose(1, 2).to(out_dtype))
+    if not outs:
+        o = torch.zeros(B, 0, H, Dv, dtype=out_dtype, device=q.device)
+    else:
+        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+    return o, (S if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla():
+    """fla's chunk_gated_delta_rule, or None. Only ever called for CUDA inputs."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        return None
+    return fla_chunk
+
+
+def fla_available() -> bool:
+    """Whether fla's kernel can be imported. Imports fla: call it only where CUDA is meant to be used."""
+    return _load_fla() is not None
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = True,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Dispatcher. ``backend``: "auto" (fla for CUDA bf16/fp16 when it imports, else torch chunked), "torch", "fla".
+
+    fla always uses chunks of 64; a different ``chunk_size`` is ignored there (with a warning).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
+    fla_fn = None
+    if backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        fla_fn = _load_fla()
+    if backend == "fla" and fla_fn is None:
+        raise ValueError(
+            f"backend='fla' needs CUDA bf16/fp16 inputs and an importable fla; got device {q.device}, dtype {q.dtype}"
+        )
+    if fla_fn is None:
+        return chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm,
+            chunk_size=chunk_size,
+        )
+    _check(q, k, v, g, beta, initial_state)
+    if chunk_size != 64:
+        warnings.warn(f"fla uses chunks of 64; chunk_size={chunk_size} is ignored", stacklevel=2)
+    rep = v.shape[2] // q.shape[2]
+    if rep != 1:  # older fla versions need equal heads; repeating is cheap next to the kernel
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32)
+    o, final = fla_fn(
+        q,
+        k,
+        v,
+        g.to(torch.float32),
+        beta.to(q.dtype),
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )
+    return o.to(q.dtype), final

@@ -1,0 +1,246 @@
+"""Gated delta rule: chunked form vs the token-by-token reference vs transformers' Qwen3-Next, values and gradients."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longstraw.ops import deltanet
+from longstraw.ops.deltanet import chunk_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
+
+D64 = torch.float64
+TOL = dict(rtol=1e-12, atol=1e-12)
+GTOL = dict(rtol=1e-10, atol=1e-11)
+
+
+def make_inputs(B=2, T=37, Hk=2, H=2, Dk=8, Dv=6, *, dtype=D64, l2norm=True, h0=True, decay=2.0, seed=0):
+    """Random inputs in the regime of the real model; with l2norm off, k is pre-normalised (|k| < 1 keeps the
+    delta rule contractive, as the in-kernel l2norm does)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hk, Dk, generator=gen, dtype=D64)
+    k = torch.randn(B, T, Hk, Dk, generator=gen, dtype=D64)
+    if not l2norm:
+        q = q / Dk**0.5
+        k = 0.9 * F.normalize(k, dim=-1)
+    v = torch.randn(B, T, H, Dv, generator=gen, dtype=D64)
+    g = -decay * torch.rand(B, T, H, generator=gen, dtype=D64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=D64)
+    s0 = torch.randn(B, H, Dk, Dv, generator=gen, dtype=D64) if h0 else None
+    xs = [q, k, v, g, beta] + ([s0] if h0 else [])
+    return [x.to(dtype).requires_grad_() for x in xs]
+
+
+def run(fn, inputs, **kw):
+    q, k, v, g, beta, *s0 = inputs
+    return fn(q, k, v, g, beta, initial_state=s0[0] if s0 else None, **kw)
+
+
+def grads(o, s, inputs, seed=1):
+    """Gradients of a random linear functional of (output, final state) with respect to every input."""
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    ds = torch.randn(s.shape, generator=gen, dtype=s.dtype)
+    return torch.autograd.grad((o * do).sum() + (s * ds).sum(), inputs)
+
+
+def assert_all_close(got, want, **tol):
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 130, 200])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("h0", [False, True])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_chunked_matches_recurrent(T, chunk_size, h0, l2norm):
+    inputs = make_inputs(T=T, h0=h0, l2norm=l2norm, seed=T)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=chunk_size, use_qk_l2norm=l2norm)
+    ro, rs = run(recurrent_gated_delta_rule, inputs, use_qk_l2norm=l2norm)
+    assert o.shape == ro.shape == inputs[2].shape and s.shape == (2, 2, 8, 6)
+    assert o.dtype == s.dtype == D64
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ro, rs, inputs), **GTOL)
+
+
+@pytest.mark.parametrize("chunk_size,block_tokens", [(1, None), (7, None), (8, 16), (16, 1), (64, 64)])
+def test_odd_chunk_and_block_sizes(chunk_size, block_tokens):
+    inputs = make_inputs(T=45, seed=3)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=chunk_size, block_tokens=block_tokens)
+    ro, rs = run(recurrent_gated_delta_rule, inputs)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ro, rs, inputs), **GTOL)
+
+
+def test_grouped_value_heads_and_explicit_scale():
+    """Hk < H: q/k head i serves value heads i*r .. i*r+r-1 (repeat_interleave, as transformers)."""
+    inputs = make_inputs(T=70, Hk=2, H=4, seed=4)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=16, scale=0.3)
+    ro, rs = run(recurrent_gated_delta_rule, inputs, scale=0.3)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ro, rs, inputs), **GTOL)
+    q, k, *rest = inputs  # the same as repeating by hand
+    eo, es = run(recurrent_gated_delta_rule, [q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), *rest], scale=0.3)
+    torch.testing.assert_close(o, eo, **TOL)
+
+
+def test_strong_decay_is_finite():
+    """g as low as -60 per token: the chunk-internal decay products underflow instead of overflowing."""
+    inputs = make_inputs(T=100, decay=60.0, seed=5)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=64)
+    ro, rs = run(recurrent_gated_delta_rule, inputs)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o, ro, **TOL)
+    gs = grads(o, s, inputs)
+    assert all(torch.isfinite(x).all() for x in gs)
+    assert_all_close(gs, grads(ro, rs, inputs), **GTOL)
+
+
+@pytest.mark.parametrize("pieces", [[150], [1, 149], [40, 64, 46], [3, 5, 1, 77, 64], [16] * 9 + [6]])
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_composition_across_pieces(pieces, fn):
+    """Running T tokens in pieces, final_state -> initial_state, equals one call, forward and gradients."""
+    inputs = make_inputs(T=150, seed=6)
+    q, k, v, g, beta, s0 = inputs
+    kw = dict(chunk_size=16) if fn is chunk_gated_delta_rule else {}
+    o, s = fn(q, k, v, g, beta, initial_state=s0, **kw)
+    outs, state, t0 = [], s0, 0
+    for n in pieces:
+        sl = slice(t0, t0 + n)
+        oi, state = fn(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=state, **kw)
+        outs.append(oi)
+        t0 += n
+    assert t0 == 150
+    po = torch.cat(outs, dim=1)
+    torch.testing.assert_close(po, o, **TOL)
+    torch.testing.assert_close(state, s, **TOL)
+    assert_all_close(grads(po, state, inputs), grads(o, s, inputs), **GTOL)
+
+
+def test_output_final_state_false_and_no_initial_state():
+    q, k, v, g, beta = make_inputs(T=20, h0=False)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=False)
+    assert s is None
+    o2, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 8, 6, dtype=D64))
+    torch.testing.assert_close(o, o2, **TOL)
+
+
+def test_bf16_inputs_give_fp32_state():
+    fp = make_inputs(T=70, dtype=torch.float32, seed=7)
+    bf = [x.detach().to(torch.bfloat16).requires_grad_() for x in fp[:5]]
+    s0 = fp[5].detach().requires_grad_()  # the carried state is fp32
+    o, s = chunk_gated_delta_rule(*bf, initial_state=s0, chunk_size=16)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.isfinite(o.float()).all()
+    # close to the fp32 computation on the same (rounded) inputs
+    ro, rs = recurrent_gated_delta_rule(*[x.detach().float() for x in bf], initial_state=s0.detach())
+    torch.testing.assert_close(o.float(), ro, rtol=0, atol=5e-2)
+    torch.testing.assert_close(s, rs, rtol=1e-4, atol=1e-4)
+    (o.float().sum() + s.sum()).backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in bf)
+    assert s0.grad.dtype == torch.float32
+    # the reference and the dispatcher (torch on CPU) follow the same dtype rules
+    ro2, rs2 = recurrent_gated_delta_rule(*bf, initial_state=s0)
+    assert ro2.dtype == torch.bfloat16 and rs2.dtype == torch.float32
+    do, ds = gated_delta_rule(*bf, initial_state=s0)
+    assert do.dtype == torch.bfloat16 and ds.dtype == torch.float32
+
+
+def test_fp32_state_with_float64_inputs_is_promoted():
+    q, k, v, g, beta, s0 = make_inputs(T=10)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0.detach().float())
+    assert o.dtype == s.dtype == D64
+
+
+def test_dispatcher_on_cpu_never_touches_fla(monkeypatch):
+    def boom():
+        raise AssertionError("fla must not be imported for CPU tensors")
+
+    monkeypatch.setattr(deltanet, "_load_fla", boom)
+    inputs = make_inputs(T=30)
+    o, s = run(gated_delta_rule, inputs)
+    co, cs = run(chunk_gated_delta_rule, inputs)
+    torch.testing.assert_close(o, co, rtol=0, atol=0)
+    torch.testing.assert_close(s, cs, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fla"):
+        run(gated_delta_rule, inputs, backend="fla")
+    with pytest.raises(ValueError, match="'triton'"):
+        run(gated_delta_rule, inputs, backend="triton")
+
+
+def test_bad_shapes_raise():
+    q, k, v, g, beta, s0 = make_inputs(T=10)
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0[:, :, :4])
+    with pytest.raises(ValueError, match="beta"):
+        chunk_gated_delta_rule(q, k, v, g, beta[:, :5])
+    with pytest.raises(ValueError, match="multiple"):
+        chunk_gated_delta_rule(q, k, torch.randn(2, 10, 3, 6, dtype=D64), g, beta)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=0)
+
+
+# --- parity with transformers' Qwen3-Next ------------------------------------------------------------------------
+
+hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+
+def _hf_float64(fn):
+    """transformers' torch fallback with its hard-coded float32 cast turned into float64, for exact comparison.
+
+    It is the same code object run against a `torch` whose `float32` is float64; everything else is torch.
+    """
+    fn = getattr(fn, "__wrapped__", fn)  # the plain torch function under the hub-kernel decorator
+
+    class _Torch64:
+        float32 = torch.float64
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    glb = dict(fn.__globals__)
+    glb["torch"] = _Torch64()
+    return types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+HF_CHUNK = _hf_float64(hf.torch_chunk_gated_delta_rule)
+HF_RECURRENT = _hf_float64(hf.torch_recurrent_gated_delta_rule)
+
+
+def _hf_run(fn, inputs, l2norm, **kw):
+    q, k, v, g, beta, *s0 = inputs  # transformers: positional q, k, v, g, beta; same [B, T, H, D] layout
+    return fn(
+        q, k, v, g, beta, initial_state=s0[0] if s0 else None, output_final_state=True,
+        use_qk_l2norm_in_kernel=l2norm, **kw,
+    )
+
+
+@pytest.mark.parametrize("T", [1, 63, 130])
+@pytest.mark.parametrize("Hk,H", [(2, 2), (1, 3)])
+@pytest.mark.parametrize("h0", [False, True])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_matches_transformers_float64(T, Hk, H, h0, l2norm):
+    inputs = make_inputs(T=T, Hk=Hk, H=H, h0=h0, l2norm=l2norm, seed=10 + T)
+    o, s = run(chunk_gated_delta_rule, inputs, use_qk_l2norm=l2norm)
+    ho, hs = _hf_run(HF_CHUNK, inputs, l2norm, chunk_size=64)
+    assert ho.dtype == hs.dtype == D64  # the shim really computed in float64
+    torch.testing.assert_close(o, ho, **TOL)
+    torch.testing.assert_close(s, hs, **TOL)
+    ro, rs = _hf_run(HF_RECURRENT, inputs, l2norm)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ho, hs, inputs), **GTOL)
+
+
+def test_matches_transformers_as_shipped_float32():
+    """The unpatched transformers functions (they compute in float32) on float32 inputs."""
+    inputs = make_inputs(T=100, Hk=1, H=2, dtype=torch.float32, seed=20)
+    o, s = run(chunk_gated_delta_rule, inputs)
+    for fn in (hf.torch_chunk_gated_delta_rule.__wrapped__, hf.torch_recurrent_gated_delta_rule.__wrapped__):
+        ho, hs = _hf_run(fn, inputs, True)
+        assert ho.dtype == hs.dtype == torch.float32
+        torch.testing.assert_close(o, ho, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s, hs, rtol=1e-5, atol=1e-5)
