@@ -72,7 +72,7 @@ class KVSegment:
 
 def default_backend(q: Tensor, head_dim: int) -> str:
     """The kernel the op picks for these queries when no backend is given."""
-    if q.device.type == "cpu":
+    if q.device.type in ("cpu", "meta"):  # meta: the memory planner's dry run (the kernel has meta shapes)
         return "flash_cpu"
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
         return "flash_cuda"

@@ -1,0 +1,292 @@
+"""Predict the peak memory of a LongStraw GRPO step before running it: a dry run on the meta device.
+
+The model is built on the ``meta`` device (no memory, no compute) and the real engine code runs on it: prefill,
+branch replay with backward, the exact reverse pass. A dispatch mode watches every tensor storage the ops create
+and its lifetime (storages are freed when the last tensor using them dies), so the tracker knows the bytes alive
+at every moment and their peak, phase by phase. This is the program's own allocation pattern, not a formula, so it
+follows each family's code (attention K/V, DeltaNet boundary states, MLA latents, MoE routing) without per-family
+bookkeeping. What it does not see: allocator fragmentation and caching (CUDA caching allocator, glibc arenas), the
+framework's own context (CUDA context ~0.5 GB, Python), and kernels' private workspaces.
+
+Breakdown (bytes per device):
+
+``weights``, ``grads``, ``optimizer`` (AdamW: two moments per parameter, in the parameter dtype)
+``prompt_state``       the stored state of the prompt (after prefill)
+``prompt_state_grad``  its gradient buffers (exact mode)
+``prefill_chunk``      transient peak above the state while one chunk is prefilled (and, in exact mode, while a
+                       chunk is recomputed and back-propagated)
+``branch_graph``       transient peak of one branch batch's forward + backward, excluding the LM-head chunk
+``logits``             the float32 logits of one LM-head chunk (forward + backward buffers)
+
+``peak = weights + grads + optimizer + prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph +
+logits)``. With ``gpus > 1`` the parameters, gradients and optimizer state are taken as sharded (FSDP) over the
+GPUs plus one layer's gathered weights; with context parallelism ``cp`` the prompt state and its gradient are
+divided by ``cp`` (sharded by position).
+
+``max_prompt_len``: peak grows linearly in the prompt length at fixed chunk sizes (state and boundary storage are
+O(P), transients are not), so two dry runs give the line, solved for the memory limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "prompt_state", "prompt_state_grad", "branch_graph",
+                  "prefill_chunk", "logits")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks bytes of tensor storages created under the mode that are still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._ids: set[int] = set()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._ids.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key in inputs or key in self._ids:
+                continue
+            n = st.nbytes()
+            self._ids.add(key)
+            self.live += n
+            weakref.finalize(st, self._free, key, n)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass
+class Plan:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    max_prompt_len: int | None
+    settings: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
+                "max_prompt_len": self.max_prompt_len}
+
+
+def _meta_model(hf_config: dict, dtype: torch.dtype):
+    from longstraw.models.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(hf_config)
+    return model.to(dtype)
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _layer_bytes(model) -> int:
+    return max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers), default=0)
+
+
+def dry_run(model, prompt_len: int, response_len: int, group: int, grpo_cfg) -> dict[str, int]:
+    """Run one grpo_backward on the meta ``model`` and return the tracked bytes per phase."""
+    from longstraw.engine import prompt_backward as pb
+    from longstraw.engine.grpo import branch_batches, branch_logprobs, build_prompt_state
+
+    prompt = torch.zeros(prompt_len, dtype=torch.long, device="meta")
+    responses = [torch.zeros(response_len, dtype=torch.long, device="meta") for _ in range(group)]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
+    w, b = model.head()
+    vocab = w.shape[0]
+    with LiveBytes() as lb:
+        base = lb.live
+        state = build_prompt_state(model, prompt, grpo_cfg, grpo_cfg.exact)
+        state_bytes = lb.live - base
+        prefill_peak = lb.peak - base - state_bytes
+        if grpo_cfg.exact:
+            state.enable_grad()
+        grad_bytes = lb.live - base - state_bytes
+        prefix = state.prefix(grad=grpo_cfg.exact)
+        lb.reset_peak()
+        before = lb.live
+        for batch in branch_batches(group, grpo_cfg.branch_batch)[:1]:  # every batch is alike: one is the peak
+            with torch.enable_grad():
+                logps, _ = branch_logprobs(model, prefix, prompt_len - 1, [responses[i] for i in batch],
+                                           prompt[-1], grpo_cfg, grpo_cfg.entropy_coef != 0)
+                torch.stack([lp.sum() for lp in logps]).sum().backward()
+            del logps
+        branch_peak = lb.peak - before
+        recompute_peak = 0
+        if grpo_cfg.exact:
+            lb.reset_peak()
+            before = lb.live
+            pb.prompt_backward(model, state, checkpoint_layers=grpo_cfg.checkpoint_layers)
+            recompute_peak = lb.peak - before
+        del state, prefix
+    tokens = min(grpo_cfg.logprob_chunk, grpo_cfg.branch_batch * response_len)
+    acc = 8 if w.dtype == torch.float64 else 4
+    logits = 3 * tokens * vocab * acc  # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound)
+    for p in model.parameters():
+        p.grad = None
+    return {"prompt_state": state_bytes, "prompt_state_grad": grad_bytes,
+            "prefill_chunk": max(prefill_peak, recompute_peak), "branch_graph": max(0, branch_peak - logits),
+            "logits": min(logits, branch_peak)}
+
+
+def naive_step_bytes(model_or_config, prompt_len: int, response_len: int, group: int, dtype=None) -> int:
+    """Peak bytes above the weights of a naive full-graph GRPO step (G x (P + R) tokens through autograd with
+    logits for every position, as an HF model computes them), from a meta-device dry run of our model."""
+    from longstraw.ops.logprobs import token_logprobs_reference
+
+    hf_cfg = model_or_config if isinstance(model_or_config, dict) else model_or_config.hf_config
+    if dtype is None:
+        dtype = next(model_or_config.parameters()).dtype if not isinstance(model_or_config, dict) else torch.float32
+    model = _meta_model(hf_cfg, dtype)
+    ids = torch.zeros(group, prompt_len + response_len, dtype=torch.long, device="meta")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with LiveBytes() as lb:
+        with torch.enable_grad():
+            hidden, _ = model.run(ids)
+            w, b = model.head()
+            lp, _ = token_logprobs_reference(hidden.reshape(-1, hidden.shape[-1]), w, ids.reshape(-1), bias=b)
+            lp.sum().backward()
+        peak = lb.peak
+    return int(peak + _param_bytes(model))  # + the gradients
+
+
+def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, prompt_grad: str = "exact",
+         dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
+         prefill_chunk: int = 4096, branch_batch: int = 1, logprob_chunk: int = 1024,
+         checkpoint_layers: bool = False, optimizer_states: int = 2) -> Plan:
+    """Peak memory per device of a GRPO step (see module docstring). ``gpu_mem`` in bytes enables
+    ``max_prompt_len``."""
+    from longstraw.checkpoint.hf import parse_dtype
+    from longstraw.engine.grpo import GRPOConfig
+
+    _check_positive(prompt_len=prompt_len, response_len=response_len, group=group, gpus=gpus, cp=cp)
+    if prompt_len < 2:
+        raise ValueError(f"prompt_len={prompt_len} must be >= 2")
+    if gpus % cp:
+        raise ValueError(f"cp={cp} must divide gpus={gpus}")
+    dt = parse_dtype(dtype)
+    gcfg = GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=prefill_chunk, branch_batch=branch_batch,
+                      logprob_chunk=logprob_chunk, checkpoint_layers=checkpoint_layers)
+    model = _meta_model(hf_config, dt)
+    pbytes = _param_bytes(model)
+    shard = gpus if gpus > 1 else 1
+    fixed = {
+        "weights": pbytes // shard + (_layer_bytes(model) if shard > 1 else 0),
+        "grads": pbytes // shard,
+        "optimizer": optimizer_states * pbytes // shard,
+    }
+
+    def at(p: int) -> dict[str, int]:
+        d = dry_run(model, p, response_len, group, gcfg)
+        d["prompt_state"] //= cp
+        d["prompt_state_grad"] //= cp
+        return {**fixed, **d}
+
+    def peak_of(b: dict[str, int]) -> int:
+        return (b["weights"] + b["grads"] + b["optimizer"] + b["prompt_state"] + b["prompt_state_grad"]
+                + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]))
+
+    breakdown = at(prompt_len)
+    peak = peak_of(breakdown)
+    max_len = None
+    if gpu_mem is not None:
+        p1 = max(2, min(prompt_len, 2 * prefill_chunk))
+        p2 = 2 * p1
+        y1, y2 = peak_of(at(p1 * cp) if cp > 1 else at(p1)), peak_of(at(p2 * cp) if cp > 1 else at(p2))
+        slope = (y2 - y1) / ((p2 - p1) * (cp if cp > 1 else 1))
+        x1 = p1 * (cp if cp > 1 else 1)
+        if y1 > gpu_mem:
+            max_len = 0
+        elif slope <= 0:
+            max_len = None
+        else:
+            max_len = int(x1 + (gpu_mem - y1) / slope)
+    settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=prompt_grad,
+                    dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
+                    prefill_chunk=prefill_chunk, branch_batch=branch_batch)
+    return Plan(int(peak), breakdown, max_len, settings)
+
+
+def _check_positive(**kw) -> None:
+    for k, v in kw.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k}={v!r} must be an integer >= 1")
+
+
+def _parse_mem(text: str | None) -> float | None:
+    if text is None:
+        return None
+    s = str(text).strip().upper().removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    try:
+        if s and s[-1] in mult:
+            return float(s[:-1]) * mult[s[-1]]
+        return float(s)
+    except ValueError:
+        raise ValueError(f"--gpu-mem {text!r} must be a size like 80G, 141G or a number of bytes") from None
+
+
+def _fmt(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory or config.json (nothing is loaded)")
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument("--group", type=int, default=8, help="G, responses per prompt")
+    p.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks sharing the prompt state")
+    p.add_argument("--gpu-mem", default=None, help="memory per device (e.g. 80G, 141G) for max_prompt_len")
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--branch-batch", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def plan_from_args(args) -> int:
+    from longstraw.checkpoint.hf import read_config
+
+    cfg = read_config(args.model)
+    res = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, group=args.group,
+               prompt_grad=args.prompt_grad, dtype=args.dtype, gpus=args.gpus, cp=args.cp,
+               gpu_mem=_parse_mem(args.gpu_mem), prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch)
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    print(f"model {Path(args.model)} ({cfg.get('model_type')}), prompt {args.prompt_len}, response {args.response_len},"
+          f" G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, cp={args.cp}")
+    for k in BREAKDOWN_KEYS:
+        print(f"  {k:<18} {_fmt(res.breakdown[k]):>12}")
+    print(f"  {'peak per device':<18} {_fmt(res.peak_bytes):>12}")
+    if res.max_prompt_len is not None:
+        print(f"  longest prompt fitting {args.gpu_mem}: {res.max_prompt_len:,} tokens")
+    return 0
+

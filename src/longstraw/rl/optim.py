@@ -1,0 +1,39 @@
+"""AdamW with linear warm-up then cosine decay, and global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base learning rate at optimiser step ``step`` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(params, lr: float, betas, weight_decay: float, eps: float) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Global L2 norm of the gradients (before clipping); clips in place when ``max_norm > 0``."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))

@@ -1,0 +1,415 @@
+"""The GRPO trainer: rollouts from the shared prompt state, rewards, advantages, LongStraw updates, checkpoints.
+
+One step:
+
+1. for each of ``prompts_per_step`` prompts: prefill once and sample G responses from that prompt state
+   (:func:`longstraw.generate`), score them with the reward function (timeouts and errors recorded, not fatal),
+   compute group advantages; with ``kl_coef > 0`` the frozen reference model scores them too;
+2. for each of ``ppo_epochs``: zero the gradients, ``grpo_backward`` every group with the step-global normaliser
+   (fixed before the first branch: the loss is exactly the mean over the whole step), clip, AdamW step with warm-up
+   and cosine decay. The first epoch reuses the rollout's prompt state when there is one prompt per step (the
+   weights have not moved yet); later epochs re-prefill under the updated weights, with the rollout's log-probs as
+   ``old_logprobs`` (the PPO ratio);
+3. log ``metrics.jsonl`` (and TensorBoard if installed), update the progress bar, checkpoint atomically.
+
+Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
+so a resumed run repeats exactly what an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from longstraw.checkpoint.hf import load_model, parse_dtype, save_model
+from longstraw.checkpoint.training import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, \
+    set_rng_state
+from longstraw.engine.grpo import grpo_backward, score
+from longstraw.engine.rollout import SamplingConfig, generate
+from longstraw.profiling import PhaseMeter
+from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config
+from longstraw.rl.losses import group_advantages, loss_denominator
+from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
+
+# keys that may differ between a run and its resumption (they do not change what is computed)
+RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
+                     "train.save_every", "train.keep_last")
+
+
+@dataclass
+class Group:
+    prompt_ids: Tensor
+    responses: list[Tensor]
+    texts: list[str]
+    rewards: list[float]
+    advantages: Tensor
+    old_logprobs: list[Tensor] | None
+    ref_logprobs: list[Tensor] | None = None
+    prompt_state: object | None = None
+    reward_errors: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps: int
+    prompt_len: int
+    group_size: int
+    reward_first: float
+    reward_last: float
+    peak_memory_bytes: int
+    plots: list[Path]
+    last_checkpoint: Path | None
+
+
+def _derive_seed(*parts: int) -> int:
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFF
+
+
+def builtin_model_config(name: str, vocab_size: int, max_positions: int) -> dict:
+    """HF config dicts of the built-in random models (saved as real checkpoints, then loaded)."""
+    if name == "tiny-dense":
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "vocab_size": vocab_size, "max_position_embeddings": max_positions,
+                "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+                "tie_word_embeddings": True, "hidden_act": "silu"}
+    if name == "tiny-hybrid":
+        from longstraw.models.qwen_hybrid import tiny_config
+
+        return tiny_config(vocab_size=vocab_size, max_position_embeddings=max_positions)
+    raise ValueError(f"unknown built-in model {name!r}; allowed: 'tiny-hybrid', 'tiny-dense'")
+
+
+def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """HF-style init of Linear/Embedding weights (normal(0, std), zero biases); other parameters keep the values
+    their modules set (norms, DeltaNet decay parameters)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+
+
+class Trainer:
+    """Wires model, tokenizer, data, rewards, optimiser and checkpoints for one run directory."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False,
+                 echo: Callable[[str], None] = print):
+        from longstraw.rl.sources import PromptSource, build_tokenizer
+        from longstraw.rl.rewards import make_reward
+
+        self.cfg = cfg
+        self.echo = echo
+        self.run_dir = Path(run_dir or cfg.train.out_dir)
+        self.gcfg = grpo_config(cfg)
+        self.device = torch.device(cfg.model.device)
+        self.start_step = 0
+        self.opt_step = 0
+        self._check_run_dir(resume)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            _write_atomic(self.run_dir / "config.toml", dump_config(cfg))
+        self.tokenizer = build_tokenizer(cfg, self.run_dir)
+        self.reward_fn = make_reward(cfg.reward.fn)
+        ckpt = latest_checkpoint(self.run_dir) if resume else None
+        self.model = self._build_model(ckpt)
+        self.ref_model = self._reference_model() if cfg.algorithm.kl_coef > 0 else None
+        self.source = PromptSource(cfg, self.tokenizer)
+        o = cfg.optim
+        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
+        if ckpt is not None:
+            st = load_trainer_state(ckpt)
+            self.opt.load_state_dict(st["optimizer"])
+            set_rng_state(st["rng"])
+            self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
+            self._truncate_metrics(self.start_step)
+            echo(f"resuming {self.run_dir} from {ckpt.name} (step {self.start_step})")
+        else:
+            torch.manual_seed(cfg.train.seed)
+        self.sampling = self._sampling()
+
+    # ------------------------------------------------------------------ setup
+    def _check_run_dir(self, resume: bool) -> None:
+        if resume:
+            saved = self.run_dir / "config.toml"
+            if not saved.is_file():
+                raise ValueError(f"cannot resume {str(self.run_dir)!r}: it has no config.toml (not a LongStraw run)")
+            diffs = diff_configs(load_config(saved), self.cfg, ignore=RESUMABLE_CHANGES)
+            if diffs:
+                raise ValueError(f"resume directory {str(self.run_dir)!r} was written by a different config: "
+                                 + "; ".join(diffs))
+            if latest_checkpoint(self.run_dir) is None:
+                raise ValueError(f"cannot resume {str(self.run_dir)!r}: no complete checkpoint in it")
+            _write_atomic(saved, dump_config(self.cfg))  # records e.g. an extended train.steps
+        elif (self.run_dir / "config.toml").exists():
+            raise ValueError(f"run directory {str(self.run_dir)!r} already holds a run; resume it with --resume or "
+                             "choose another train.out_dir")
+
+    def _initial_model_dir(self) -> Path:
+        """The checkpoint the run starts from (for built-in models: written once into the run directory)."""
+        m = self.cfg.model
+        if m.path:
+            return Path(m.path)
+        d = self.run_dir / "initial_model"
+        if not (d / "config.json").exists():
+            from longstraw.models.registry import build_model
+
+            hf_cfg = builtin_model_config(m.builtin, self.tokenizer.vocab_size, self.cfg.data.max_prompt_len
+                                          + self.cfg.rollout.max_new_tokens + 1)
+            torch.manual_seed(self.cfg.train.seed)
+            model = build_model(hf_cfg)
+            init_weights(model, self.cfg.train.seed)
+            save_model(model.to(parse_dtype(m.dtype)), d)
+            self.tokenizer.save(d)
+        return d
+
+    def _build_model(self, ckpt: Path | None):
+        src = ckpt / "model" if ckpt is not None else self._initial_model_dir()
+        model = load_model(src, dtype=self.cfg.model.dtype, device=self.device)
+        model.train()
+        return model
+
+    def _reference_model(self):
+        ref = load_model(self._initial_model_dir(), dtype=self.cfg.model.dtype, device=self.device)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref.eval()
+
+    def _sampling(self) -> SamplingConfig:
+        r = self.cfg.rollout
+        stops = (self.tokenizer.eos_token_id,) if r.stop_at_eos and self.tokenizer.eos_token_id is not None else ()
+        return SamplingConfig(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              stop_token_ids=stops, stop_strings=tuple(r.stop_strings))
+
+    # ------------------------------------------------------------------ one step
+    def _text_of(self, ids: Tensor) -> str:
+        ids = ids.tolist()
+        eos = self.tokenizer.eos_token_id
+        if ids and eos is not None and ids[-1] == eos:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    def _collect(self, step: int, k: int) -> Group:
+        from longstraw.rl.rewards import score_rewards
+
+        item = self.source.get(step * self.cfg.algorithm.prompts_per_step + k)
+        keep = self.cfg.algorithm.prompts_per_step == 1
+        if item.responses is not None:  # offline rollouts
+            responses, old, state, reasons = item.responses, item.old_logprobs, None, []
+            texts, rewards, errors = item.response_texts, list(item.rewards), 0
+        else:
+            sp = SamplingConfig(**{**self.sampling.__dict__, "seed": _derive_seed(self.cfg.train.seed, step, k)})
+            ro = generate(self.model, item.prompt_ids, self.cfg.rollout.group_size, sp, keep_state=keep,
+                          exact_state=self.gcfg.exact, prefill_chunk=self.gcfg.prefill_chunk,
+                          decode=self.tokenizer.decode)
+            responses, old, state, reasons = ro.responses, ro.logprobs, ro.prompt_state, ro.finish_reasons
+            texts = [self._text_of(r) for r in responses]
+            results = score_rewards(self.reward_fn, texts, [item.answer] * len(texts), [item.meta] * len(texts),
+                                    timeout_s=self.cfg.reward.timeout_s)
+            rewards = [r.value for r in results]
+            errors = sum(r.error is not None for r in results)
+        adv = group_advantages(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
+        ref = score(self.ref_model, item.prompt_ids, responses, self.gcfg) if self.ref_model is not None else None
+        return Group(item.prompt_ids, responses, texts, rewards, adv, old, ref, state, errors, reasons)
+
+    def _update(self, groups: list[Group]) -> dict:
+        a = self.cfg.algorithm
+        lens = [r.numel() for g in groups for r in g.responses]
+        denom = loss_denominator(lens, self.gcfg.loss_agg_mode, self.gcfg.loss_scale_factor)
+        needs_all = a.kl_coef > 0 or a.entropy_coef > 0
+        out: dict = {}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for epoch in range(a.ppo_epochs):
+            self.model.zero_grad(set_to_none=True)
+            loss, clip, ppo_kl, kl, ent, st_bytes, peak = 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0
+            n_active = 0
+            for g in groups:
+                if not needs_all and bool((g.advantages == 0).all()):
+                    continue  # contributes exactly zero gradient
+                st = grpo_backward(self.model, g.prompt_ids, g.responses, g.advantages, self.gcfg,
+                                   old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=denom,
+                                   prompt_state=g.prompt_state if epoch == 0 else None)
+                g.prompt_state = None
+                n_active += 1
+                w = st.num_tokens
+                loss += st.loss
+                clip += st.metrics.get("pg_clipfrac", 0.0) * w
+                ppo_kl += st.metrics.get("ppo_kl", 0.0) * w
+                kl += st.metrics.get("kl", 0.0) * w
+                ent += st.metrics.get("entropy", 0.0) * w
+                st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes)
+                peak = max(peak, max(st.peak_memory.values(), default=0))
+            total_opt = self.cfg.train.steps * a.ppo_epochs
+            lr = self.cfg.optim.lr * lr_factor(self.opt_step, self.cfg.optim.warmup_steps, total_opt,
+                                               self.cfg.optim.min_lr_ratio)
+            set_lr(self.opt, lr)
+            gnorm = clip_grad_norm(params, self.cfg.optim.grad_clip) if n_active else 0.0
+            if n_active:
+                self.opt.step()
+            self.opt_step += 1
+            if epoch == 0:
+                n = max(1, sum(lens))
+                out = {"loss": loss, "pg_clipfrac": clip / n, "ppo_kl": ppo_kl / n, "grad_norm": gnorm, "lr": lr,
+                       "prompt_state_bytes": st_bytes, "train_peak_bytes": peak, "active_groups": n_active}
+                if a.kl_coef > 0:
+                    out["kl"] = kl / n
+                if a.entropy_coef > 0:
+                    out["entropy"] = ent / n
+        return out
+
+    def step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        meter = PhaseMeter(self.device)
+        with meter.phase("rollout"):
+            groups = [self._collect(step, k) for k in range(self.cfg.algorithm.prompts_per_step)]
+        t1 = time.perf_counter()
+        with meter.phase("train"):
+            upd = self._update(groups)
+        t2 = time.perf_counter()
+        rewards = [r for g in groups for r in g.rewards]
+        lens = [r.numel() for g in groups for r in g.responses]
+        m = {
+            "step": step + 1,
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+            "reward_max": max(rewards),
+            "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "reward_errors": sum(g.reward_errors for g in groups),
+            "response_len": sum(lens) / len(lens),
+            "prompt_len": max(int(g.prompt_ids.numel()) for g in groups),
+            **upd,
+            "rollout_s": t1 - t0,
+            "train_s": t2 - t1,
+            "step_s": t2 - t0,
+            "peak_memory_bytes": max(meter.peak_bytes.values()),
+            "sample": groups[0].texts[0][:64],
+        }
+        return m
+
+    # ------------------------------------------------------------------ the loop
+    def _truncate_metrics(self, upto_step: int) -> None:
+        p = self.run_dir / "metrics.jsonl"
+        if not p.exists():
+            return
+        keep = []
+        for line in p.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= upto_step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                break  # a torn last line from a crash
+        _write_atomic(p, "".join(x + "\n" for x in keep))
+
+    def _save(self, step_done: int) -> Path:
+        state = {"step": step_done, "opt_step": self.opt_step, "optimizer": self.opt.state_dict(),
+                 "rng": rng_state(), "data_position": step_done * self.cfg.algorithm.prompts_per_step}
+        extra = {}
+        tok_dir = self.run_dir / "tokenizer"
+        if tok_dir.is_dir():
+            extra = {f.name: f for f in tok_dir.iterdir() if f.is_file()}
+        return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
+                               extra_files=extra)
+
+    def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
+        t = self.cfg.train
+        writer = _tensorboard(self.run_dir) if t.tensorboard else None
+        bar = _progress(t.steps, self.start_step, t.progress)
+        last_ckpt = latest_checkpoint(self.run_dir)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        try:
+            for step in range(self.start_step, t.steps):
+                m = self.step(step)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                if writer is not None:
+                    for k, v in m.items():
+                        if isinstance(v, (int, float)):
+                            writer.add_scalar(k, v, m["step"])
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", solved=f"{m['solved']:.2f}",
+                                    peak=f"{m['peak_memory_bytes'] / 2**20:.0f}MiB", refresh=False)
+                elif (step + 1) % t.log_every == 0:
+                    self.echo(f"step {m['step']}/{t.steps} reward {m['reward_mean']:.3f} loss {m['loss']:.4f} "
+                              f"peak {m['peak_memory_bytes'] / 2**20:.0f} MiB {m['step_s']:.2f}s")
+                if on_step is not None:
+                    on_step(m)
+                if (t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps:
+                    last_ckpt = self._save(step + 1)
+        finally:
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+        plots = []
+        if t.plots:
+            from longstraw.rl.plots import plot_run
+
+            plots = plot_run(self.run_dir)
+        return self.summary(plots, last_ckpt)
+
+    def summary(self, plots: list[Path], last_ckpt: Path | None) -> RunSummary:
+        rows = read_metrics(self.run_dir)
+        first = [r["reward_mean"] for r in rows[:10]]
+        last = [r["reward_mean"] for r in rows[-10:]]
+        return RunSummary(
+            run_dir=self.run_dir, steps=len(rows), prompt_len=max((r["prompt_len"] for r in rows), default=0),
+            group_size=self.cfg.rollout.group_size, reward_first=sum(first) / max(1, len(first)),
+            reward_last=sum(last) / max(1, len(last)),
+            peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0), plots=plots,
+            last_checkpoint=last_ckpt)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard not installed: metrics.jsonl and the PNG plots still have everything
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="grpo", unit="step", dynamic_ncols=True)
+

@@ -1,0 +1,102 @@
+"""The trainer end to end on a tiny built-in model: metrics, checkpoints, exact resume after SIGKILL mid-save."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longstraw.checkpoint.training import checkpoint_dirs
+from longstraw.rl.config import RunConfig, apply_overrides
+from longstraw.rl.trainer import Trainer, read_metrics
+
+TINY = ["model.builtin=\"tiny-dense\"", "data.prompt_len=160", "data.max_prompt_len=256", "rollout.group_size=4",
+        "rollout.max_new_tokens=4", "algorithm.prefill_chunk=64", "train.progress=false", "train.plots=false",
+        "train.tensorboard=false", "optim.warmup_steps=2"]
+VOLATILE = {"rollout_s", "train_s", "step_s", "peak_memory_bytes", "train_peak_bytes"}
+
+
+def _cfg(out, *extra):
+    return apply_overrides(RunConfig(), TINY + [f"train.out_dir=\"{out}\""] + list(extra))
+
+
+def _stable(rows):
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
+
+
+def test_trainer_runs_logs_and_checkpoints(tmp_path):
+    cfg = _cfg(tmp_path / "run", "train.steps=4", "train.save_every=2", "train.keep_last=1",
+               "algorithm.ppo_epochs=2", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.001")
+    s = Trainer(cfg, resume=False, echo=lambda *_: None).train()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and s.steps == 4
+    for r in rows:
+        assert 0.0 <= r["reward_mean"] <= 1.0 and r["prompt_len"] >= 150 and math_finite(r["loss"])
+        assert "kl" in r and "entropy" in r and r["peak_memory_bytes"] > 0
+    ckpts = checkpoint_dirs(tmp_path / "run")
+    assert [c.name for c in ckpts] == ["step-00000004"]  # keep_last=1
+    model_dir = ckpts[0] / "model"
+    assert (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(model_dir)  # servable as an HF checkpoint
+    assert (tmp_path / "run" / "config.toml").exists()
+
+
+def math_finite(x):
+    return x == x and abs(x) != float("inf")
+
+
+def _train_cli(args, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    e["PYTHONPATH"] = str(Path(__file__).resolve().parents[2] / "src")
+    return subprocess.run([sys.executable, "-m", "longstraw.cli", "train", *args], capture_output=True, text=True,
+                          env=e, timeout=600)
+
+
+def test_sigkill_during_checkpoint_then_resume_matches_uninterrupted(tmp_path):
+    sets = [x for t in TINY + ["train.steps=6", "train.save_every=2", "train.keep_last=3"] for x in ("--set", t)]
+    ref = _train_cli(sets + ["--set", f"train.out_dir=\"{tmp_path / 'ref'}\""])
+    assert ref.returncode == 0, ref.stderr
+    run = tmp_path / "run"
+    killed = _train_cli(sets + ["--set", f"train.out_dir=\"{run}\""], env={"LONGSTRAW_FAULT": "kill-during-save:4"})
+    assert killed.returncode == -9, killed.stderr  # SIGKILL while writing checkpoint 4
+    assert [c.name for c in checkpoint_dirs(run)] == ["step-00000002"]  # the last complete one survives
+    assert list((run / "checkpoints").glob(".tmp-*"))  # the torn one is left as a temp dir, never as a checkpoint
+    resumed = _train_cli(["--resume", str(run)])
+    assert resumed.returncode == 0, resumed.stderr
+    assert _stable(read_metrics(run)) == _stable(read_metrics(tmp_path / "ref"))
+    from safetensors.torch import load_file
+
+    a = load_file(checkpoint_dirs(run)[-1] / "model" / "model.safetensors")
+    b = load_file(checkpoint_dirs(tmp_path / "ref")[-1] / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # cleaned up by the next save
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    cfg = _cfg(tmp_path / "run", "train.steps=2")
+    Trainer(cfg, resume=False, echo=lambda *_: None).train()
+    other = apply_overrides(cfg, ["data.seed=5"])
+    with pytest.raises(ValueError, match=r"was written by a different config: data.seed: 0 != 5"):
+        Trainer(other, resume=True)
+    with pytest.raises(ValueError, match="already holds a run; resume it with --resume"):
+        Trainer(cfg, resume=False)
+    longer = apply_overrides(cfg, ["train.steps=3"])  # extending a run is allowed
+    Trainer(longer, resume=True, echo=lambda *_: None).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_offline_rollouts(tmp_path):
+    rows = [{"prompt": "What is 2+2? ", "answer": "4", "responses": ["4", "5", "four", "44"],
+             "rewards": [1.0, 0.0, 0.0, 0.5]}]
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = _cfg(tmp_path / "run", "train.steps=2", "data.task=\"\"", f"data.path=\"{data}\"", "data.offline=true")
+    Trainer(cfg, resume=False, echo=lambda *_: None).train()
+    m = read_metrics(tmp_path / "run")
+    assert len(m) == 2 and m[0]["reward_mean"] == pytest.approx(0.375)
