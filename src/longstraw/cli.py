@@ -55,8 +55,9 @@ def cmd_demo(args) -> int:
     print(f"group size G       {s.group_size}")
     print(f"steps              {s.steps} in {time.time() - t0:.0f} s")
     print(f"reward             first 10 steps {s.reward_first:.3f} -> last 10 steps {s.reward_last:.3f}")
-    print(f"peak memory        {s.peak_memory_bytes / 2**20:.0f} MiB measured (process peak RSS) vs "
-          f"{naive / 2**20:.0f} MiB estimated for a naive HF GRPO step (activations of G x (P+R) tokens)")
+    print(f"peak memory        {s.peak_above_start_bytes / 2**20:.0f} MiB above the post-load baseline measured "
+          f"(process peak {s.peak_memory_bytes / 2**20:.0f} MiB), vs {naive / 2**20:.0f} MiB estimated for one naive "
+          f"full-graph GRPO step on G x (P + R) tokens (planner dry run)")
     print(f"run directory      {s.run_dir}  (metrics.jsonl, config.toml, checkpoints/)")
     if s.plots:
         print(f"plots              {', '.join(str(p) for p in s.plots)}")

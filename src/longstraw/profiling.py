@@ -47,6 +47,13 @@ def cpu_current_bytes() -> int:
     return (kb or 0) * 1024
 
 
+def current_bytes(device: torch.device) -> int:
+    """Bytes in use now: CUDA allocated memory, or this process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return cpu_current_bytes()
+
+
 @dataclass
 class PhaseMeter:
     """Collects ``seconds[phase]`` and ``peak_bytes[phase]`` for named phases on one device."""

@@ -110,7 +110,7 @@ def test_make_reward_bad_specs(spec, options, match):
 
 
 def test_builtin_names():
-    assert list(BUILTINS) == ["exact_match", "contains", "regex", "numeric", "digit_match"]
+    assert list(BUILTINS) == ["exact_match", "contains", "regex", "numeric", "digit_match", "digits_shaped"]
 
 
 USER_CODE = textwrap.dedent('''
@@ -278,3 +278,14 @@ def test_close_is_idempotent(user_file):
 
 def test_repr_shows_options():
     assert repr(make_reward("exact_match", case_sensitive=False)) == "RewardFn('exact_match', case_sensitive=False)"
+
+
+def test_digits_shaped_rewards_format_then_correctness():
+    from longstraw.rl.rewards import digits_shaped
+
+    assert digits_shaped("73", "73") == 1.0
+    assert digits_shaped("xy", "73") == 0.0
+    assert digits_shaped("19", "73") == 0.5  # right format, wrong digits
+    assert digits_shaped("13", "73") == 0.75  # one digit right
+    assert digits_shaped("7345", "73") == 0.5 * 0.5 + 0.5 * 0.5  # extra characters dilute both terms
+    assert digits_shaped("7", "73") == 0.5 * 0.5 + 0.5 * 0.5

@@ -16,7 +16,7 @@ from longstraw.rl.trainer import Trainer, read_metrics
 TINY = ["model.builtin=\"tiny-dense\"", "data.prompt_len=160", "data.max_prompt_len=256", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "algorithm.prefill_chunk=64", "train.progress=false", "train.plots=false",
         "train.tensorboard=false", "optim.warmup_steps=2"]
-VOLATILE = {"rollout_s", "train_s", "step_s", "peak_memory_bytes", "train_peak_bytes"}
+VOLATILE = {"rollout_s", "train_s", "step_s", "peak_memory_bytes", "train_peak_bytes", "peak_above_start_bytes"}
 
 
 def _cfg(out, *extra):

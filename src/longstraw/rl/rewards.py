@@ -13,6 +13,11 @@ A reward maps ``(response, answer, **meta) -> float``. ``make_reward(spec, **opt
 ``digit_match``   a SHAPED reward for training tiny models: the fraction of positions ``i`` where the stripped
                   response and answer agree, over ``max(len(answer), len(response))``, so partial answers earn
                   partial credit and extra trailing characters cost credit (only the exact answer scores 1.0).
+``digits_shaped``  a SHAPED reward for training tiny models from scratch with GRPO alone: ``0.5 * format +
+                  0.5 * digit_match`` where ``format`` is the number of digit characters among the response's first
+                  ``len(answer)`` characters over ``max(len(answer), len(response))``. A random model emits a digit
+                  now and then, so groups differ in reward from the first step (``digit_match`` alone is almost
+                  always 0 for every response and gives GRPO no signal); only the exact answer scores 1.0.
 ``"module:function"`` or ``"path/to/file.py:function"``
                   a user function ``fn(response: str, answer: str, **meta) -> float``; ``options`` are passed to
                   every call as extra keyword arguments (they override meta keys of the same name).
@@ -134,6 +139,15 @@ def digit_match(response: str, answer: str, **_meta) -> float:
     return sum(x == y for x, y in zip(r, a)) / n
 
 
+def digits_shaped(response: str, answer: str, **_meta) -> float:
+    r, a = response.strip(), answer.strip()
+    n = max(len(r), len(a))
+    if n == 0:
+        return 1.0
+    fmt = sum(c.isdigit() for c in r[: len(a)]) / n
+    return 0.5 * fmt + 0.5 * digit_match(response, answer)
+
+
 # name -> (function, {option: (default, validator)})
 def _bool(name, v):
     if not isinstance(v, bool):
@@ -165,6 +179,7 @@ BUILTINS: dict[str, tuple[Callable[..., float], dict]] = {
     "regex": (_regex, {"pattern": (None, _pattern), "mode": ("search", _mode), "case_sensitive": (True, _bool)}),
     "numeric": (numeric, {"rel_tol": (1e-6, _tol), "abs_tol": (1e-9, _tol)}),
     "digit_match": (digit_match, {}),
+    "digits_shaped": (digits_shaped, {}),
 }
 
 

@@ -33,7 +33,7 @@ from longstraw.checkpoint.training import latest_checkpoint, load_trainer_state,
     set_rng_state
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
-from longstraw.profiling import PhaseMeter
+from longstraw.profiling import PhaseMeter, current_bytes
 from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config
 from longstraw.rl.losses import group_advantages, loss_denominator
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
@@ -66,6 +66,7 @@ class RunSummary:
     reward_first: float
     reward_last: float
     peak_memory_bytes: int
+    peak_above_start_bytes: int
     plots: list[Path]
     last_checkpoint: Path | None
 
@@ -141,6 +142,7 @@ class Trainer:
         else:
             torch.manual_seed(cfg.train.seed)
         self.sampling = self._sampling()
+        self.baseline_bytes = current_bytes(self.device)  # after loading: weights, tokenizer, framework
 
     # ------------------------------------------------------------------ setup
     def _check_run_dir(self, resume: bool) -> None:
@@ -296,6 +298,7 @@ class Trainer:
             "train_s": t2 - t1,
             "step_s": t2 - t0,
             "peak_memory_bytes": max(meter.peak_bytes.values()),
+            "peak_above_start_bytes": max(meter.peak_bytes.values()) - self.baseline_bytes,
             "sample": groups[0].texts[0][:64],
         }
         return m
@@ -372,7 +375,8 @@ class Trainer:
             run_dir=self.run_dir, steps=len(rows), prompt_len=max((r["prompt_len"] for r in rows), default=0),
             group_size=self.cfg.rollout.group_size, reward_first=sum(first) / max(1, len(first)),
             reward_last=sum(last) / max(1, len(last)),
-            peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0), plots=plots,
+            peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0),
+            peak_above_start_bytes=max((r.get("peak_above_start_bytes", 0) for r in rows), default=0), plots=plots,
             last_checkpoint=last_ckpt)
 
 
