@@ -1,7 +1,7 @@
 """Helpers that build tiny random transformers models and run them as exact float64 references.
 
-transformers casts to float32 inside float64 models (RMSNorm ``.to(torch.float32)``, routers ``.float()``, the
-DeltaNet kernels), which makes a "float64" HF model only float32-accurate and turns 1e-16 differences into random
+transformers casts to float32 inside float64 models (RMSNorm ``.to(torch.float32)``, routers ``.type(float32)`` and
+``softmax(dtype=float)``, the DeltaNet kernels), which makes a "float64" HF model only float32-accurate and turns 1e-16 differences into random
 6e-8 rounding flips. ``true_float64()`` makes those casts no-ops for float64 tensors while a reference runs, so the
 reference is a genuine float64 computation of the same math. RoPE keeps its float32 angles as in real use:
 ``float32_rope`` puts the ``inv_freq`` buffers back to float32 after ``model.to(float64)`` (HF forms angles in
@@ -18,6 +18,8 @@ import torch
 
 _orig_to = torch.Tensor.to
 _orig_float = torch.Tensor.float
+_orig_type = torch.Tensor.type
+_orig_softmax = torch.nn.functional.softmax
 
 
 def _to(self, *args, **kwargs):
@@ -34,13 +36,27 @@ def _float(self, *args, **kwargs):
     return _orig_float(self, *args, **kwargs)
 
 
+def _type(self, dtype=None, *args, **kwargs):  # DeepSeek/GLM routers: hidden.type(torch.float32)
+    if self.dtype == torch.float64 and dtype in (torch.float32, "torch.FloatTensor"):
+        return self
+    return _orig_type(self, dtype, *args, **kwargs)
+
+
+def _softmax(input, dim=None, _stacklevel=3, dtype=None):  # Qwen routers: softmax(..., dtype=torch.float)
+    if input.dtype == torch.float64 and dtype == torch.float32:
+        dtype = torch.float64
+    return _orig_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+
 @contextlib.contextmanager
 def true_float64():
-    torch.Tensor.to, torch.Tensor.float = _to, _float
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _to, _float, _type
+    torch.nn.functional.softmax = _softmax
     try:
         yield
     finally:
-        torch.Tensor.to, torch.Tensor.float = _orig_to, _orig_float
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _orig_to, _orig_float, _orig_type
+        torch.nn.functional.softmax = _orig_softmax
 
 
 def float32_rope(model):

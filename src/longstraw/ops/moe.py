@@ -1,0 +1,292 @@
+"""Mixture-of-experts ops: token routing and the routed experts, as pure functions.
+
+Two routers cover the supported families:
+
+* ``softmax_topk_route`` (Qwen3-Next, Qwen3.5-MoE): ``p = softmax(logits)``, keep the ``top_k`` largest,
+  optionally renormalise them to sum to 1.
+* ``sigmoid_grouped_route`` (DeepSeek-V3/V3.2, GLM-4.5 (glm4_moe), GLM-5 (glm_moe_dsa)): ``s = sigmoid(logits)``;
+  the *choice* uses ``s + correction_bias``: experts are split into ``n_group`` equal groups, a group scores the sum
+  of its two best biased scores, only the best ``topk_group`` groups stay eligible, and the ``top_k`` best eligible
+  experts are chosen. The *weights* are the unbiased ``s`` of the chosen experts, optionally divided by their sum
+  (``+ 1e-20``), then always multiplied by ``routed_scaling_factor``.
+
+Selection (which experts) is never differentiated, as upstream; the weights are, so the router logits receive
+gradient through the gathered weights only.
+
+``experts_forward`` runs the routed SwiGLU experts on the transformers-5 fused layout
+``gate_up_proj [E, 2*I, H]`` (rows ``0:I`` are gate, ``I:2I`` are up; the HF checkpoint converter concatenates
+``experts.{e}.gate_proj.weight`` then ``experts.{e}.up_proj.weight``) and ``down_proj [E, H, I]``::
+
+    y[n] = sum_j  w[n, j] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n])),   e = ids[n, j]
+
+It sorts the ``N * k`` token slots by expert (a stable argsort of the flattened ids), gathers their inputs into one
+contiguous buffer, runs each expert on its slice (``torch.nn.functional.grouped_mm`` where the kernel supports the
+dtype and alignment, otherwise a Python loop over the experts that received tokens), multiplies by the routing
+weights and scatter-adds back with ``index_add``. Everything is plain autograd.
+
+Dtypes (as HF, so bf16 models match HF bit-for-bit in spirit and float64 tests can be exact):
+
+* routers compute in float32, or float64 for float64 logits. HF computes routers in float32 even inside a
+  float64 model (``softmax(dtype=torch.float)``, ``hidden.type(torch.float32)``); we keep float64 float64 so that
+  float64 references are genuine (pass ``compute_dtype=torch.float32`` to reproduce HF's float32 router exactly).
+  ``softmax_topk_route`` returns weights cast back to the logits' dtype (HF: ``.to(router_logits.dtype)``);
+  ``sigmoid_grouped_route`` returns them in the compute dtype (HF keeps them float32).
+* ``experts_forward`` multiplies each expert output (x's dtype) by its weight with ordinary type promotion (so a
+  float32 weight times a bf16 output is formed in float32), casts to x's dtype and accumulates in x's dtype.
+  On CPU the accumulation order per token is ascending expert id, the same as HF's eager loop.
+
+Left out on purpose: expert parallelism (sentinel ids), capacity limits / token dropping, auxiliary balance losses,
+expert biases. ``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "softmax_topk_route",
+    "sigmoid_grouped_route",
+    "experts_forward",
+    "experts_forward_reference",
+    "router_logits",
+    "shared_expert_forward",
+    "EXPERT_IMPLS",
+]
+
+EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+
+
+def router_logits(x: Tensor, weight: Tensor, *, upcast: bool) -> Tensor:
+    """Router logits ``x @ weight.T`` for ``x [N, H]`` and ``weight [E, H]``.
+
+    ``upcast=False``: in x's dtype (Qwen3-Next / Qwen3.5 ``F.linear(hidden, gate.weight)``).
+    ``upcast=True``: x and weight cast to float32 (float64 stays float64) first (DeepSeek-V3/V3.2, GLM-4.5, GLM-5
+    ``F.linear(hidden.type(torch.float32), weight.type(torch.float32))``).
+    """
+    if upcast:
+        cdt = _compute_dtype(x.dtype)
+        return F.linear(x.to(cdt), weight.to(cdt))
+    return F.linear(x, weight)
+
+
+def softmax_topk_route(
+    router_logits: Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Softmax top-k routing. ``router_logits [N, E]`` -> ``(weights [N, k], expert_ids [N, k] int64)``.
+
+    ``softmax`` in ``compute_dtype`` (default float32, float64 for float64 logits), ``topk`` (sorted, largest first),
+    optional renormalisation of the k kept probabilities, then cast to the logits' dtype.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [N, E], got shape {tuple(router_logits.shape)}")
+    _check_top_k(top_k, router_logits.shape[-1])
+    cdt = compute_dtype or _compute_dtype(router_logits.dtype)
+    probs = torch.softmax(router_logits, dim=-1, dtype=cdt)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def sigmoid_grouped_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3 style sigmoid, group-limited top-k routing (``noaux_tc``).
+
+    ``router_logits [N, E]`` (compute them with ``router_logits(x, W, upcast=True)``), ``correction_bias [E]``
+    (``e_score_correction_bias``; ``None`` means zeros). Returns ``(weights [N, k], expert_ids [N, k] int64)``,
+    weights in ``compute_dtype`` (default float32, float64 for float64 logits). The order of the k slots is
+    whatever ``torch.topk(sorted=False)`` gives, as in HF; consumers must not depend on it.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [N, E], got shape {tuple(router_logits.shape)}")
+    num_experts = router_logits.shape[-1]
+    _check_top_k(top_k, num_experts)
+    if n_group < 1 or num_experts % n_group != 0:
+        raise ValueError(f"n_group={n_group} must be >= 1 and divide the number of experts ({num_experts})")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be between 1 and n_group={n_group}")
+    group_size = num_experts // n_group
+    if top_k > topk_group * group_size:
+        raise ValueError(
+            f"top_k={top_k} exceeds the {topk_group * group_size} experts in topk_group={topk_group} groups of "
+            f"{group_size}"
+        )
+    if topk_group < n_group and group_size < 2:
+        raise ValueError(f"group-limited routing scores a group by its best 2 experts; groups have {group_size}")
+    cdt = compute_dtype or _compute_dtype(router_logits.dtype)
+    scores = router_logits.to(cdt).sigmoid()
+    with torch.no_grad():  # selection only; the weights below are gathered from the differentiable scores
+        choice = scores if correction_bias is None else scores + correction_bias.to(cdt)
+        if topk_group < n_group:  # every group kept -> the mask is all ones, skip it (same result)
+            grouped = choice.view(-1, n_group, group_size)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, n_group]
+            group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, num_experts)
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def _check_experts_args(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor):
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, H], got shape {tuple(x.shape)}")
+    n, h = x.shape
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2:
+        raise ValueError(f"gate_up_proj must be [E, 2*I, H={h}], got shape {tuple(gate_up_proj.shape)}")
+    e, two_i, _ = gate_up_proj.shape
+    if tuple(down_proj.shape) != (e, h, two_i // 2):
+        raise ValueError(f"down_proj must be [E={e}, H={h}, I={two_i // 2}], got shape {tuple(down_proj.shape)}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != n or tuple(weights.shape) != tuple(expert_ids.shape):
+        raise ValueError(
+            f"expert_ids and weights must both be [N={n}, k], got {tuple(expert_ids.shape)} and {tuple(weights.shape)}"
+        )
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise ValueError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+        raise ValueError(
+            f"expert weights must have x's dtype {x.dtype}, got gate_up_proj {gate_up_proj.dtype} and down_proj "
+            f"{down_proj.dtype}"
+        )
+
+
+def _aligned16(t: Tensor) -> bool:
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s, d in zip(t.stride(), t.shape) if s != 1 and d != 1)
+
+
+def _grouped_mm_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> bool:
+    """Whether ``F.grouped_mm`` has a kernel here: CPU float32/bf16/fp16, CUDA bf16; 16-byte aligned strides."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    allowed = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+    if x.dtype not in allowed.get(x.device.type, ()):
+        return False
+    es = x.element_size()
+    _, two_i, h = gate_up_proj.shape
+    # the kernel's operands: gathered x [S, H], act output [S, I], gate_up^T [E, H, 2I], down^T [E, I, H]
+    return (h * es) % 16 == 0 and (two_i // 2 * es) % 16 == 0 and _aligned16(gate_up_proj) and _aligned16(down_proj)
+
+
+def experts_forward(
+    x: Tensor,
+    expert_ids: Tensor,
+    weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    act_fn: Callable[[Tensor], Tensor] = F.silu,
+    *,
+    impl: str = "auto",
+) -> Tensor:
+    """Routed SwiGLU experts. ``x [N, H]``, ``expert_ids [N, k]`` (int), ``weights [N, k]``,
+    ``gate_up_proj [E, 2*I, H]`` (gate rows first), ``down_proj [E, H, I]`` -> ``[N, H]`` in x's dtype.
+
+    ``impl``: ``"loop"`` (per-expert ``F.linear`` over the experts that received tokens; one host sync for the
+    counts), ``"grouped_mm"`` (``F.grouped_mm`` over all experts, no host sync; CPU float32/bf16/fp16 and CUDA bf16
+    with 16-byte-aligned sizes), ``"auto"`` (``grouped_mm`` where it applies, else ``loop``).
+    """
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {EXPERT_IMPLS}")
+    _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj)
+    num_experts, two_i, _ = gate_up_proj.shape
+    use_grouped = _grouped_mm_ok(x, gate_up_proj, down_proj)
+    if impl == "grouped_mm" and not use_grouped:
+        raise ValueError(f"impl='grouped_mm' has no kernel for {x.dtype} on {x.device.type} with these shapes")
+    use_grouped = use_grouped and impl != "loop" and expert_ids.numel() > 0
+
+    n, k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)
+    with torch.no_grad():
+        order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, token order within an expert
+        token_idx = order // k
+        counts = torch.bincount(flat_ids, minlength=num_experts)
+        if counts.numel() != num_experts:
+            raise ValueError(f"expert_ids contains ids >= the number of experts ({num_experts})")
+    xs = x[token_idx]  # [S, H], S = N * k
+
+    if use_grouped:
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offs)  # [S, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        ys = F.grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), offs=offs)  # [S, H]
+    else:
+        pieces = []
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            gate, up = F.linear(xs[start : start + c], gate_up_proj[e]).chunk(2, dim=-1)
+            pieces.append(F.linear(act_fn(gate) * up, down_proj[e]))
+            start += c
+        ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
+
+    ys = (ys * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+    return x.new_zeros(n, x.shape[1]).index_add(0, token_idx, ys)
+
+
+def experts_forward_reference(
+    x: Tensor,
+    expert_ids: Tensor,
+    weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    act_fn: Callable[[Tensor], Tensor] = F.silu,
+) -> Tensor:
+    """Obviously-correct slow version: a Python loop over tokens and their k slots, the formula as written."""
+    _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj)
+    inter = gate_up_proj.shape[1] // 2
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros_like(x[t])
+        for j in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, j])
+            w_gu = gate_up_proj[e]
+            hidden = act_fn(w_gu[:inter] @ x[t]) * (w_gu[inter:] @ x[t])
+            acc = acc + ((down_proj[e] @ hidden) * weights[t, j]).to(x.dtype)
+        rows.append(acc)
+    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
+
+
+def shared_expert_forward(
+    x: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    act_fn: Callable[[Tensor], Tensor] = F.silu,
+    gate_weight: Tensor | None = None,
+) -> Tensor:
+    """The always-on shared expert: ``down(act(gate(x)) * up(x))`` with ``nn.Linear``-layout weights
+    (``gate_proj, up_proj [I, H]``, ``down_proj [H, I]``), times ``sigmoid(x @ gate_weight.T)`` when a
+    ``gate_weight [1, H]`` is given (Qwen3-Next / Qwen3.5 ``shared_expert_gate``; DeepSeek/GLM have no gate)."""
+    out = F.linear(act_fn(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+    if gate_weight is not None:
+        out = torch.sigmoid(F.linear(x, gate_weight)) * out
+    return out
