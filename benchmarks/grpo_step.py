@@ -1,7 +1,9 @@
 """One GRPO step on a tiny dense model, side by side: naive HF, shared-prefix with autograd, LongStraw.
 
-Every configuration runs in a fresh process (peak memory = the process's peak RSS above its post-load baseline on
-CPU, ``max_memory_allocated`` above the post-load allocation on CUDA), peak memory of the first step, time of the second.
+Every configuration runs in a fresh process: a small warm-up step, then the measured step. Peak memory is the
+process's peak RSS above its baseline after loading and warm-up on CPU (glibc's mmap threshold fixed so freed
+blocks go back to the OS), ``max_memory_allocated`` above the allocation after warm-up on CUDA; it includes the
+gradients (allocated up front, as in a step accumulating several groups). Time: a second identical step.
 
 Methods:
   naive     the HF transformers model on the G concatenated prompt+response sequences with autograd (what TRL and
@@ -90,11 +92,28 @@ def _prefix_step(model, prompt, responses, adv):
     loss.backward()
 
 
+def _step_fn(method, model, args, prompt, responses, adv, device):
+    import longstraw
+
+    prompt, responses, adv = prompt.to(device), [r.to(device) for r in responses], adv.to(device)
+    if method == "naive":
+        return lambda: _naive_step(model, prompt, responses, adv)
+    if method == "prefix":
+        return lambda: _prefix_step(model, prompt, responses, adv)
+    cfg = longstraw.GRPOConfig(prompt_grad=method, prefill_chunk=args.chunk, clip_ratio_c=None)
+    return lambda: longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+
+
 def worker(args) -> dict:
+    """Peak memory above the post-load baseline and time of one step, in this (fresh) process.
+
+    See :func:`longstraw.profiling.measure_step` (warm-up, gradients allocated up front, heap trimmed); main()
+    runs workers with MALLOC_MMAP_THRESHOLD_ fixed so that the resident set follows the live tensors.
+    """
     import torch
 
     import longstraw
-    from longstraw.profiling import cpu_peak_bytes, cpu_current_bytes, reset_cpu_peak
+    from longstraw.profiling import measure_step
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -105,41 +124,17 @@ def worker(args) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32).to(device)
         model.config._attn_implementation = "sdpa"
-        step = lambda: _naive_step(model, prompt.to(device), [r.to(device) for r in responses], adv.to(device))  # noqa
     else:
         model = longstraw.load_model(args.ckpt, dtype="float32", device=device)
-        if args.worker_method == "prefix":
-            step = lambda: _prefix_step(model, prompt.to(device), [r.to(device) for r in responses], adv.to(device))  # noqa
-        else:
-            cfg = longstraw.GRPOConfig(prompt_grad=args.worker_method, prefill_chunk=args.chunk, clip_ratio_c=None)
-            step = lambda: longstraw.grpo_backward(model, prompt, responses, adv, cfg)  # noqa
     model.train()
 
-    def run_once():
-        for p in model.parameters():
-            p.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    # peak of the first step above the post-load baseline (the allocator keeps what a warm-up grew, so a warm-up
-    # before the measurement would hide the peak); the time is that of a second step
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = cpu_current_bytes()
-        reset_cpu_peak()
-    first = run_once()
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else cpu_peak_bytes()) - base
-    secs = run_once()
+    small = min(args.prompt_len, 256)
+    warm = _step_fn(args.worker_method, model, args, prompt[:small], responses[:2], adv[:2], device)
+    step = _step_fn(args.worker_method, model, args, prompt, responses, adv, device)
+    peak, first = measure_step(step, model.parameters(), device, warmup=warm)
+    _, secs = measure_step(step, model.parameters(), device)
     return {"method": args.worker_method, "G": g, "prompt_len": args.prompt_len, "response_len": args.response_len,
-            "seconds": round(secs, 4), "first_step_seconds": round(first, 4),
-            "peak_bytes": int(peak)}
+            "seconds": round(secs, 4), "first_step_seconds": round(first, 4), "peak_bytes": int(peak)}
 
 
 def main(argv=None):
@@ -181,11 +176,15 @@ def main(argv=None):
     for g in groups:
         for m in methods:
             cmd = [sys.executable, __file__, *passthrough, f"--worker-method={m}", f"--worker-g={g}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 res = {"method": m, "G": g, "prompt_len": args.prompt_len, "error": proc.stderr.strip()[-300:]}
             else:
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
+            pred = planned_bytes(m, g, args)
+            if pred is not None:
+                res["planned_bytes"] = pred
             results.append(res)
             print(json.dumps(res), flush=True)
 
@@ -193,6 +192,22 @@ def main(argv=None):
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     return 0
+
+
+def planned_bytes(method: str, g: int, args) -> int | None:
+    """The memory planner's prediction of what the worker measures (gradients + everything above the weights)."""
+    import json as _json
+
+    from longstraw.planner import naive_step_bytes, plan
+
+    cfg = _json.loads((Path(args.ckpt) / "config.json").read_text())
+    if method == "naive":
+        return naive_step_bytes(cfg, args.prompt_len, args.response_len, g, dtype="float32")
+    if method in ("detached", "exact"):
+        p = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, group=g, prompt_grad=method,
+                 dtype="float32", prefill_chunk=args.chunk)
+        return p.peak_bytes - p.breakdown["weights"] - p.breakdown["optimizer"]
+    return None
 
 
 def summary(results, groups, methods, args):
@@ -215,6 +230,10 @@ def summary(results, groups, methods, args):
         a, b = by.get((m, lo)), by.get((m, hi))
         if a and b:
             print(f"{m}: peak(G={hi})/peak(G={lo}) = {b['peak_bytes'] / max(1, a['peak_bytes']):.3f}")
+    for r in results:
+        if "planned_bytes" in r and "peak_bytes" in r:
+            print(f"planner {r['method']} G={r['G']}: planned {r['planned_bytes'] / 2**20:.1f} MiB, measured "
+                  f"{r['peak_bytes'] / 2**20:.1f} MiB (ratio {r['planned_bytes'] / max(1, r['peak_bytes']):.3f})")
     for m in ("detached", "exact"):
         n, r = by.get(("naive", hi)), by.get((m, hi))
         if n and r:

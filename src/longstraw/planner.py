@@ -119,11 +119,11 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, grpo_cfg) -> 
     with LiveBytes() as lb:
         base = lb.live
         state = build_prompt_state(model, prompt, grpo_cfg, grpo_cfg.exact)
-        state_bytes = lb.live - base
-        prefill_peak = lb.peak - base - state_bytes
+        state_bytes = state.nbytes()
+        prefill_peak = lb.peak - lb.live  # transient above everything that stays (state, small caches)
         if grpo_cfg.exact:
             state.enable_grad()
-        grad_bytes = lb.live - base - state_bytes
+        grad_bytes = state.grad_nbytes()
         prefix = state.prefix(grad=grpo_cfg.exact)
         lb.reset_peak()
         before = lb.live
@@ -159,7 +159,9 @@ def naive_step_bytes(model_or_config, prompt_len: int, response_len: int, group:
     hf_cfg = model_or_config if isinstance(model_or_config, dict) else model_or_config.hf_config
     if dtype is None:
         dtype = next(model_or_config.parameters()).dtype if not isinstance(model_or_config, dict) else torch.float32
-    model = _meta_model(hf_cfg, dtype)
+    from longstraw.checkpoint.hf import parse_dtype
+
+    model = _meta_model(hf_cfg, parse_dtype(dtype))
     ids = torch.zeros(group, prompt_len + response_len, dtype=torch.long, device="meta")
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -213,21 +215,29 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, pro
     peak = peak_of(breakdown)
     max_len = None
     if gpu_mem is not None:
-        p1 = max(2, min(prompt_len, 2 * prefill_chunk))
-        p2 = 2 * p1
-        y1, y2 = peak_of(at(p1 * cp) if cp > 1 else at(p1)), peak_of(at(p2 * cp) if cp > 1 else at(p2))
-        slope = (y2 - y1) / ((p2 - p1) * (cp if cp > 1 else 1))
-        x1 = p1 * (cp if cp > 1 else 1)
-        if y1 > gpu_mem:
-            max_len = 0
-        elif slope <= 0:
-            max_len = None
-        else:
-            max_len = int(x1 + (gpu_mem - y1) / slope)
+        max_len = _solve_max_len(lambda x: peak_of(at(x)), gpu_mem, start=max(2 * prefill_chunk, 65536) * cp)
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=prompt_grad,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=prefill_chunk, branch_batch=branch_batch)
     return Plan(int(peak), breakdown, max_len, settings)
+
+
+def _solve_max_len(peak_at, limit: float, start: int) -> int | None:
+    """Largest prompt length whose peak fits ``limit``: the line through two dry runs beyond the attention block
+    size (where the peak is linear in P), then one secant step from a dry run at the estimate."""
+    x1, x2 = start, 2 * start
+    y1, y2 = peak_at(x1), peak_at(x2)
+    if y2 <= y1:
+        return None  # nothing grows with the prompt: no limit from memory
+    slope = (y2 - y1) / (x2 - x1)
+    x = int(x1 + (limit - y1) / slope)
+    if x < 2:
+        return 0 if peak_at(2) > limit else 2
+    y = peak_at(x)
+    if y != y2 and x != x2:
+        slope = (y - y2) / (x - x2) if x != x2 else slope
+        x = int(x + (limit - y) / slope) if slope > 0 else x
+    return max(0, x)
 
 
 def _check_positive(**kw) -> None:

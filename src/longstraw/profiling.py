@@ -82,3 +82,49 @@ class PhaseMeter:
                 peak = cpu_peak_bytes()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc), so the next phase's peak RSS is its own."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_step(step, params, device: torch.device, warmup=None) -> tuple[int, float]:
+    """``(peak bytes above the baseline, seconds)`` of one call of ``step``.
+
+    ``warmup`` (a small step) runs first to initialise thread pools and lazy state; gradients are then allocated as
+    zeros (as in a step that accumulates several groups) and count in the peak, the heap is trimmed, the baseline
+    taken. For faithful CPU numbers run the process with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then returns large
+    freed blocks to the OS at once, and the resident set follows the live tensors).
+    """
+    params = list(params)
+    if warmup is not None:
+        warmup()
+    for p in params:
+        p.grad = None
+    trim_heap()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        base = cpu_current_bytes()
+        reset_cpu_peak()
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = cpu_peak_bytes()
+    return peak - base, time.perf_counter() - t0

@@ -75,9 +75,10 @@ class KVState:
     def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
         k, v = piece
         assert k.shape[0] == 1 and k.shape[2] == end - start, "prefill writes one sequence, one chunk at a time"
-        if self.k is None:
-            self.k = k.new_empty(1, k.shape[1], self.capacity, k.shape[3])
-            self.v = v.new_empty(1, v.shape[1], self.capacity, v.shape[3])
+        if self.k is None:  # zero-filled: the whole state is resident now, so a run that cannot hold it fails
+            # at the first chunk rather than hours later on a page fault (and CPU RSS then matches the plan)
+            self.k = k.new_zeros(1, k.shape[1], self.capacity, k.shape[3])
+            self.v = v.new_zeros(1, v.shape[1], self.capacity, v.shape[3])
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self.length = max(self.length, end)

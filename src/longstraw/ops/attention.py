@@ -267,28 +267,43 @@ def _segment_bwd(bwd, do, q, seg_k, seg_v, o, lse, causal, scale):
     return _unfold(dq, b, hq, t, shared), dk, dv
 
 
+class _OnlineMerge:
+    """Running log-sum-exp merge of per-segment ``(out_i, lse_i)``: two accumulators, however many segments."""
+
+    def __init__(self):
+        self.acc: Tensor | None = None
+        self.lse: Tensor | None = None
+        self.n = 0
+
+    def add(self, o: Tensor, l: Tensor) -> None:
+        self.n += 1
+        if self.acc is None:
+            self.acc, self.lse = o, l
+            return
+        new = torch.logaddexp(self.lse, l)
+        self.acc = self.acc.to(new.dtype) * torch.exp(self.lse - new)[..., None] + o.to(new.dtype) * torch.exp(l - new)[..., None]
+        self.lse = new
+
+    def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self.acc.to(dtype), self.lse
+
+
 def _merge(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    if len(outs) == 1:
-        return outs[0].to(dtype), lses[0]
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    acc = None
+    """Merge per-segment ``(out_i, lse_i)`` into ``(out, lse)`` (``out`` in ``dtype``)."""
+    merge = _OnlineMerge()
     for o, l in zip(outs, lses):
-        w = torch.exp(l - lse)[..., None]
-        term = o.to(w.dtype) * w
-        acc = term if acc is None else acc + term
-    return acc.to(dtype), lse
+        merge.add(o, l)
+    return merge.result(dtype)
 
 
 class _SegmentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, backend, meta, *kv):
         fwd, _ = _KERNELS[backend]
-        outs, lses = [], []
+        merge = _OnlineMerge()
         for idx, (causal, _, _) in enumerate(meta):
-            o, l = _segment_fwd(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale)
-            outs.append(o)
-            lses.append(l)
-        out, lse = _merge(outs, lses, q.dtype)
+            merge.add(*_segment_fwd(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale))
+        out, lse = merge.result(q.dtype)
         ctx.save_for_backward(q, out, lse, *kv)
         ctx.scale, ctx.backend, ctx.meta = scale, backend, meta
         ctx.mark_non_differentiable(lse)
@@ -318,6 +333,18 @@ class _SegmentAttention(torch.autograd.Function):
         return (dq, None, None, None, *grads)
 
 
+def _split(seg: KVSegment, size: int) -> list[KVSegment]:
+    if seg.causal or seg.length <= size:
+        return [seg]
+    out = []
+    for a in range(0, seg.length, size):
+        b = min(seg.length, a + size)
+        out.append(KVSegment(seg.k[:, :, a:b], seg.v[:, :, a:b], False,
+                             seg.k_grad[:, :, a:b] if seg.k_grad is not None else None,
+                             seg.v_grad[:, :, a:b] if seg.v_grad is not None else None))
+    return out
+
+
 def segment_attention(
     q: Tensor,
     segments: list[KVSegment],
@@ -325,14 +352,21 @@ def segment_attention(
     *,
     backend: str | None = None,
     return_lse: bool = False,
+    max_segment: int = 32768,
 ):
     """Attention of ``q`` over the concatenation of ``segments``, computed per segment and merged by LSE.
 
     q: ``[B, Hq, T, Dk]``; segments: see :class:`KVSegment` (``Hq`` a multiple of each segment's ``Hkv``).
     Returns ``out [B, Hq, T, Dv]`` in q's dtype (and ``lse [B, Hq, T]`` in float32/float64 if ``return_lse``).
     Differentiable w.r.t. q and each segment's k, v (or accumulated into its sinks).
+    Unmasked segments longer than ``max_segment`` keys are attended in blocks (views, no copy), so that no
+    temporary of the kernels (in particular the backward's ``dK, dV`` before they reach a sink) exceeds one block:
+    memory stays bounded at any prompt length.
     """
-    segments = [s for s in segments if s.length > 0]
+    for s in segments:  # a segment split over a context-parallel group computes the call (longstraw.distributed)
+        if getattr(s, "cp_dispatch", None) is not None:
+            return s.cp_dispatch(q, segments, scale, backend=backend, return_lse=return_lse)
+    segments = [piece for s in segments if s.length > 0 for piece in _split(s, max_segment)]
     if not segments:
         raise ValueError("segment_attention needs at least one non-empty key/value segment")
     b, hq, t, d = q.shape

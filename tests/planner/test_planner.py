@@ -1,0 +1,103 @@
+"""The memory planner: its predictions against peak memory measured in fresh processes, its CLI, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longstraw.planner import BREAKDOWN_KEYS, naive_step_bytes, plan
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+DENSE = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 20000}
+
+PROBE = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+import longstraw
+from longstraw.models.registry import build_model
+from longstraw.profiling import measure_step
+cfg, mode, p, r, g, chunk = json.loads(sys.argv[1])
+model = build_model(cfg)
+gen = torch.Generator().manual_seed(0)
+prompt = torch.randint(0, cfg["vocab_size"], (p,), generator=gen)
+resp = [torch.randint(0, cfg["vocab_size"], (r,), generator=gen) for _ in range(g)]
+adv = torch.randn(g, generator=gen)
+gc = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk)
+step = lambda: longstraw.grpo_backward(model, prompt, resp, adv, gc)
+warm = lambda: longstraw.grpo_backward(model, prompt[:200], resp[:2], adv[:2], gc)
+peak, _ = measure_step(step, model.parameters(), torch.device("cpu"), warmup=warm)
+print(peak)
+"""
+
+
+def _measure(cfg, mode, p, r, g, chunk):
+    env = {**os.environ, "PYTHONPATH": SRC, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([cfg, mode, p, r, g, chunk])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+# prompts long enough that the state dominates the few MiB of resident-set noise of a CPU process
+@pytest.mark.parametrize("mode,p,g,chunk", [("detached", 16384, 2, 2048), ("exact", 16384, 4, 2048),
+                                            ("exact", 12000, 2, 1024)])
+def test_prediction_within_ten_percent_of_measured(mode, p, g, chunk):
+    pl = plan(DENSE, prompt_len=p, response_len=48, group=g, prompt_grad=mode, dtype="float32", prefill_chunk=chunk)
+    predicted = pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]  # the probe steps no optimiser
+    measured = _measure(DENSE, mode, p, 48, g, chunk)
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted / 2**20, measured / 2**20)
+
+
+def test_breakdown_structure_and_scaling():
+    a = plan(DENSE, prompt_len=4096, response_len=32, group=2, prompt_grad="exact", dtype="float32")
+    b = plan(DENSE, prompt_len=8192, response_len=32, group=8, prompt_grad="exact", dtype="float32")
+    kv = 2 * 2 * 4 * 32 * 4  # layers x (K, V) x kv heads x head dim x fp32 bytes, per position
+    assert a.breakdown["prompt_state"] == kv * 4095 and b.breakdown["prompt_state"] == kv * 8191
+    assert a.breakdown["prompt_state_grad"] == a.breakdown["prompt_state"]
+    assert plan(DENSE, prompt_len=4096, response_len=32, group=2, prompt_grad="detached",
+                dtype="float32").breakdown["prompt_state_grad"] == 0
+    b2 = plan(DENSE, prompt_len=8192, response_len=32, group=2, prompt_grad="exact", dtype="float32")
+    assert b.breakdown["branch_graph"] == b2.breakdown["branch_graph"]  # flat in G
+    sharded = plan(DENSE, prompt_len=8192, response_len=32, group=8, dtype="float32", gpus=4, cp=4)
+    assert sharded.breakdown["prompt_state"] == b.breakdown["prompt_state"] // 4
+    assert naive_step_bytes(DENSE, 4096, 32, 8) > 3 * naive_step_bytes(DENSE, 4096, 32, 2)
+
+
+def test_max_prompt_len_fits_the_memory():
+    mem = 512 * 2**20
+    p = plan(DENSE, prompt_len=4096, response_len=32, group=4, dtype="float32", gpu_mem=mem)
+    assert p.max_prompt_len and p.max_prompt_len > 4096
+    at = plan(DENSE, prompt_len=p.max_prompt_len, response_len=32, group=4, dtype="float32")
+    assert 0.95 * mem <= at.peak_bytes <= 1.01 * mem
+
+
+def test_cli_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    env = {**os.environ, "PYTHONPATH": SRC}
+    out = subprocess.run([sys.executable, "-m", "longstraw.cli", "plan", "--model", str(tmp_path), "--prompt-len",
+                          "4096", "--response-len", "64", "--group", "8", "--prompt-grad", "exact", "--dtype",
+                          "bfloat16", "--gpus", "2", "--cp", "2", "--gpu-mem", "1G", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len"}
+    assert set(d["breakdown"]) == set(BREAKDOWN_KEYS) and all(isinstance(v, int) for v in d["breakdown"].values())
+    assert isinstance(d["max_prompt_len"], int) and d["peak_bytes"] > 0
+    bad = subprocess.run([sys.executable, "-m", "longstraw.cli", "plan", "--model", str(tmp_path), "--prompt-len",
+                          "4096", "--gpus", "3", "--cp", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "cp=2 must divide gpus=3" in bad.stderr
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(prompt_len=1), "prompt_len=1 must be >= 2"),
+                                    (dict(group=0), "group=0 must be an integer >= 1"),
+                                    (dict(dtype="int4"), "unsupported dtype 'int4'"),
+                                    (dict(prompt_grad="full"), "prompt_grad='full' is not supported")])
+def test_bad_input(kw, msg):
+    args = dict(prompt_len=512, response_len=8, group=2)
+    args.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        plan(DENSE, **args)
