@@ -21,7 +21,7 @@ class Family:
     weights: Callable[[dict], WeightMap] = field(default=lambda cfg: WeightMap())
 
 
-_family_modules = ("longstraw.models.dense",)
+_family_modules = ("longstraw.models.dense", "longstraw.models.qwen_hybrid", "longstraw.models.deepseek")
 
 
 def families() -> list[Family]:

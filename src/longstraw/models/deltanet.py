@@ -1,0 +1,305 @@
+"""Gated DeltaNet (the linear-attention token mixer of Qwen3-Next / Qwen3.5) and its prompt state.
+
+Per token (HF names; ``Hk`` key heads of dim ``Dk``, ``Hv`` value heads of dim ``Dv``, ``r = Hv / Hk``)::
+
+    q, k, v  = in_proj(x)                     q, k: [Hk, Dk], v: [Hv, Dv]   (also z: [Hv, Dv], b, a: [Hv])
+    q, k, v  = silu(causal_conv1d([q|k|v]))   depthwise, kernel K, over the concatenated channels
+    beta     = sigmoid(b)                     write strength
+    g        = -exp(A_log) * softplus(a + dt_bias)    log decay (<= 0), in float32 (float64 models: float64)
+    o, S     = gated_delta_rule(q, k, v, g, beta, S)  q/k L2-normalised inside the op, q scaled by Dk^-0.5
+    y        = out_proj(GatedRMSNorm(o, z))   per value head: w * rmsnorm(o) * silu(z)
+
+Two projection layouts, as the checkpoints store them:
+
+* ``"qwen3_next"``: ``in_proj_qkvz`` ``[2*Hk*Dk + 2*Hv*Dv, hidden]`` and ``in_proj_ba`` ``[2*Hv, hidden]``, both grouped
+  by key head: for each key head ``i`` its ``[q_i (Dk), k_i (Dk), v_i (r*Dv), z_i (r*Dv)]`` and ``[b_i (r), a_i (r)]``;
+* ``"qwen3_5"``: separate ``in_proj_qkv`` (channels ``[q | k | v]``, head-major), ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a``.
+
+Either way the conv runs over channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` (``conv1d.weight [C, 1, K]``, no bias).
+
+The mixer follows the :class:`~longstraw.models.attention.Attention` interface: ``forward(x, rope, prefix)`` with
+``prefix`` a :class:`RecurrentPrefix` (or None: zeros, i.e. the sequence starts here) returns ``(y, (conv, S))``:
+the conv window ``[B, C, K-1]`` (the last ``K-1`` conv inputs, in the activations' dtype) and the recurrent matrix
+``S [B, Hv, Dk, Dv]`` (float32, float64 for float64 models) after the new tokens. ``rope`` is ignored (DeltaNet
+has no positions). A prefix of batch 1 is broadcast over a batch of branches (expanded, never copied).
+
+:class:`RecurrentState` is the prompt state of one DeltaNet layer (see :mod:`longstraw.state` for the protocol).
+Detached mode keeps only the latest ``(conv, S)``: O(1) in the prompt length. Exact mode also keeps the state at
+every prefill-chunk boundary, because the reverse pass recomputes chunk ``[s, e)`` from the state at ``s``:
+O(P / chunk) states (docs/HYBRID.md gives the bytes and the alternative of recomputing from sparser checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longstraw.models.norms import GatedRMSNorm
+from longstraw.ops.conv import causal_conv1d
+from longstraw.ops.deltanet import gated_delta_rule
+from longstraw.state import grad_dtype_for
+
+LAYOUTS = ("qwen3_next", "qwen3_5")
+
+
+@dataclass
+class RecurrentPrefix:
+    """What a DeltaNet layer consumes from the positions before the new tokens.
+
+    conv ``[Bp, C, K-1]``: the last K-1 conv inputs; S ``[Bp, Hv, Dk, Dv]``: the recurrent matrix. ``Bp`` is 1 (shared
+    by a batch of branches) or the batch size.
+    """
+
+    conv: Tensor
+    S: Tensor
+
+
+def _autocast_off(device_type: str):
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
+        enabled = False
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+def _nbytes(*ts: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass
+class RecurrentState:
+    """Prompt state of one Gated DeltaNet layer.
+
+    ``conv [1, C, K-1]`` and ``S [1, Hv, Dk, Dv]`` after the first ``length`` prompt positions. With ``exact`` the
+    state after every written chunk is kept in ``boundaries`` (keyed by the chunk's end; the state at 0 is zeros and
+    never stored), so that ``prefix(s)`` exists for every chunk start ``s`` of the reverse pass.
+
+    Gradients (exact mode, after ``enable_grad``): ``prefix(n, grad=True)`` hands out leaf tensors (created once
+    per ``n``, in the gradient dtype) whose ``.grad`` collects dL/d(state at n) from everything that consumed them:
+    the branches for ``n = P``, the recomputed chunk ``[n, e)`` otherwise. ``backward_roots(piece, s, e)`` pairs
+    the recomputed chunk's output state with the ``.grad`` of the leaves at ``e`` and then drops those leaves, so at
+    most two sets of leaves live at once.
+    """
+
+    capacity: int
+    exact: bool = False
+    conv: Tensor | None = None
+    S: Tensor | None = None
+    length: int = 0
+    boundaries: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    grad_dtype: torch.dtype | None = None
+    _leaves: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _grad_peak: int = 0
+
+    # ------------------------------------------------------------------ prefill
+    def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
+        conv, S = piece
+        assert conv.shape[0] == 1 and S.shape[0] == 1, "prefill writes one sequence, one chunk at a time"
+        assert start == self.length, f"recurrent state holds {self.length} positions, chunk starts at {start}"
+        assert end <= self.capacity
+        conv, S = conv.detach(), S.detach()
+        if conv.device.type != "meta" and conv.untyped_storage().nbytes() > _nbytes(conv):
+            conv = conv.clone()  # a view (kernel 2) would keep the whole chunk's conv input alive
+        self.conv, self.S, self.length = conv, S, end
+        if self.exact:
+            self.boundaries[end] = (self.conv, self.S)
+
+    def _state_at(self, length: int) -> tuple[Tensor, Tensor]:
+        if length == self.length:
+            return self.conv, self.S
+        if length in self.boundaries:
+            return self.boundaries[length]
+        if not self.exact:
+            raise ValueError(f"this recurrent prompt state keeps only its latest state (position {self.length}); "
+                             f"the state at position {length} needs a prompt state built with exact=True")
+        raise ValueError(f"no recurrent state stored at position {length}; stored chunk boundaries: "
+                         f"{sorted(self.boundaries)}")
+
+    # ------------------------------------------------------------------ consumption
+    def prefix(self, length: int, grad: bool) -> RecurrentPrefix | None:
+        """The state after ``length`` positions (None for 0: the sequence starts with a zero state)."""
+        if length == 0 or self.conv is None:
+            return None
+        assert length <= self.length
+        if not (grad and self.grad_dtype is not None):
+            return RecurrentPrefix(*self._state_at(length))
+        if length not in self._leaves:
+            conv, S = self._state_at(length)
+            leaves = tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in (conv, S))
+            self._leaves[length] = leaves  # type: ignore[assignment]
+            self._grad_peak = max(self._grad_peak, self._live_grad_bytes())
+        return RecurrentPrefix(*self._leaves[length])
+
+    def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        leaves = self._leaves.pop(end, None)
+        if leaves is None:
+            return []
+        return [(root, leaf.grad.to(root.dtype)) for root, leaf in zip(piece, leaves) if leaf.grad is not None]
+
+    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+        if self.S is None:
+            return
+        if not self.exact:  # raise now, before any branch has added to .grad, not in the reverse pass
+            raise ValueError("the exact reverse pass needs the recurrent state at every chunk boundary: it needs a "
+                             "prompt state built with exact=True (prefill(..., exact=True) / "
+                             "generate(..., exact_state=True))")
+        self.grad_dtype = dtype or grad_dtype_for(self.S.dtype)
+        self._leaves.clear()
+        self._grad_peak = 0
+
+    def release_grad(self) -> None:
+        self._leaves.clear()
+        self.grad_dtype = None
+        self._grad_peak = 0
+
+    # ------------------------------------------------------------------ accounting
+    def _live_grad_bytes(self) -> int:
+        """Bytes a live leaf set costs: its ``.grad`` and, where the dtype differs from the stored state, its copy."""
+        n = 0
+        for leaves in self._leaves.values():
+            for leaf, stored in zip(leaves, (self.conv, self.S)):
+                n += 2 * _nbytes(leaf) if leaf.dtype != stored.dtype else _nbytes(leaf)
+        return n
+
+    def nbytes(self) -> int:
+        """Stored state: the latest ``(conv, S)``, and in exact mode every chunk boundary's (the latest included)."""
+        if self.exact and self.boundaries:
+            return sum(_nbytes(c, s) for c, s in self.boundaries.values())
+        return _nbytes(self.conv, self.S)
+
+    def grad_nbytes(self) -> int:
+        """Peak bytes of the gradient leaves held at once since ``enable_grad`` (one state in the branches, two in
+        the reverse pass)."""
+        return self._grad_peak
+
+    def decoder(self, batch: int, max_new: int) -> "RecurrentDecoder":
+        return RecurrentDecoder(self, batch)
+
+
+class RecurrentDecoder:
+    """Decoding ``batch`` branches: step 0 reads the prompt's final state expanded over the batch (no copy); each
+    step's new per-branch state ``[batch, ...]`` replaces the previous one (O(1) in the number of new tokens)."""
+
+    def __init__(self, prompt: RecurrentState, batch: int):
+        self.prompt, self.batch = prompt, batch
+        self.conv: Tensor | None = None
+        self.S: Tensor | None = None
+
+    def prefix(self, step: int) -> RecurrentPrefix | None:
+        if self.S is not None:
+            return RecurrentPrefix(self.conv, self.S)
+        p = self.prompt.prefix(self.prompt.length, False)
+        if p is None:
+            return None
+        return RecurrentPrefix(p.conv.expand(self.batch, -1, -1), p.S.expand(self.batch, -1, -1, -1))
+
+    def append(self, piece: tuple[Tensor, Tensor], step: int) -> None:
+        self.conv, self.S = piece
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the branches ``rows``."""
+        self.batch = int(rows.numel())
+        if self.S is not None:
+            self.conv, self.S = self.conv[rows], self.S[rows]
+
+
+class GatedDeltaNet(nn.Module):
+    """The Gated DeltaNet token mixer (see module docstring). Parameter names follow the HF checkpoints."""
+
+    state_type = RecurrentState
+
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, *,
+                 conv_kernel: int = 4, norm_eps: float = 1e-6, activation: str = "silu", layout: str = "qwen3_5"):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown DeltaNet projection layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={activation!r} is not supported for the DeltaNet conv; supported: 'silu'")
+        self.layout = layout
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        if layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())  # HF's init: A in [0.01, 16]
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def new_state(self, capacity: int, exact: bool = False) -> RecurrentState:
+        return RecurrentState(capacity, exact)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x ``[B, T, hidden]`` -> conv input ``[B, T, C]`` (channels q|k|v), z ``[B, T, Hv, Dv]``,
+        b, a ``[B, T, Hv]``."""
+        b, t, _ = x.shape
+        if self.layout == "qwen3_5":
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(b, t, self.num_v_heads, self.head_v_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        hk, dk, dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(b, t, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(x).view(b, t, hk, 2 * r)
+        bb, a = torch.split(ba, [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], dim=-1)
+        return (mixed, z.reshape(b, t, self.num_v_heads, dv), bb.reshape(b, t, self.num_v_heads),
+                a.reshape(b, t, self.num_v_heads))
+
+    def forward(self, x: Tensor, rope, prefix: RecurrentPrefix | None):
+        b, t, _ = x.shape
+        mixed, z, beta_logit, a = self._project(x)
+        conv0 = s0 = None
+        if prefix is not None:
+            conv0, s0 = prefix.conv, prefix.S
+            if conv0.shape[0] != b:
+                assert conv0.shape[0] == 1, f"prefix batch {conv0.shape[0]} must be 1 or the batch {b}"
+                conv0, s0 = conv0.expand(b, -1, -1), s0.expand(b, -1, -1, -1)
+            s0 = s0.contiguous()  # one [B, Hv, Dk, Dv] copy if expanded (kernels want a dense initial state)
+        mixed, conv1 = causal_conv1d(mixed, self.conv1d.weight, None, initial_state=conv0, activation="silu")
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = beta_logit.sigmoid()
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias)
+        # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk.
+        # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
+        # run its matmuls, and so the state, in bf16)
+        with _autocast_off(x.device.type):
+            o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                     use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))
+        o = self.norm(o, z)  # [B, T, Hv, Dv]
+        return self.out_proj(o.reshape(b, t, self.value_dim)), (conv1, s1)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""
+        sdt = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * torch.empty(0, dtype=sdt).element_size()
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Forward FLOPs per token: projections, conv, and the chunked delta rule (chunk 64); independent of context."""
+        hidden = self.out_proj.out_features
+        proj = 2.0 * hidden * (self.conv_dim + 2 * self.value_dim + 2 * self.num_v_heads)
+        conv = 2.0 * self.conv_dim * self.conv_kernel
+        dk, dv, c = self.head_k_dim, self.head_v_dim, 64
+        rule = self.num_v_heads * 2.0 * (2 * c * dk + c * dv + 3 * dk * dv + dk * dk)
+        return proj + conv + rule

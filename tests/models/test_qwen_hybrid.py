@@ -1,0 +1,317 @@
+"""Hybrid Qwen families (qwen3_next, qwen3_5[_text], qwen3_5_moe[_text]): logits and gradients against transformers,
+chunked prefill, save/load, the multimodal checkpoints' text weights, bad input, the built-in tiny config."""
+
+import contextlib
+import json
+import warnings
+
+import pytest
+import torch
+from hf_reference import float32_rope, save_tiny, tiny_hf, true_float64
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3NextConfig
+from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+                                             Qwen3_5MoeTextConfig)
+
+import longstraw
+from longstraw.models.deltanet import RecurrentState
+from longstraw.models.qwen_hybrid import tiny_config
+from longstraw.state import KVState
+
+V = 67
+_softmax = torch.nn.functional.softmax
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: one thread avoids thread-pool overhead (and contention on a shared machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _softmax64(input, dim=None, _stacklevel=3, dtype=None):
+    if input.dtype == torch.float64 and dtype is torch.float32:
+        dtype = torch.float64
+    return _softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+
+@contextlib.contextmanager
+def reference64():
+    """``true_float64`` plus HF's MoE router softmax (``softmax(dtype=torch.float)``) kept in float64."""
+    torch.nn.functional.softmax = _softmax64
+    try:
+        with true_float64():
+            yield
+    finally:
+        torch.nn.functional.softmax = _softmax
+
+
+def _common(layers=4, kv=1, hk=2, hv=4, dk=8, dv=8, **kw):
+    return dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=kv, head_dim=16,
+                linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                linear_value_head_dim=dv, vocab_size=V, max_position_embeddings=512, **kw)
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+CONFIGS = {
+    # full_attention_interval 2 / 3 / 4; grouped and ungrouped value heads; MoE, dense-only and mixed layers
+    "next-i2-mlp_only": lambda: Qwen3NextConfig(**_common(), intermediate_size=48, full_attention_interval=2,
+                                                mlp_only_layers=[1], **MOE),
+    "next-i3-sparse_step2-nonorm": lambda: Qwen3NextConfig(**_common(kv=2, hk=2, hv=2, dk=12), intermediate_size=40,
+                                                           full_attention_interval=3, decoder_sparse_step=2,
+                                                           norm_topk_prob=False, **MOE),
+    "q35-i3": lambda: Qwen3_5TextConfig(**_common(), intermediate_size=48, full_attention_interval=3),
+    "q35-i4-tied": lambda: Qwen3_5TextConfig(**_common(hk=1, hv=2, dv=12), intermediate_size=48,
+                                             full_attention_interval=4, tie_word_embeddings=True),
+    "q35moe-i2": lambda: Qwen3_5MoeTextConfig(**_common(), full_attention_interval=2, **MOE),
+}
+
+
+def hf_model(config, seed):
+    config._experts_implementation = "eager"  # HF's default grouped_mm has no float64 kernel
+    return tiny_hf(config, seed=seed)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request):
+    hf = hf_model(CONFIGS[request.param](), seed=sorted(CONFIGS).index(request.param))
+    return hf, save_tiny(hf)
+
+
+def test_logits_match_transformers_float64(pair):
+    hf, path = pair
+    model = longstraw.load_model(path)
+    ids = torch.randint(0, V, (2, 150))  # crosses the 64-token chunk twice, not a multiple of it
+    with torch.no_grad(), reference64():
+        want = hf(ids).logits
+    with torch.no_grad():
+        got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-10
+
+
+def test_logits_match_transformers_float32(pair):
+    _, path = pair
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = longstraw.load_model(path, dtype="float32")
+    ids = torch.randint(0, V, (3, 70))
+    with torch.no_grad():
+        want, got = hf32(ids).logits, model(ids)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def _prefill(model, ids, p, chunk, exact=False):
+    states = model.new_prompt_states(p, exact)
+    for s in range(0, p, chunk):
+        e = min(p, s + chunk)
+        _, pieces = model.run(ids[:, s:e], s, [st.prefix(s, False) for st in states], need_hidden=False)
+        for st, pc in zip(states, pieces):
+            st.write(pc, s, e)
+    return states
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100])
+def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
+    hf, path = pair
+    model = longstraw.load_model(path)
+    ids = torch.randint(0, V, (1, 150))
+    p = 131
+    with torch.no_grad():
+        full = model(ids)
+        states = _prefill(model, ids, p, chunk)
+        kinds = {type(st) for st in states}
+        assert kinds == {RecurrentState, KVState}
+        assert all(st.length == p for st in states)
+        hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
+        cont = model.lm_head(hidden)
+    assert (cont - full[:, p:]).abs().max().item() <= 1e-10
+
+
+def test_hf_grads_match_transformers(pair):
+    hf, path = pair
+    model = longstraw.load_model(path)
+    ids = torch.randint(0, V, (2, 70))
+    w = torch.randn(2, 70, V, dtype=torch.float64)
+    hf.zero_grad()
+    with reference64():
+        (hf(ids).logits * w).sum().backward()
+    (model(ids) * w).sum().backward()
+    got = longstraw.hf_grads(model)
+    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    for n in want:
+        err, scale = (got[n] - want[n]).abs().max().item(), want[n].abs().max().item()
+        assert err <= 1e-9 * scale, f"{n}: {err:.3e} vs max |grad| {scale:.3e}"
+    hf.zero_grad()
+
+
+def test_save_model_round_trips_through_transformers(pair, tmp_path):
+    _, path = pair
+    model = longstraw.load_model(path)
+    longstraw.save_model(model, tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64,
+                                                experts_implementation="eager").eval()
+    assert {n for n, _ in back.named_parameters()} == {n for n, _ in model.named_parameters()}
+    ids = torch.randint(0, V, (1, 80))
+    with torch.no_grad(), reference64():
+        hf_logits = back(ids).logits
+    with torch.no_grad():
+        ours = model(ids)
+    assert (hf_logits - ours).abs().max().item() <= 1e-10
+    again = longstraw.load_model(tmp_path / "out")
+    for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+# ----------------------------------------------------------------------------------------------- multimodal
+
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+              num_position_embeddings=16, temporal_patch_size=2, spatial_merge_size=2)
+TOKENS = dict(image_token_id=V - 4, video_token_id=V - 3, vision_start_token_id=V - 2, vision_end_token_id=V - 1)
+
+
+def _multimodal(kind):
+    if kind == "qwen3_5":
+        text = dict(model_type="qwen3_5_text", **_common(layers=3), intermediate_size=48, full_attention_interval=3)
+        cfg = Qwen3_5Config(text_config=text, vision_config=VISION, **TOKENS)
+        cls = Qwen3_5ForConditionalGeneration
+    else:
+        text = dict(model_type="qwen3_5_moe_text", **_common(layers=2), full_attention_interval=2, **MOE)
+        cfg = Qwen3_5MoeConfig(text_config=text, vision_config=VISION, **TOKENS)
+        cls = Qwen3_5MoeForConditionalGeneration
+    cfg._experts_implementation = "eager"
+    cfg.text_config._experts_implementation = "eager"
+    torch.manual_seed(3)
+    m = cls(cfg)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
+    return float32_rope(m.to(torch.float64)).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_multimodal_checkpoint_text_weights(kind, tmp_path):
+    hf = _multimodal(kind)
+    hf.save_pretrained(tmp_path / "mm")
+    names = load_file(tmp_path / "mm" / "model.safetensors")
+    assert any(n.startswith("model.visual.") for n in names) and any(n.startswith("model.language_model.")
+                                                                     for n in names)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = longstraw.load_model(tmp_path / "mm")
+    vision_warnings = [w for w in caught if "vision tower" in str(w.message)]
+    assert len(vision_warnings) == 1
+    assert model.spec.model_type == kind + "_text" and model.hf_config["model_type"] == kind + "_text"
+    ids = torch.randint(0, V - 4, (2, 90))
+    with torch.no_grad(), reference64():
+        want = hf(input_ids=ids).logits
+    with torch.no_grad():
+        got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-10
+    # save_model writes the text model: a text-only checkpoint that transformers loads with identical logits
+    longstraw.save_model(model, tmp_path / "text")
+    cfg = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert cfg["model_type"] == kind + "_text" and "vision_config" not in cfg
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64,
+                                                experts_implementation="eager").eval()
+    with torch.no_grad(), reference64():
+        assert (back(ids).logits - want).abs().max().item() <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def next_dir():
+    return save_tiny(hf_model(CONFIGS["next-i2-mlp_only"](), seed=9))
+
+
+def _rewrite(src, dst, edit_cfg=None, edit_sd=None):
+    import shutil
+
+    shutil.copytree(src, dst)
+    if edit_cfg:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_cfg(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_sd:
+        sd = load_file(dst / "model.safetensors")
+        sd = edit_sd(sd)
+        save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_unknown_layer_type_is_named(next_dir, tmp_path):
+    def edit(cfg):
+        cfg["layer_types"][2] = "sliding_attention"
+
+    d = _rewrite(next_dir, tmp_path / "m", edit_cfg=edit)
+    with pytest.raises(ValueError, match=r"layer_types \['sliding_attention'\] are not supported for qwen3_next; "
+                                         r"supported: \['linear_attention', 'full_attention'\]"):
+        longstraw.load_model(d)
+    cfg = tiny_config(layer_types=["linear_attention"] * 3)
+    with pytest.raises(ValueError, match=r"layer_types must list one entry per layer \(num_hidden_layers=4\)"):
+        longstraw.build_model(cfg)
+
+
+def test_mtp_weights_skipped_with_one_warning(next_dir, tmp_path):
+    def add_mtp(sd):
+        sd["mtp.fc.weight"] = torch.zeros(4, 4, dtype=torch.float64)
+        sd["mtp.layers.0.input_layernorm.weight"] = torch.zeros(4, dtype=torch.float64)
+        return sd
+
+    d = _rewrite(next_dir, tmp_path / "m", edit_sd=add_mtp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        longstraw.load_model(d)
+    msgs = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
+    assert len(msgs) == 1 and "2 tensors skipped" in msgs[0]
+
+
+def test_mtp_only_checkpoint_is_refused(next_dir, tmp_path):
+    d = _rewrite(next_dir, tmp_path / "m",
+                 edit_sd=lambda sd: {"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)})
+    with pytest.raises(ValueError, match=r"holds only multi-token-prediction weights \(2 tensors, e\.g\. mtp\."):
+        longstraw.load_model(d)
+
+
+def test_incomplete_experts_are_named(next_dir, tmp_path):
+    def drop(sd):
+        sd.pop("model.layers.2.mlp.experts.3.up_proj.weight")
+        return sd
+
+    d = _rewrite(next_dir, tmp_path / "m", edit_sd=drop)
+    with pytest.raises(ValueError, match=r"incomplete experts .*missing model\.layers\.2\.mlp\.experts\.3\.up_proj"):
+        longstraw.load_model(d)
+
+
+def test_bad_deltanet_heads(next_dir):
+    cfg = tiny_config(linear_num_key_heads=3, linear_num_value_heads=4)
+    with pytest.raises(ValueError, match=r"linear_num_value_heads=4 must be a multiple of linear_num_key_heads=3"):
+        longstraw.build_model(cfg)
+
+
+# ----------------------------------------------------------------------------------------------- tiny_config
+
+
+def test_tiny_config_builds_in_transformers_and_longstraw(tmp_path):
+    cfg = tiny_config(vocab_size=259, max_position_embeddings=4096)
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    hf_cfg = Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    assert hf_cfg.layer_types == cfg["layer_types"] and hf_cfg.head_dim == 16
+    model = longstraw.build_model(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    longstraw.save_model(model, tmp_path / "tiny")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3_5ForCausalLM"
+    ids = torch.randint(0, 259, (1, 77))
+    with torch.no_grad():
+        want, got = back(ids).logits, model(ids)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    assert tiny_config(num_hidden_layers=6, full_attention_interval=3)["layer_types"] == (
+        ["linear_attention"] * 2 + ["full_attention"]) * 2
