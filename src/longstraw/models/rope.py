@@ -155,3 +155,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :r], x[..., r:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's layout: ``x [..., r]`` (exactly ``r = cos.shape[-1]`` channels) holds rotation pairs
+    ``(x0, x1), (x2, x3), ...``. Returned DE-interleaved, ``[x_even * c - x_odd * s, x_odd * c + x_even * s]``, as
+    the reference implementations return it (so stored keys and queries are in the half-split layout and a dot
+    product between them is unchanged). Bit-identical to transformers' ``apply_rotary_pos_emb_interleave``."""
+    assert x.shape[-1] == cos.shape[-1], "interleaved RoPE rotates the whole tensor it is given"
+    return apply_rope(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)

@@ -1,0 +1,249 @@
+"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa): logits and gradients against
+transformers in float64 (both MLA forms), float32, chunked prefill + continuation, save/load through transformers
+with per-expert names, MTP layers skipped, prompt-state bytes per position, bad configs."""
+
+import warnings
+
+import pytest
+import torch
+from hf_reference import save_tiny, tiny_hf, true_float64
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig
+
+import longstraw
+from longstraw.engine.prefill import prefill
+from longstraw.models import dsa
+from longstraw.models.attention import Attention
+from longstraw.models.mla import MLAttention, set_mla_mode
+from longstraw.state import KVState
+
+V = 59
+MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+           first_k_dense_replace=1, max_position_embeddings=256, n_group=2, topk_group=1, routed_scaling_factor=1.7,
+           n_shared_experts=2)
+MLA = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+        "mscale_all_dim": 0.8, "rope_theta": 10000.0}
+DSA = dict(q_lora_rank=10, index_head_dim=8, index_n_heads=32)
+CONFIGS = {
+    "v3": lambda: DeepseekV3Config(**MOE, **MLA, q_lora_rank=10),
+    "v3-yarn-noqlora-halfsplit-bias": lambda: DeepseekV3Config(**MOE, **MLA, q_lora_rank=None, rope_interleave=False,
+                                                               attention_bias=True, rope_parameters=YARN,
+                                                               norm_topk_prob=False),
+    "glm4_moe": lambda: Glm4MoeConfig(**{**MOE, "num_key_value_heads": 2, "n_group": 1}, head_dim=8, use_qk_norm=True,
+                                      attention_bias=True),
+    "v32-dense": lambda: DeepseekV32Config(**MOE, **MLA, **{**DSA, "index_n_heads": 4}, index_topk=64),
+    "v32-sparse": lambda: DeepseekV32Config(**MOE, **MLA, **DSA, index_topk=6),
+    "glm5-shared-sparse": lambda: GlmMoeDsaConfig(**MOE, **MLA, **DSA, index_topk=7,
+                                                  indexer_types=["full", "shared", "full"]),
+}
+MLA_NAMES = [n for n in CONFIGS if n != "glm4_moe"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def hf_model(name, seed=0):
+    cfg = CONFIGS[name]()
+    cfg._experts_implementation = "eager"  # HF's grouped_mm has no float64 kernel
+    hf = tiny_hf(cfg, seed=seed)
+    with torch.no_grad():  # the correction bias is a buffer, tiny_hf leaves it at zero: make it matter
+        g = torch.Generator().manual_seed(seed)
+        for n, b in hf.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * 0.3)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request):
+    hf = hf_model(request.param, seed=sorted(CONFIGS).index(request.param))
+    return request.param, hf, save_tiny(hf)
+
+
+def _modes(name):
+    return ["auto", "absorbed", "decompressed"] if name in MLA_NAMES else [None]
+
+
+def _load(path, mode=None, **kw):
+    model = longstraw.load_model(path, **kw)
+    if mode is not None:
+        set_mla_mode(model, mode, decompress_chunk=5)  # several decompression chunks even at these lengths
+    return model
+
+
+def test_logits_match_transformers_float64(pair):
+    name, hf, path = pair
+    ids = torch.randint(0, V, (2, 31))
+    with torch.no_grad(), true_float64():
+        want = hf(ids).logits
+    for mode in _modes(name):
+        model = _load(path, mode)
+        assert next(model.parameters()).dtype == torch.float64
+        with torch.no_grad():
+            got = model(ids)
+        assert (got - want).abs().max().item() <= 1e-10, mode
+
+
+def test_logits_match_transformers_float32(pair):
+    _, _, path = pair
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = longstraw.load_model(path, dtype="float32")
+    ids = torch.randint(0, V, (2, 23))
+    with torch.no_grad():
+        want, got = hf32(ids).logits, model(ids)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk, monkeypatch):
+    name, _, path = pair
+    calls = []
+    sparse = dsa.sparse_latent_attention
+    monkeypatch.setattr(dsa, "sparse_latent_attention", lambda *a: calls.append(1) or sparse(*a))
+    ids = torch.randint(0, V, (1, 45))
+    p = 33
+    for mode in _modes(name):
+        model = _load(path, mode)
+        with torch.no_grad():
+            full = model(ids)
+            states = model.new_prompt_states(p)
+            for s in range(0, p, chunk):
+                e = min(p, s + chunk)
+                _, pieces = model.run(ids[:, s:e], s, [st.prefix(s, False) for st in states], need_hidden=False)
+                for st, pc in zip(states, pieces):
+                    st.write(pc, s, e)
+            hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
+            cont = model.lm_head(hidden)
+        assert (cont - full[:, p:]).abs().max().item() <= 1e-10, mode
+    assert bool(calls) == name.endswith("sparse")  # top-k < length: the selection is exercised
+
+
+def test_hf_grads_match_transformers(pair):
+    name, hf, path = pair
+    ids = torch.randint(0, V, (2, 17))
+    w = torch.randn(2, 17, V, dtype=torch.float64)
+    hf.zero_grad()
+    with true_float64():
+        (hf(ids).logits * w).sum().backward()
+    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    for mode in _modes(name):
+        model = _load(path, mode)
+        (model(ids) * w).sum().backward()
+        got = longstraw.hf_grads(model)
+        assert set(got) == set(want)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=f"{mode} {n}")
+    hf.zero_grad()
+    if name.startswith(("v32", "glm5")):  # the indexer is not differentiated, as upstream
+        assert not any(".indexer." in n for n in want)
+
+
+def test_save_model_round_trips_through_transformers_with_per_expert_names(pair, tmp_path):
+    _, _, path = pair
+    model = longstraw.load_model(path)
+    longstraw.save_model(model, tmp_path / "out")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(saved) == set(load_file(path / "model.safetensors"))  # the names transformers writes
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in saved
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in saved
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64,
+                                                experts_implementation="eager").eval()
+    hf_names = {n for n, _ in back.named_parameters()} | {n for n, _ in back.named_buffers() if "rotary" not in n}
+    assert hf_names == {n for n, _ in model.named_parameters()}
+    ids = torch.randint(0, V, (1, 23))
+    with torch.no_grad(), true_float64():
+        hf_logits = back(ids).logits
+    with torch.no_grad():
+        assert (hf_logits - model(ids)).abs().max().item() <= 1e-10
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert not bias.requires_grad and bias.abs().sum() > 0  # loaded, frozen
+
+
+def test_prompt_state_bytes_per_position(pair):
+    name, _, path = pair
+    model = longstraw.load_model(path)
+    state = prefill(model, torch.randint(0, V, (21,)), chunk_size=8)
+    cfg, b = model.hf_config, 8  # float64
+    if name == "glm4_moe":
+        assert all(isinstance(s, KVState) for s in state.layers)
+        want = [2 * cfg["num_key_value_heads"] * cfg["head_dim"] * b] * 3
+    else:
+        lat = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * b
+        kinds = cfg.get("indexer_types") or (["full"] * 3 if name.startswith("v32") else None)
+        want = [lat + (cfg["index_head_dim"] * b if kinds and k == "full" else 0) for k in (kinds or [None] * 3)]
+    assert state.bytes_per_position() == want
+    assert [layer.mixer.state_bytes_per_position(torch.float64) for layer in model.layers
+            if isinstance(layer.mixer, MLAttention)] == (want if name != "glm4_moe" else [])
+
+
+def test_mtp_layers_are_skipped_with_one_warning(tmp_path):
+    hf = hf_model("v3")
+    d = save_tiny(hf)
+    sd = load_file(d / "model.safetensors")
+    for k in [k for k in sd if k.startswith("model.layers.2.")]:
+        sd[k.replace("model.layers.2.", "model.layers.3.")] = sd[k].clone()  # an MTP layer after the 3 main ones
+    sd["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64, dtype=torch.float64)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = longstraw.load_model(d)
+    mtp = [w for w in caught if "multi-token-prediction" in str(w.message)]
+    assert len(mtp) == 1 and "[3]" in str(mtp[0].message)
+    assert len(model.layers) == 3
+
+
+def test_layer_kinds_follow_the_config():
+    model = longstraw.build_model(CONFIGS["glm5-shared-sparse"]().to_dict())
+    kinds = [type(layer.mixer).__name__ for layer in model.layers]
+    assert kinds == ["SparseMLAttention"] * 3
+    assert [layer.mixer.indexer is not None for layer in model.layers] == [True, False, True]
+    assert [layer.mixer.source_index for layer in model.layers] == [0, 0, 2]
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["GatedMLP", "SparseMoeBlock", "SparseMoeBlock"]
+    glm = longstraw.build_model(CONFIGS["glm4_moe"]().to_dict())
+    a = glm.layers[0].mixer
+    assert isinstance(a, Attention) and a.q_proj.bias is not None and a.o_proj.bias is None and a.q_norm is not None
+    assert glm.model.rotary_emb.params.rotary_dim == 4  # partial_rotary_factor 0.5 of head_dim 8
+
+
+def _cfg(name, **changes):
+    cfg = CONFIGS[name]().to_dict()
+    cfg.update(changes)
+    return cfg
+
+
+@pytest.mark.parametrize("name,changes,msg", [
+    ("v32-sparse", {"q_lora_rank": None}, "deepseek_v32 needs q_lora_rank"),
+    ("glm5-shared-sparse", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared'"),
+    ("glm5-shared-sparse", {"indexer_types": ["full", "half", "full"]}, "indexer_types must list one of"),
+    ("glm5-shared-sparse", {"indexer_types": None, "index_topk_pattern": "FX"}, "may hold only 'F' and 'S'"),
+    ("v32-sparse", {"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types must list 'dense' or 'sparse'"),
+    ("v3", {"n_group": 3}, "n_group=3 must divide n_routed_experts=8"),
+    ("v3", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be <= n_routed_experts=8"),
+    ("v3", {"topk_group": 1, "num_experts_per_tok": 5}, "exceeds the 4 experts of topk_group=1"),
+    ("v3", {"qk_rope_head_dim": 5}, "qk_rope_head_dim=5 must be even"),
+    ("v32-sparse", {"index_head_dim": 2}, "index_head_dim=2 must be >= qk_rope_head_dim=4"),
+    ("v3", {"kv_lora_rank": None}, "required key 'kv_lora_rank' is missing"),
+    ("v3", {"scoring_func": "softmax"}, "scoring_func='softmax' is not supported for deepseek_v3; supported: 'sigm"),
+])
+def test_bad_configs_name_the_value(name, changes, msg):
+    with pytest.raises(ValueError, match=msg):
+        longstraw.build_model(_cfg(name, **changes))
+
+
+def test_index_topk_pattern_and_frequency_derive_indexer_types():
+    from longstraw.models.config import ConfigReader
+    from longstraw.models.deepseek import indexer_types
+
+    base = {"model_type": "glm_moe_dsa"}
+    assert indexer_types({**base, "index_topk_pattern": "FSSF"}, ConfigReader({}), 4) == ["full", "shared", "shared",
+                                                                                        "full"]
+    derived = indexer_types({**base, "index_topk_freq": 2}, ConfigReader({"index_topk_freq": 2}), 6)
+    assert derived == GlmMoeDsaConfig(num_hidden_layers=6, index_topk_freq=2).indexer_types
