@@ -6,6 +6,7 @@ prompt. See docs/DESIGN.md.
 """
 
 from longstraw.checkpoint.hf import hf_grads, load_model, save_model
+from longstraw.distributed import init_distributed, shutdown_distributed
 from longstraw.engine.rollout import Rollout, SamplingConfig, generate
 from longstraw.engine.grpo import GRPOConfig, GRPOStats, PromptGrad, grpo_backward, score
 from longstraw.rl.losses import KLType, LossAggMode, group_advantages, loss_denominator
@@ -15,6 +16,8 @@ from longstraw.state import PromptState
 __version__ = "0.1.0"
 
 __all__ = [
+    "init_distributed",
+    "shutdown_distributed",
     "load_model",
     "save_model",
     "hf_grads",

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from longstraw import distributed
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
 
@@ -148,7 +149,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     finally:
         handles.clear()
     model.eval()
-    return model
+    return distributed.parallelize(model)  # FSDP2 over the CP group after init_distributed(fsdp=True), else as is
 
 
 def _parse_size(size: int | str) -> int:

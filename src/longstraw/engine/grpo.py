@@ -25,6 +25,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from longstraw import distributed
 from longstraw.engine.prefill import prefill
 from longstraw.engine.prompt_backward import prompt_backward
 from longstraw.models.transformer import CausalLM
@@ -171,6 +172,8 @@ def validate_group(model: CausalLM, prompt_ids, responses) -> None:
         if p + r.numel() > limit:
             raise ValueError(f"prompt ({p} tokens) + responses[{i}] ({r.numel()} tokens) = {p + r.numel()} positions "
                              f"exceeds the model's max_position_embeddings={limit}")
+    if (ctx := distributed.cp_active()) is not None:  # CP ranks run in lockstep: they must agree on the group
+        distributed.check_same_group(ctx, prompt_ids, responses)
 
 
 def _check_state(state, prompt_ids) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from longstraw import distributed
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
 
@@ -23,6 +24,8 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False) -> PromptState:
     """ids ``[P]`` (the prompt without its last token) -> the state of those ``P`` positions."""
     assert ids.dim() == 1
+    if (ctx := distributed.cp_active()) is not None and ids.device.type != "meta":  # each rank keeps its share
+        return distributed.cp_prefill(model, ids, chunk_size, exact, ctx)
     n = int(ids.shape[0])
     states = model.new_prompt_states(n, exact)
     chunks = chunk_bounds(n, chunk_size)

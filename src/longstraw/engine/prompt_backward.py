@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from longstraw import distributed
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
 
 
 def prompt_backward(model: CausalLM, state: PromptState, *, checkpoint_layers: bool = False) -> None:
+    if isinstance(state, distributed.ShardedPromptState):  # split over a context-parallel group
+        return distributed.cp_prompt_backward(model, state, checkpoint_layers=checkpoint_layers)
     ids = state.token_ids
     for s, e in reversed(state.chunks):
         prefix = state.prefix(s, grad=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from longstraw import distributed
 from longstraw.engine.grpo import check_ids_1d
 from longstraw.engine.prefill import prefill
 from longstraw.models.transformer import CausalLM
@@ -144,6 +145,8 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
             d.append(piece, step)
         logits = torch.nn.functional.linear(hidden[:, -1], weight, bias)
         ids, lp = sample_tokens(logits, sampling, gen)
+        if (ctx := distributed.cp_active()) is not None:  # CP ranks decode the same branches in lockstep
+            ids, lp = distributed.cp_broadcast_tokens(ctx, ids, lp)
         finished = torch.zeros_like(ids, dtype=torch.bool)
         if stop_ids.numel():
             finished |= (ids[:, None] == stop_ids[None]).any(-1)

@@ -365,7 +365,8 @@ def segment_attention(
     """
     for s in segments:  # a segment split over a context-parallel group computes the call (longstraw.distributed)
         if getattr(s, "cp_dispatch", None) is not None:
-            return s.cp_dispatch(q, segments, scale, backend=backend, return_lse=return_lse)
+            return s.cp_dispatch(q, segments, scale, backend=backend, return_lse=return_lse,
+                                 max_segment=max_segment)
     segments = [piece for s in segments if s.length > 0 for piece in _split(s, max_segment)]
     if not segments:
         raise ValueError("segment_attention needs at least one non-empty key/value segment")

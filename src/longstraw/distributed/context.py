@@ -1,0 +1,198 @@
+"""The process's parallel context: which ranks share one prompt (context parallel) and how they talk.
+
+``init_distributed(cp=R)`` splits the ``W`` ranks of a ``torchrun`` job into ``W / R`` data-parallel replicas of
+``R`` consecutive ranks each; the ``R`` ranks of a replica form its context-parallel (CP) group and share every
+prompt: each holds ``~1/R`` of the prompt state. The context is the one piece of global state of the package (the
+engine asks it "is a CP group active?"); everything else is passed explicitly.
+
+:class:`Comm` wraps the few collectives the CP attention and engine use, on one process group, with the tensor
+layouts they need (a leading rank axis).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torch >= 2.12 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Collectives over one process group; ``rank`` / ``size`` are this process's place in it.
+
+    Every method is a collective: all ranks of the group must call it in the same order with tensors of the same
+    shape and dtype.
+    """
+
+    group: Any
+    rank: int
+    size: int
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        """``t [...]`` from every rank -> ``[size, ...]`` in rank order."""
+        t = t.contiguous()
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]) if t.dim() else (self.size,))
+        dist.all_gather_into_tensor(out, t if t.dim() else t[None], group=self.group)
+        return out.view(self.size, *t.shape)
+
+    def all_to_all(self, t: Tensor) -> Tensor:
+        """``t [size, ...]``: block ``j`` goes to rank ``j``; returns ``[size, ...]`` whose block ``i`` came from
+        rank ``i``."""
+        assert t.shape[0] == self.size
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=self.group)
+        return out
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sum over the group, in place; returns ``t``."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def broadcast(self, t: Tensor, src: int = 0) -> Tensor:
+        """Rank ``src``'s ``t`` on every rank, in place; returns ``t``."""
+        dist.broadcast(t, group=self.group, group_src=src)
+        return t
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process stands: global rank/world, its CP group (``cp_rank`` of ``cp_size``) and data-parallel
+    replica (``dp_rank`` of ``dp_size``), the backend and device, and whether parameters are FSDP2-sharded over
+    the CP group. ``mesh`` is the ``(dp, cp)`` device mesh."""
+
+    rank: int
+    world_size: int
+    cp_size: int
+    cp_rank: int
+    dp_size: int
+    dp_rank: int
+    backend: str
+    device: torch.device
+    fsdp: bool
+    mesh: Any
+    cp: Comm
+    dp: Comm
+    owns_process_group: bool
+
+    @property
+    def cp_mesh(self):
+        """The 1-D mesh of this process's CP group (FSDP2 shards parameters over it)."""
+        return self.mesh["cp"]
+
+
+_CONTEXT: ParallelContext | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def init_distributed(cp: int, fsdp: bool = False, *, backend: str | None = None,
+                     timeout_s: float | None = None) -> ParallelContext:
+    """Start (or join) the process group and set up context parallelism over groups of ``cp`` ranks.
+
+    Call once per process, before :func:`longstraw.load_model`, in a job launched by ``torchrun`` (which sets
+    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) or after initialising the default
+    process group yourself. ``cp`` must divide the world size; consecutive ranks form a CP group.
+    ``fsdp=True`` makes ``load_model`` shard the decoder layers' parameters over the CP group with FSDP2.
+    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (GPU); default: nccl when CUDA is available, else gloo.
+    Every rank of a CP group must then make the same calls with the same inputs (``grpo_backward``, ``score``,
+    ``generate``), as in any SPMD program.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        raise ValueError(f"init_distributed was already called in this process (cp={_CONTEXT.cp_size}, "
+                         f"fsdp={_CONTEXT.fsdp}); call it once, before load_model (shutdown_distributed() ends it)")
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp={cp!r} must be an integer >= 1 (the number of ranks that share one prompt)")
+    if not isinstance(fsdp, bool):
+        raise ValueError(f"fsdp={fsdp!r} must be True or False")
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed: None, {', '.join(map(repr, _BACKENDS))}")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0 or None")
+
+    owns = not dist.is_initialized()
+    if owns:
+        missing = [v for v in _ENV if v not in os.environ]
+        if missing:
+            raise ValueError(f"init_distributed needs a torch.distributed environment, but {', '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} not set; launch with `torchrun "
+                             f"--nproc_per_node {cp} your_script.py` (or call torch.distributed.init_process_group "
+                             "first)")
+        world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent: need 0 <= RANK < WORLD_SIZE")
+    else:
+        world, rank = dist.get_world_size(), dist.get_rank()
+    if world % cp:
+        raise ValueError(f"cp={cp} does not divide the world size {world}; allowed: "
+                         f"{', '.join(map(str, _divisors(world)))}")
+
+    if owns:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    else:
+        backend = dist.get_backend()
+    if backend == "nccl":
+        local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if owns:
+        kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        dist.init_process_group(backend, **kw)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = world // cp
+    mesh = init_device_mesh(device.type, (dp_size, cp), mesh_dim_names=("dp", "cp"))
+    cp_comm = Comm(mesh.get_group("cp"), rank % cp, cp)
+    dp_comm = Comm(mesh.get_group("dp"), rank // cp, dp_size)
+    if fsdp and cp == 1:
+        warnings.warn("fsdp=True with cp=1: FSDP2 shards parameters over the CP group, which has one rank; "
+                      "parameters stay whole", stacklevel=2)
+        fsdp = False
+    _CONTEXT = ParallelContext(rank=rank, world_size=world, cp_size=cp, cp_rank=rank % cp, dp_size=dp_size,
+                               dp_rank=rank // cp, backend=backend, device=device, fsdp=fsdp, mesh=mesh,
+                               cp=cp_comm, dp=dp_comm, owns_process_group=owns)
+    return _CONTEXT
+
+
+def shutdown_distributed() -> None:
+    """Forget the context; destroy the process group if :func:`init_distributed` created it."""
+    global _CONTEXT
+    ctx, _CONTEXT = _CONTEXT, None
+    if ctx is not None and ctx.owns_process_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def get_context() -> ParallelContext | None:
+    """The context set by :func:`init_distributed`, or None."""
+    return _CONTEXT
+
+
+def cp_active() -> ParallelContext | None:
+    """The context if a context-parallel group of more than one rank is active, else None (single process)."""
+    return _CONTEXT if _CONTEXT is not None and _CONTEXT.cp_size > 1 else None

@@ -1,0 +1,273 @@
+"""Gated DeltaNet layers under context parallelism: the recurrent state is handed across rank boundaries.
+
+A DeltaNet layer's state after a position is ``(conv [1, C, K-1], S [1, Hv, Dk, Dv])``: O(1), but sequential. In
+prefill step ``k`` rank ``r``'s piece starts from the state after piece ``r - 1`` of the same step, so each
+DeltaNet layer runs its pieces one rank after the other (rank ``r`` waits for rank ``r - 1``, sends to ``r + 1``):
+a sequential hand-off, about ``R`` times the single-piece time per DeltaNet layer per step, while full-attention
+layers run in parallel. (A state scan, each rank computing the affine map ``S -> M S + R`` of its piece and a
+prefix scan over ranks, would parallelise it; the gated-delta-rule op does not expose ``M`` yet.) The state after
+each step is broadcast from the last rank, so every rank holds the state after the whole prompt (what the branches
+read: their DeltaNet work is redundant like the rest of the replay).
+
+Mechanism: module hooks on the DeltaNet mixer, attached by the CP engine for the duration of prefill and of the
+reverse pass (the model is not changed). Prefill: a forward pre-hook replaces the placeholder prefix of rank
+``r > 0`` with the state received from rank ``r - 1``; a forward hook sends the piece's final state to ``r + 1``.
+
+Exact reverse pass, step ``k``: rank ``r`` recomputes its piece from its stored initial state. The gradient of rank
+``r``'s final state is the gradient of rank ``r + 1``'s initial state, produced inside the same backward: on rank
+``r + 1`` the pre-hook threads the initial state (with the mixer's input) through :class:`_GradToPrev`, whose
+backward sends the gradient to ``r``; on rank ``r`` the forward hook threads the mixer's outputs through
+:class:`_Handoff`, whose backward (reached right before the mixer's own backward) receives it and adds it to the
+final state's gradient (ranks ``< R - 1`` seed their final state with a zero root gradient, so that every rank runs
+the backward). Both are ordered by data dependencies, not by the autograd engine's scheduling. The chain runs
+from rank ``R - 1`` down to 0 per DeltaNet layer. Rank 0's initial-state gradient is the gradient of the state
+after step ``k - 1``: it is broadcast at the next step and seeds rank ``R - 1``'s backward there; for the last step
+the seed is the branches' gradient of the final prompt state (identical on every rank).
+
+Storage per rank: detached, the final state only; exact, also the state before each of its ``K`` pieces
+(``~1/R`` of the single-process chunk boundaries).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longstraw.distributed.context import Comm
+from longstraw.distributed.cp_state import ShardLayout
+from longstraw.models.deltanet import RecurrentDecoder, RecurrentPrefix, RecurrentState
+from longstraw.state import grad_dtype_for
+
+__all__ = ["ShardedRecurrentState"]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_INCOMING = object()  # prefill placeholder: "the state that rank r - 1 is about to send"
+
+
+def _nbytes(*ts: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _send(ts: list[Tensor], dst: int, comm: Comm) -> None:
+    """Point-to-point send of a few tensors: a fixed-size header (dtype, rank, shape) then the data."""
+    head = []
+    for t in ts:
+        assert t.dim() <= 4
+        head += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *([0] * (4 - t.dim()))]
+    dist.send(torch.tensor(head, dtype=torch.int64, device=ts[0].device), group=comm.group, group_dst=dst)
+    for t in ts:
+        dist.send(t.contiguous(), group=comm.group, group_dst=dst)
+
+
+def _recv(n: int, src: int, comm: Comm, device: torch.device) -> list[Tensor]:
+    head = torch.empty(6 * n, dtype=torch.int64, device=device)
+    dist.recv(head, group=comm.group, group_src=src)
+    out = []
+    for i in range(n):
+        code, ndim, *shape = head[6 * i : 6 * i + 6].tolist()
+        t = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=device)
+        dist.recv(t, group=comm.group, group_src=src)
+        out.append(t)
+    return out
+
+
+class _Handoff(torch.autograd.Function):
+    """Identity on the mixer's outputs ``(y, conv, S)``; backward receives from rank ``r + 1`` the gradient of this
+    piece's final ``(conv, S)`` (which rank ``r + 1`` consumed) and adds it to theirs.
+
+    Threading ``y`` through it orders its backward after the layers above (``dy`` comes from them), so a rank never
+    waits here while the others wait for it in an upper layer's collective; when ``y`` is unused (the last layer in
+    prefill skips its output) the node runs first, which is then the right time too."""
+
+    @staticmethod
+    def forward(ctx, y, conv, S, owner):
+        ctx.owner, ctx.dtypes = owner, (conv.dtype, S.dtype)
+        ctx.set_materialize_grads(False)  # an unused y stays without gradient, as on the rank without this node
+        return y.view_as(y), conv.view_as(conv), S.view_as(S)
+
+    @staticmethod
+    def backward(ctx, dy, dc, ds):
+        o = ctx.owner
+        gc, gs = _recv(2, o.rank + 1, o.comm, o.device)
+        gc, gs = gc.to(ctx.dtypes[0]), gs.to(ctx.dtypes[1])
+        return dy, gc if dc is None else dc + gc, gs if ds is None else ds + gs, None
+
+
+class _GradToPrev(torch.autograd.Function):
+    """Identity on the mixer's input ``x`` and this piece's initial ``(conv, S)``; backward sends the gradient of
+    ``(conv, S)`` to rank ``r - 1``.
+
+    Threading ``x`` through it makes the send a prerequisite of everything below this layer in the backward (the
+    gradient of ``x`` passes here), so it happens before this rank enters a lower layer's collective."""
+
+    @staticmethod
+    def forward(ctx, x, conv, S, owner):
+        ctx.owner = owner
+        ctx.set_materialize_grads(False)
+        ctx.meta = [(conv.shape, conv.dtype), (S.shape, S.dtype)]
+        return x.view_as(x), conv.view_as(conv), S.view_as(S)
+
+    @staticmethod
+    def backward(ctx, dx, gc, gs):
+        o = ctx.owner
+        gc, gs = [g if g is not None else torch.zeros(shape, dtype=dt, device=o.device)
+                  for g, (shape, dt) in zip((gc, gs), ctx.meta)]
+        _send([gc, gs], o.rank - 1, o.comm)
+        return dx, gc, gs, None
+
+
+class _Leaves(RecurrentPrefix):
+    """Reverse pass, rank ``r > 0``: the initial-state leaves, to be threaded through :class:`_GradToPrev` by the
+    mixer's pre-hook."""
+
+
+class ShardedRecurrentState:
+    """A DeltaNet layer's prompt state under CP (see module docstring).
+
+    ``final``: ``(conv, S)`` after the ``length`` positions written so far, the same on every rank. ``initial[k]``
+    (exact mode): the state before this rank's piece of step ``k`` (None before position 0).
+    """
+
+    def __init__(self, local: RecurrentState, layout: ShardLayout, comm: Comm):
+        self.exact, self.layout, self.comm, self.rank = local.exact, layout, comm, comm.rank
+        self.length = 0
+        self.final: tuple[Tensor, Tensor] | None = None
+        self.initial: dict[int, tuple[Tensor, Tensor] | None] = {}
+        self.grad_dtype: torch.dtype | None = None
+        self._leaves: dict[Any, tuple[Tensor, Tensor]] = {}
+        self._phase: str | None = None
+        self._step = -1
+        self._root_grad: tuple[Tensor, Tensor] | None = None
+        self._grad_peak = 0
+        self.device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ module hooks (attached by the engine)
+    def attach(self, mixer: torch.nn.Module) -> list:
+        return [mixer.register_forward_pre_hook(self._pre_hook), mixer.register_forward_hook(self._post_hook)]
+
+    def _pre_hook(self, module, args):
+        if len(args) >= 3 and isinstance(args[2], _Leaves):  # reverse pass: the gradient goes back to rank r - 1
+            x, conv, S = _GradToPrev.apply(args[0], args[2].conv, args[2].S, self)
+            return (x, args[1], RecurrentPrefix(conv, S))
+        if len(args) < 3 or args[2] is not _INCOMING:
+            return None
+        self.device = args[0].device
+        conv, S = _recv(2, self.rank - 1, self.comm, args[0].device)
+        if self.exact:
+            self.initial[self._step] = (conv, S)
+        return (args[0], args[1], RecurrentPrefix(conv, S))
+
+    def _post_hook(self, module, args, output):
+        y, (conv, S) = output
+        if self.rank == self.comm.size - 1:
+            return None
+        if self._phase == "prefill":
+            _send([conv.detach(), S.detach()], self.rank + 1, self.comm)
+            return None
+        if self._phase == "reverse" and torch.is_grad_enabled():
+            y, conv, S = _Handoff.apply(y, conv, S, self)
+            return y, (conv, S)
+        return None
+
+    # ------------------------------------------------------------------ CP steps
+    def step_prefix(self, step: int, grad: bool):
+        if not grad:  # prefill
+            self._phase, self._step = "prefill", step
+            if self.rank > 0:
+                return _INCOMING
+            init = self.final if step > 0 else None
+            if self.exact:
+                self.initial[step] = init
+            return RecurrentPrefix(*init) if init is not None else None
+        self._phase, self._step = "reverse", step
+        self._seed_last_rank(step)
+        init = self.initial.get(step)
+        if init is None:
+            return None
+        leaves = tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in init)
+        self._track(("init", step), leaves)
+        if self.rank == 0:
+            return RecurrentPrefix(*leaves)  # their .grad goes to rank R-1 at the next (earlier) step
+        return _Leaves(*leaves)
+
+    def _seed_last_rank(self, step: int) -> None:
+        """Give rank R-1 the gradient of the state after step ``step`` (its piece's final state)."""
+        last = self.comm.size - 1
+        if step == self.layout.num_steps - 1:
+            leaves = self._leaves.get("final")
+            g = [lf.grad for lf in leaves] if leaves is not None else [None, None]
+            self._root_grad = None if g[0] is None else (g[0], g[1])
+            return
+        leaves = self._leaves.pop(("init", step + 1), None)  # rank 0's, from the step just back-propagated
+        conv, S = self.final
+        bufs = [torch.zeros(t.shape, dtype=self.grad_dtype, device=t.device) for t in (conv, S)]
+        if self.rank == 0 and leaves is not None:
+            for b, lf in zip(bufs, leaves):
+                if lf.grad is not None:
+                    b.copy_(lf.grad)
+        for b in bufs:
+            self.comm.broadcast(b, src=0)
+        self._root_grad = (bufs[0], bufs[1]) if self.rank == last else None
+
+    def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
+        """Store the state after the step: rank R-1's piece end, broadcast to every rank."""
+        conv, S = (t.detach().clone().contiguous() for t in piece)
+        self.comm.broadcast(conv, src=self.comm.size - 1)
+        self.comm.broadcast(S, src=self.comm.size - 1)
+        self.final, self.device = (conv, S), conv.device
+        step = next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start)
+        self.length = self.layout.steps[step][-1][1]
+
+    def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        conv, S = piece
+        if self.rank < self.comm.size - 1:  # zero seeds: the real gradient arrives through the hand-off
+            return [(conv, torch.zeros_like(conv)), (S, torch.zeros_like(S))]
+        if self._root_grad is None:
+            return []
+        g = self._root_grad
+        self._root_grad = None
+        return [(conv, g[0].to(conv.dtype)), (S, g[1].to(S.dtype))]
+
+    # ------------------------------------------------------------------ replay / decoding / accounting
+    def prefix(self, length: int, grad: bool) -> RecurrentPrefix | None:
+        if length == 0 or self.final is None:
+            return None
+        if length != self.length:
+            raise ValueError(f"a context-parallel recurrent state holds the state after {self.length} positions "
+                             f"only, not after {length}")
+        if not (grad and self.grad_dtype is not None):
+            return RecurrentPrefix(*self.final)
+        if "final" not in self._leaves:
+            self._track("final", tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in self.final))
+        return RecurrentPrefix(*self._leaves["final"])
+
+    def _track(self, key, leaves) -> None:
+        self._leaves[key] = leaves
+        self._grad_peak = max(self._grad_peak, sum(2 * _nbytes(*lv) for lv in self._leaves.values()))
+
+    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+        if self.final is None:
+            return
+        self.grad_dtype = dtype or grad_dtype_for(self.final[1].dtype)
+        self._leaves.clear()
+        self._grad_peak = 0
+
+    def release_grad(self) -> None:
+        self._leaves.clear()
+        self.grad_dtype = None
+        self._root_grad = None
+        self._grad_peak = 0
+        self._phase = None
+
+    def nbytes(self) -> int:
+        inits = sum(_nbytes(*s) for s in self.initial.values() if s is not None) if self.exact else 0
+        return inits + (_nbytes(*self.final) if self.final is not None else 0)
+
+    def grad_nbytes(self) -> int:
+        return self._grad_peak
+
+    def decoder(self, batch: int, max_new: int) -> RecurrentDecoder:
+        return RecurrentDecoder(self, batch)  # reads prefix(length): the final state, the same on every rank

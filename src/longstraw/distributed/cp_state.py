@@ -1,0 +1,227 @@
+"""The prompt state split by position over a context-parallel group, and the per-state-kind hooks.
+
+Layout (:class:`ShardLayout`): the ``n`` prefilled positions are cut into ``K`` steps of consecutive positions
+(about ``R x prefill_chunk`` each) and every step into ``R`` consecutive pieces, piece ``r`` for rank ``r``
+(block-cyclic). In step ``k`` all ranks process their pieces at once, in lockstep: a piece's queries see the stored
+positions of steps ``< k`` (spread evenly over all ranks, so attention work is balanced) and the earlier pieces of
+step ``k`` (just computed on lower ranks). Rank ``r`` keeps the state of its ``K`` pieces, in position order, in
+one local buffer: ``~n / R`` positions, differing by at most ``K`` between ranks.
+
+A sharded layer state wraps the single-process state of its kind, sized for the local positions, and speaks the
+same :class:`~longstraw.state.LayerState` protocol in GLOBAL positions, plus ``step_prefix(k, grad)`` (what the
+mixer consumes for this rank's piece of step ``k``). Kinds plug in through :func:`register_cp_kind`
+(docs/DISTRIBUTED.md lists the contract); ``KVState`` (full attention) is implemented here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from longstraw.distributed.context import Comm
+from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
+from longstraw.state import KVDecoder, KVState, PromptState
+
+__all__ = ["ShardLayout", "shard_layout", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
+           "register_cp_kind", "shard_states"]
+
+
+def _split(start: int, end: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into ``parts`` consecutive ranges whose lengths differ by at most one."""
+    n = end - start
+    bounds = [start + (n * i) // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """``steps[k][r] = (start, end)``: the global positions rank ``r`` processes and stores in step ``k``."""
+
+    length: int
+    world: int
+    steps: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def piece(self, step: int, rank: int) -> tuple[int, int]:
+        return self.steps[step][rank]
+
+    def step_start(self, step: int) -> int:
+        return self.steps[step][0][0]
+
+    def step_lengths(self, step: int) -> tuple[int, ...]:
+        return tuple(e - s for s, e in self.steps[step])
+
+    def pieces(self, rank: int) -> list[tuple[int, int]]:
+        return [st[rank] for st in self.steps]
+
+    def local_size(self, rank: int) -> int:
+        return sum(e - s for s, e in self.pieces(rank))
+
+    def local_offset(self, rank: int, step: int) -> int:
+        """Local buffer offset of rank ``rank``'s piece of step ``step`` (= its positions in earlier steps)."""
+        return sum(e - s for s, e in self.pieces(rank)[:step])
+
+    def local_len(self, rank: int, global_len: int) -> int:
+        """How many of rank ``rank``'s positions lie in ``[0, global_len)`` (they are a prefix of its buffer)."""
+        return sum(max(0, min(e, global_len) - s) for s, e in self.pieces(rank))
+
+    def to_local(self, rank: int, start: int, end: int) -> tuple[int, int]:
+        """Local range of the piece ``[start, end)`` of rank ``rank``; ValueError if it is not one of its pieces."""
+        for k, (s, e) in enumerate(self.pieces(rank)):
+            if (s, e) == (start, end):
+                lo = self.local_offset(rank, k)
+                return lo, lo + e - s
+        raise ValueError(f"[{start}, {end}) is not a piece of rank {rank}; its pieces: {self.pieces(rank)}")
+
+
+def shard_layout(length: int, world: int, chunk: int) -> ShardLayout:
+    """Split ``length`` prefilled positions over ``world`` ranks in steps of about ``world x chunk`` positions.
+
+    ValueError if ``length < world`` (some rank would hold nothing). Steps are balanced and hold at least
+    ``world`` positions each, so every piece holds at least one and at most ``chunk`` positions (two when
+    ``chunk == 1`` and ``length`` is not a multiple of ``world``).
+    """
+    if length < world:
+        raise ValueError(f"the prompt is too short to shard: {length} prefilled positions (the prompt without its "
+                         f"last token) over cp={world} ranks; context parallelism needs at least {world} "
+                         f"(a prompt of >= {world + 1} tokens), or run it on one rank")
+    if chunk < 1:
+        raise ValueError(f"prefill_chunk={chunk} must be >= 1")
+    num = max(1, min(math.ceil(length / (world * chunk)), length // world))
+    steps = tuple(tuple(_split(s, e, world)) for s, e in _split(0, length, num))
+    return ShardLayout(length, world, steps)
+
+
+class ShardedLayerState(Protocol):
+    """A layer state split over the CP group: the LayerState protocol in global positions, plus the step hook.
+
+    ``step_prefix(k, grad)``: what the mixer consumes for this rank's piece of step ``k`` (prefill: ``grad=False``;
+    exact reverse pass: ``grad=True``). ``write`` and ``step_prefix`` may run collectives: every rank calls them in
+    layer order. ``backward_roots`` must be non-empty on every rank when it is on any (zero seeds are fine). A kind
+    may also define ``attach(mixer) -> [hook handles]``: module hooks the CP engine installs while prefill and the
+    reverse pass run (the DeltaNet hand-off uses them).
+    """
+
+    length: int
+
+    def step_prefix(self, step: int, grad: bool) -> Any: ...
+
+    def write(self, piece: Any, start: int, end: int) -> None: ...
+
+    def prefix(self, length: int, grad: bool) -> Any: ...
+
+    def backward_roots(self, piece: Any, start: int, end: int) -> list[tuple[Tensor, Tensor]]: ...
+
+    def enable_grad(self, dtype: torch.dtype | None) -> None: ...
+
+    def release_grad(self) -> None: ...
+
+    def nbytes(self) -> int: ...
+
+    def grad_nbytes(self) -> int: ...
+
+    def decoder(self, batch: int, max_new: int) -> Any: ...
+
+
+_EMPTY = torch.empty(1, 0, 0, 0)
+
+
+class ShardedKVState:
+    """Full attention, sharded: ``local`` (a :class:`KVState` for this rank's positions, in position order) holds
+    the post-RoPE ``k [1, Hkv, n_local, Dk]`` / ``v [1, Hkv, n_local, Dv]`` of rank ``rank``'s pieces; its
+    gradient buffers (exact mode) are this rank's sinks. ``length``: the global positions of the steps written so
+    far (every rank writes its piece of each step)."""
+
+    def __init__(self, local: KVState, layout: ShardLayout, comm: Comm):
+        self.local, self.layout, self.comm = local, layout, comm
+        self.rank = comm.rank
+        self.length = 0
+
+    def _segment(self, local_len: int, global_len: int, grad: bool, step: StepPieces | None) -> ShardedSegment:
+        st = self.local
+        if st.k is None:
+            k = v = _EMPTY
+            kg = vg = None
+        else:
+            k, v = st.k[:, :, :local_len], st.v[:, :, :local_len]
+            kg = st.k_grad[:, :, :local_len] if grad and st.k_grad is not None else None
+            vg = st.v_grad[:, :, :local_len] if grad and st.v_grad is not None else None
+        return ShardedSegment(k, v, k_grad=kg, v_grad=vg, comm=self.comm, step=step, global_length=global_len)
+
+    def step_prefix(self, step: int, grad: bool) -> list[ShardedSegment]:
+        """For this rank's piece of step ``step``: the stored positions before the step (this rank's share) and
+        the step's piece lengths (the earlier pieces are exchanged inside the attention call)."""
+        g = self.layout.step_start(step)
+        pieces = StepPieces(self.layout.step_lengths(step), self.rank)
+        return [self._segment(self.layout.local_len(self.rank, g), g, grad, pieces)]
+
+    def prefix(self, length: int, grad: bool) -> list[ShardedSegment]:
+        """For tokens run on every rank after the first ``length`` positions (replay, decoding, score)."""
+        if length == 0:
+            return []
+        assert length <= self.length
+        return [self._segment(self.layout.local_len(self.rank, length), length, grad, None)]
+
+    def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
+        lo, hi = self.layout.to_local(self.rank, start, end)
+        self.local.write(piece, lo, hi)
+        step = next(k for k, (s, e) in enumerate(self.layout.pieces(self.rank)) if s == start)
+        self.length = max(self.length, self.layout.steps[step][-1][1])  # every rank writes its piece of a step
+
+    def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        lo, hi = self.layout.to_local(self.rank, start, end)
+        return self.local.backward_roots(piece, lo, hi)
+
+    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+        self.local.enable_grad(dtype)
+
+    def release_grad(self) -> None:
+        self.local.release_grad()
+
+    def nbytes(self) -> int:
+        return self.local.nbytes()
+
+    def grad_nbytes(self) -> int:
+        return self.local.grad_nbytes()
+
+    def decoder(self, batch: int, max_new: int) -> KVDecoder:
+        return KVDecoder(self, batch, max_new)  # reads prefix(length): this rank's share, merged over the group
+
+
+@dataclass
+class ShardedPromptState(PromptState):
+    """A :class:`PromptState` whose layers are sharded over ``comm``'s ranks by ``layout``; ``chunks`` are this
+    rank's pieces (global positions) and ``token_ids`` the whole prefilled prompt (every rank has it)."""
+
+    layout: ShardLayout | None = None
+    comm: Comm | None = None
+
+
+_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState}
+
+
+def register_cp_kind(state_type: type, factory: Callable[[Any, ShardLayout, Comm], Any]) -> None:
+    """Make layers whose prompt state is ``state_type`` context-parallel: ``factory(local_state, layout, comm)``
+    returns a :class:`ShardedLayerState` around a fresh single-process state sized for the local positions."""
+    _KINDS[state_type] = factory
+
+
+def shard_states(states: list[Any], layout: ShardLayout, comm: Comm) -> list[Any]:
+    """Wrap each layer's fresh local state in its kind's sharded state; ValueError for a kind without hooks."""
+    out = []
+    for i, st in enumerate(states):
+        factory = _KINDS.get(type(st))
+        if factory is None:
+            raise ValueError(f"layer {i} keeps a {type(st).__name__} prompt state, which has no context-parallel "
+                             f"hooks; supported kinds: {', '.join(sorted(t.__name__ for t in _KINDS))} "
+                             "(see docs/DISTRIBUTED.md, 'Adding a state kind')")
+        out.append(factory(st, layout, comm))
+    return out

@@ -1,0 +1,210 @@
+"""Scenarios run twice: single-process in the test process (the reference) and on every rank of a CP group
+(cp_worker.py). Each returns a dict of CPU tensors / numbers / strings that the tests compare.
+
+Data come from fixed seeds, so both sides build the same groups without passing tensors around. ``fsdp``
+scenarios shard the loaded model with FSDP2 when a CP group is active (single-process: plain model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import longstraw
+from longstraw import distributed
+
+V = 61  # vocabulary of the tiny models (tests/distributed/test_cp.py builds them)
+
+
+def group(seed: int, p: int, lens: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, V, (p,), generator=g)
+    responses = [torch.randint(0, V, (n,), generator=g) for n in lens]
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.6, 0.9, -0.2][: len(lens)])
+    return prompt, responses, adv
+
+
+def _load(path: str, fsdp: bool):
+    model = longstraw.load_model(path)
+    ctx = distributed.cp_active()
+    if fsdp and ctx is not None and not ctx.fsdp:
+        distributed.apply_fsdp(model, ctx)
+    return model
+
+
+def _old_ref(model, prompt, responses, cfg, seed):
+    """Off-policy old log-probs (both clips active) and reference log-probs for the KL term."""
+    true_lp = longstraw.score(model, prompt, responses, cfg)
+    g = torch.Generator().manual_seed(seed)
+    old = [lp + 0.5 * torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp]
+    ref = [lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp]
+    return old, ref
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: g.detach().cpu().clone() for n, g in longstraw.hf_grads(model).items()}
+
+
+def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
+                    checkpoint_layers=False):
+    """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad)."""
+    model = _load(paths[family], fsdp)
+    groups = [group(5, 23, [4, 1, 6]), group(6, 18, [3, 5])]
+    d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
+    cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=chunk, branch_batch=branch_batch,
+                               checkpoint_layers=checkpoint_layers, kl_coef=0.05, entropy_coef=0.01)
+    out = {"loss": [], "logprobs": [], "state_bytes": [], "state_grad_bytes": []}
+    for i, (prompt, responses, adv) in enumerate(groups):
+        old, ref = _old_ref(model, prompt, responses, cfg, seed=40 + i)
+        st = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref,
+                                     loss_scale=d)
+        out["loss"].append(st.loss)
+        out["logprobs"].append([lp.cpu() for lp in st.logprobs])
+        out["state_bytes"].append(st.prompt_state_bytes)
+        out["state_grad_bytes"].append(st.prompt_state_grad_bytes)
+        out["metrics"] = st.metrics
+    out["grads"] = _grads(model)
+    out["sharded_params"] = sum(hasattr(p, "full_tensor") for p in model.parameters())
+    return out
+
+
+def score(paths, *, family="llama", fsdp=False):
+    model = _load(paths[family], fsdp)
+    prompt, responses, _ = group(8, 19, [5, 1, 8])
+    lp, ent = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=2, branch_batch=2),
+                              with_entropy=True)
+    return {"logprobs": [x.cpu() for x in lp], "entropy": [x.cpu() for x in ent]}
+
+
+def generate(paths, *, family="llama", fsdp=False):
+    """Rollouts from the shared state, their log-probs against score, and the kept state reused for a step."""
+    model = _load(paths[family], fsdp)
+    prompt, _, _ = group(9, 21, [1])
+    sp = longstraw.SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=7, seed=3, stop_token_ids=(7,))
+    ro = longstraw.generate(model, prompt, 4, sp, prefill_chunk=3, keep_state=True, exact_state=True)
+    want = longstraw.score(model, prompt, ro.responses, longstraw.GRPOConfig(prefill_chunk=4, temperature=0.9))
+    cfg = longstraw.GRPOConfig(prefill_chunk=3, temperature=0.9)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    longstraw.grpo_backward(model, prompt, ro.responses, adv, cfg, prompt_state=ro.prompt_state)
+    return {"responses": [r.cpu() for r in ro.responses], "logprobs": [x.cpu() for x in ro.logprobs],
+            "score": [x.cpu() for x in want], "reasons": list(ro.finish_reasons), "grads": _grads(model)}
+
+
+def state_bytes(paths, *, family="llama"):
+    """Per-rank prompt-state bytes of a longer prompt, as PromptState.nbytes() reports them."""
+    from longstraw.engine.prefill import prefill
+
+    model = longstraw.load_model(paths[family])
+    prompt, _, _ = group(10, 98, [1])
+    st = prefill(model, prompt[:-1], 8)
+    first = st.layers[0]
+    return {"nbytes": st.nbytes(), "positions": getattr(first, "local", first).k.shape[2]}
+
+
+def bad_inputs(paths):
+    """Errors every CP rank must raise alike (single-process: the calls that are fine there return 'ok')."""
+    model = longstraw.load_model(paths["llama"])
+    ctx = distributed.cp_active()
+    r = ctx.cp.size if ctx is not None else 1
+    out = {}
+    cfg = longstraw.GRPOConfig(prefill_chunk=4)
+    short, responses, adv = group(11, r, [3, 2])  # r tokens: r - 1 prefilled positions, one too few for cp=r
+    for name, call in {
+        "too_short_grpo": lambda: longstraw.grpo_backward(model, short, responses, adv, cfg),
+        "too_short_generate": lambda: longstraw.generate(model, short, 2, longstraw.SamplingConfig(max_new_tokens=2)),
+        "init_twice": lambda: longstraw.init_distributed(cp=r),
+    }.items():
+        try:
+            call()
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e)
+    if ctx is not None:  # ranks that disagree on the group: every rank raises instead of hanging
+        prompt, responses, adv = group(12 + ctx.cp.rank, 12, [3, 2])
+        try:
+            longstraw.score(model, prompt, responses)
+            out["mismatch"] = "ok"
+        except ValueError as e:
+            out["mismatch"] = str(e)
+    assert ctx is None or all(p.grad is None for p in model.parameters())
+    return out
+
+
+def low_precision(paths):
+    """bf16 weights, and float32 weights under bf16 autocast: the CP collectives carry bf16 partial outputs."""
+    prompt, responses, adv = group(5, 40, [6, 3, 5])
+    out = {}
+    for dtype, compute in (("bfloat16", None), ("float32", "bfloat16")):
+        model = longstraw.load_model(paths["llama"], dtype=dtype)
+        cfg = longstraw.GRPOConfig(prefill_chunk=4, compute_dtype=compute)
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+        out[dtype] = {n: g.double().cpu() for n, g in longstraw.hf_grads(model).items()}
+    return out
+
+
+def dp_sum(paths, *, family="llama", prompt_grad="exact"):
+    """Data parallel x context parallel: replica d back-propagates group d, then the replicas sum their gradients
+    (single process: both groups into one .grad)."""
+    model = _load(paths[family], False)
+    ctx = distributed.get_context()
+    groups = [group(20, 15, [3, 4]), group(21, 17, [5, 2])]
+    d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
+    cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=3, clip_ratio_c=None)
+    mine = groups if ctx is None or ctx.dp_size == 1 else [groups[ctx.dp_rank]]
+    for prompt, responses, adv in mine:
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg, loss_scale=d)
+    if ctx is not None:
+        distributed.all_reduce_data_parallel(model, ctx)
+    return {"grads": _grads(model), "sharded_params": sum(hasattr(p, "full_tensor") for p in model.parameters())}
+
+
+def op_blocks(paths):
+    """The CP attention op alone, replicated queries, the local share attended in blocks of 3 keys: output, dq,
+    the causal segment's dK/dV and this rank's sinks (single process: the reference attention, autograd)."""
+    from longstraw.ops.attention import KVSegment, segment_attention, segment_attention_reference
+
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, t, s, d = 2, 4, 2, 5, 23, 8
+    q = torch.randn(b, hq, t, d, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, hkv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+    kc, vc = (torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    w = torch.randn(b, hq, t, d, generator=g, dtype=torch.float64)
+    ctx = distributed.cp_active()
+    if ctx is None:
+        k, v = k.requires_grad_(), v.requires_grad_()
+        out = segment_attention_reference(q, [KVSegment(k, v), KVSegment(kc, vc, causal=True)], d**-0.5)
+        (out * w).sum().backward()
+        return {"out": out.detach(), "dq": q.grad, "dkc": kc.grad, "dvc": vc.grad, "dk": k.grad, "dv": v.grad,
+                "positions": list(range(s))}
+    lay = distributed.shard_layout(s, ctx.cp.size, 2)
+    pos = [p for a, e in lay.pieces(ctx.cp.rank) for p in range(a, e)]
+    kl, vl = k[:, :, pos], v[:, :, pos]
+    sk, sv = torch.zeros_like(kl), torch.zeros_like(vl)
+    seg = distributed.ShardedSegment(kl, vl, k_grad=sk, v_grad=sv, comm=ctx.cp, global_length=s)
+    out = segment_attention(q, [seg, KVSegment(kc, vc, causal=True)], d**-0.5, max_segment=3)
+    (out * w).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dkc": kc.grad, "dvc": vc.grad, "dk": sk, "dv": sv, "positions": pos}
+
+
+SCENARIOS = {
+    "exact": lambda p: grpo_two_groups(p),
+    "detached": lambda p: grpo_two_groups(p, prompt_grad="detached"),
+    "exact_fsdp": lambda p: grpo_two_groups(p, fsdp=True),
+    "detached_fsdp": lambda p: grpo_two_groups(p, prompt_grad="detached", fsdp=True),
+    "qwen3_exact_ckpt": lambda p: grpo_two_groups(p, family="qwen3", chunk=4, branch_batch=2,
+                                                  checkpoint_layers=True),
+    "qwen3_exact_fsdp": lambda p: grpo_two_groups(p, family="qwen3", chunk=5, fsdp=True),
+    "hybrid_exact": lambda p: grpo_two_groups(p, family="hybrid", chunk=3),
+    "hybrid_detached": lambda p: grpo_two_groups(p, family="hybrid", prompt_grad="detached", chunk=4),
+    "hybrid_exact_fsdp_ckpt": lambda p: grpo_two_groups(p, family="hybrid", chunk=5, fsdp=True, branch_batch=2,
+                                                        checkpoint_layers=True),
+    "hybrid_generate": lambda p: generate(p, family="hybrid"),
+    "score": lambda p: score(p),
+    "generate": lambda p: generate(p),
+    "generate_fsdp": lambda p: generate(p, fsdp=True),
+    "state_bytes": lambda p: state_bytes(p),
+    "bad_inputs": lambda p: bad_inputs(p),
+    "dp_sum": lambda p: dp_sum(p),
+    "op_blocks": lambda p: op_blocks(p),
+    "low_precision": lambda p: low_precision(p),
+    "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),
+}
