@@ -23,8 +23,9 @@ logits)``. With ``gpus > 1`` the parameters, gradients and optimizer state are t
 GPUs plus one layer's gathered weights; with context parallelism ``cp`` the prompt state and its gradient are
 divided by ``cp`` (sharded by position).
 
-``max_prompt_len``: peak grows linearly in the prompt length at fixed chunk sizes (state and boundary storage are
-O(P), transients are not), so two dry runs give the line, solved for the memory limit.
+``max_prompt_len`` and long prompts: beyond two prefill chunks and one attention block, the transients stop growing
+and the state grows linearly (K/V per position, recurrent states per chunk), so two dry runs give the line for
+any longer prompt, solved for the memory limit; shorter prompts are dry-run directly.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+_ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
 
 BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "prompt_state", "prompt_state_grad", "branch_graph",
                   "prefill_chunk", "logits")
@@ -201,43 +204,64 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, pro
         "optimizer": optimizer_states * pbytes // shard,
     }
 
+    cache: dict[int, dict[str, int]] = {}
+
     def at(p: int) -> dict[str, int]:
-        d = dry_run(model, p, response_len, group, gcfg)
-        d["prompt_state"] //= cp
-        d["prompt_state_grad"] //= cp
-        return {**fixed, **d}
+        if p not in cache:
+            d = dry_run(model, p, response_len, group, gcfg)
+            d["prompt_state"] //= cp
+            d["prompt_state_grad"] //= cp
+            cache[p] = {**fixed, **d}
+        return cache[p]
 
     def peak_of(b: dict[str, int]) -> int:
         return (b["weights"] + b["grads"] + b["optimizer"] + b["prompt_state"] + b["prompt_state_grad"]
                 + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]))
 
-    breakdown = at(prompt_len)
+    # Beyond T positions (two prefill chunks and one attention block) the transients no longer grow and the state
+    # grows linearly (K/V per position, recurrent states per chunk), so two dry runs at T and 2T give every longer
+    # prompt; shorter ones are dry-run directly. (Dry runs at a million positions would spend minutes in the
+    # per-chunk loops of recurrent layers.)
+    t = -(-max(2 * prefill_chunk, _ATTN_BLOCK + prefill_chunk) // prefill_chunk) * prefill_chunk
+
+    def linear(p: int) -> dict[str, int]:
+        if p <= 2 * t:
+            return at(p)
+        b1, b2 = at(t), at(2 * t)
+        out = dict(b2)
+        for k in ("prompt_state", "prompt_state_grad"):
+            out[k] = int(b1[k] + (b2[k] - b1[k]) * (p - t) / t)
+        return out
+
+    breakdown = linear(prompt_len)
     peak = peak_of(breakdown)
     max_len = None
     if gpu_mem is not None:
-        max_len = _solve_max_len(lambda x: peak_of(at(x)), gpu_mem, start=max(2 * prefill_chunk, 65536) * cp)
+        max_len = _solve_max_len(lambda x: peak_of(linear(x)), gpu_mem, t)
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=prompt_grad,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=prefill_chunk, branch_batch=branch_batch)
     return Plan(int(peak), breakdown, max_len, settings)
 
 
-def _solve_max_len(peak_at, limit: float, start: int) -> int | None:
-    """Largest prompt length whose peak fits ``limit``: the line through two dry runs beyond the attention block
-    size (where the peak is linear in P), then one secant step from a dry run at the estimate."""
-    x1, x2 = start, 2 * start
-    y1, y2 = peak_at(x1), peak_at(x2)
-    if y2 <= y1:
-        return None  # nothing grows with the prompt: no limit from memory
-    slope = (y2 - y1) / (x2 - x1)
-    x = int(x1 + (limit - y1) / slope)
-    if x < 2:
-        return 0 if peak_at(2) > limit else 2
-    y = peak_at(x)
-    if y != y2 and x != x2:
-        slope = (y - y2) / (x - x2) if x != x2 else slope
-        x = int(x + (limit - y) / slope) if slope > 0 else x
-    return max(0, x)
+def _solve_max_len(peak_at, limit: float, t: int) -> int | None:
+    """Largest prompt length whose peak fits ``limit``: exact on the line beyond ``2t`` (see ``plan``), by
+    bisection over dry runs below it."""
+    y1, y2 = peak_at(t), peak_at(2 * t)
+    if y2 <= limit:
+        if y2 <= y1:
+            return None  # nothing grows with the prompt: memory sets no limit
+        return int(2 * t + (limit - y2) * t / (y2 - y1))
+    lo, hi = 2, 2 * t  # peak(lo) <= limit < peak(hi), or no prompt fits
+    if peak_at(lo) > limit:
+        return 0
+    while hi - lo > max(1, lo // 100):  # 1% resolution
+        mid = (lo + hi) // 2
+        if peak_at(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _check_positive(**kw) -> None:

@@ -76,6 +76,8 @@ class AlgorithmSection:
     loss_scale_factor: float = 0.0  # seq-mean-token-sum-norm divisor; 0: the step's longest response
     ppo_epochs: int = 1  # optimisation epochs over one rollout batch
     prompts_per_step: int = 1
+    reuse_rollout_state: bool = True  # keep each group's rollout prompt state for the first update (memory:
+    # prompts_per_step states at once); false re-prefills each group in the update instead
     prefill_chunk: int = 4096
     branch_batch: int = 1
     checkpoint_layers: bool = False

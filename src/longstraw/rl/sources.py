@@ -10,8 +10,6 @@ longer than ``data.max_prompt_len`` is an error naming its index and length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
@@ -29,15 +27,13 @@ class PromptItem:
     old_logprobs: list[Tensor] | None = None
 
 
-def build_tokenizer(cfg: RunConfig, run_dir: Path):
-    """The checkpoint's tokenizer, or the built-in byte tokenizer for built-in models (saved into the run)."""
+def build_tokenizer(cfg: RunConfig):
+    """The checkpoint's tokenizer, or the built-in byte tokenizer for built-in models."""
     from longstraw.tokenizer import ByteTokenizer, load_tokenizer
 
     if cfg.model.path:
         return load_tokenizer(cfg.model.path)
-    tok = ByteTokenizer()
-    tok.save(run_dir / "tokenizer")
-    return tok
+    return ByteTokenizer()
 
 
 class PromptSource:
@@ -62,6 +58,13 @@ class PromptSource:
             from longstraw.rl.tasks import check_task
 
             check_task(d.task, **self._task_options())  # validates the name and options before any work
+
+    def check(self) -> None:
+        """Reject bad data before a run starts: every file row (or rollout group) is rendered and tokenised once
+        (a prompt over ``data.max_prompt_len`` names its index); a built-in task generates its first prompt."""
+        n = len(self.rows) if self.rows is not None else len(self.groups) if self.groups is not None else 1
+        for i in range(n):
+            self.get(i)
 
     def _task_options(self) -> dict:
         return {"answer_digits": self.cfg.data.answer_digits}

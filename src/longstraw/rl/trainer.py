@@ -7,9 +7,9 @@ One step:
    compute group advantages; with ``kl_coef > 0`` the frozen reference model scores them too;
 2. for each of ``ppo_epochs``: zero the gradients, ``grpo_backward`` every group with the step-global normaliser
    (fixed before the first branch: the loss is exactly the mean over the whole step), clip, AdamW step with warm-up
-   and cosine decay. The first epoch reuses the rollout's prompt state when there is one prompt per step (the
-   weights have not moved yet); later epochs re-prefill under the updated weights, with the rollout's log-probs as
-   ``old_logprobs`` (the PPO ratio);
+   and cosine decay. The first epoch reuses each group's rollout prompt state (``reuse_rollout_state``: the
+   weights have not moved yet, so one prefill per group is saved); later epochs re-prefill under the updated
+   weights, with the rollout's log-probs as ``old_logprobs`` (the PPO ratio);
 3. log ``metrics.jsonl`` (and TensorBoard if installed), update the progress bar, checkpoint atomically.
 
 Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
@@ -65,6 +65,8 @@ class RunSummary:
     group_size: int
     reward_first: float
     reward_last: float
+    solved_first: float
+    solved_last: float
     peak_memory_bytes: int
     peak_above_start_bytes: int
     plots: list[Path]
@@ -121,15 +123,18 @@ class Trainer:
         self.start_step = 0
         self.opt_step = 0
         self._check_run_dir(resume)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            _write_atomic(self.run_dir / "config.toml", dump_config(cfg))
-        self.tokenizer = build_tokenizer(cfg, self.run_dir)
+        # everything that can reject the user's input runs before anything is written
+        self.tokenizer = build_tokenizer(cfg)
         self.reward_fn = make_reward(cfg.reward.fn)
+        self.source = PromptSource(cfg, self.tokenizer)
+        self.source.check()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: records e.g. a longer train.steps
+        if not resume and not cfg.model.path:
+            self.tokenizer.save(self.run_dir / "tokenizer")
         ckpt = latest_checkpoint(self.run_dir) if resume else None
         self.model = self._build_model(ckpt)
         self.ref_model = self._reference_model() if cfg.algorithm.kl_coef > 0 else None
-        self.source = PromptSource(cfg, self.tokenizer)
         o = cfg.optim
         self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
         if ckpt is not None:
@@ -156,8 +161,7 @@ class Trainer:
                                  + "; ".join(diffs))
             if latest_checkpoint(self.run_dir) is None:
                 raise ValueError(f"cannot resume {str(self.run_dir)!r}: no complete checkpoint in it")
-            _write_atomic(saved, dump_config(self.cfg))  # records e.g. an extended train.steps
-        elif (self.run_dir / "config.toml").exists():
+        elif (self.run_dir / "metrics.jsonl").exists() or latest_checkpoint(self.run_dir) is not None:
             raise ValueError(f"run directory {str(self.run_dir)!r} already holds a run; resume it with --resume or "
                              "choose another train.out_dir")
 
@@ -209,7 +213,7 @@ class Trainer:
         from longstraw.rl.rewards import score_rewards
 
         item = self.source.get(step * self.cfg.algorithm.prompts_per_step + k)
-        keep = self.cfg.algorithm.prompts_per_step == 1
+        keep = self.cfg.algorithm.reuse_rollout_state
         if item.responses is not None:  # offline rollouts
             responses, old, state, reasons = item.responses, item.old_logprobs, None, []
             texts, rewards, errors = item.response_texts, list(item.rewards), 0
@@ -375,6 +379,8 @@ class Trainer:
             run_dir=self.run_dir, steps=len(rows), prompt_len=max((r["prompt_len"] for r in rows), default=0),
             group_size=self.cfg.rollout.group_size, reward_first=sum(first) / max(1, len(first)),
             reward_last=sum(last) / max(1, len(last)),
+            solved_first=sum(r["solved"] for r in rows[:10]) / max(1, len(rows[:10])),
+            solved_last=sum(r["solved"] for r in rows[-10:]) / max(1, len(rows[-10:])),
             peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0),
             peak_above_start_bytes=max((r.get("peak_above_start_bytes", 0) for r in rows), default=0), plots=plots,
             last_checkpoint=last_ckpt)
