@@ -2,7 +2,11 @@
 
 On Linux, writing ``5`` to ``/proc/self/clear_refs`` resets the peak resident set size (``VmHWM``), which makes a
 per-phase CPU peak measurable inside one process. Where that is not possible the peak is the process-lifetime
-``ru_maxrss`` and ``PhaseMeter.cpu_peak_resettable`` is False.
+``ru_maxrss``.
+
+Peak windows nest: a benchmark measures a whole step while the step measures its phases. Every reset first folds
+the current high-water mark (CPU RSS or CUDA max allocated) into all open windows, so an inner reset never
+hides an outer window's peak.
 """
 
 from __future__ import annotations
@@ -26,7 +30,32 @@ def _read_status_kb(key: str) -> int | None:
     return None
 
 
-def reset_cpu_peak() -> bool:
+def _hwm_bytes() -> int:
+    kb = _read_status_kb("VmHWM")
+    if kb is None:
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * 1024
+
+
+_open_windows: list[tuple[str, list[int]]] = []  # (device kind, [max folded in])
+
+
+def _raw_peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _hwm_bytes()
+
+
+def reset_peak(device: torch.device) -> bool:
+    """Reset the device's peak counter (CUDA max allocated, or the process's peak RSS), folding the current peak
+    into every open window of that device first. False if the CPU peak cannot be reset on this system."""
+    hwm = _raw_peak(device)
+    for kind, w in _open_windows:
+        if kind == device.type:
+            w[0] = max(w[0], hwm)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -35,11 +64,20 @@ def reset_cpu_peak() -> bool:
         return False
 
 
-def cpu_peak_bytes() -> int:
-    kb = _read_status_kb("VmHWM")
-    if kb is None:
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb * 1024
+@contextmanager
+def peak_window(device: torch.device):
+    """``with peak_window(device) as peak:`` ... ``peak()`` is the peak bytes (CUDA allocated / process RSS) since
+    the window opened, whatever inner windows reset meanwhile."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    reset_peak(device)
+    w = [0]
+    entry = (device.type, w)
+    _open_windows.append(entry)
+    try:
+        yield lambda: max(w[0], _raw_peak(device))
+    finally:
+        _open_windows.remove(entry)
 
 
 def cpu_current_bytes() -> int:
@@ -61,27 +99,19 @@ class PhaseMeter:
     device: torch.device
     seconds: dict[str, float] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)
-    cpu_peak_resettable: bool = True
 
     @contextmanager
     def phase(self, name: str):
         cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.cpu_peak_resettable = reset_cpu_peak() and self.cpu_peak_resettable
         t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if cuda:
-                torch.cuda.synchronize(self.device)
-                peak = torch.cuda.max_memory_allocated(self.device)
-            else:
-                peak = cpu_peak_bytes()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-            self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
+        with peak_window(self.device) as peak_of:
+            try:
+                yield
+            finally:
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak_of())
 
 
 def trim_heap() -> None:
@@ -113,18 +143,13 @@ def measure_step(step, params, device: torch.device, warmup=None) -> tuple[int, 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        base = cpu_current_bytes()
-        reset_cpu_peak()
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    t0 = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = cpu_peak_bytes()
+    base = current_bytes(device)
+    with peak_window(device) as peak_of:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        peak = peak_of()
     return peak - base, time.perf_counter() - t0
