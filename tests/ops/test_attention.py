@@ -82,3 +82,28 @@ def test_empty_segments_rejected_with_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         segment_attention(q, [KVSegment(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), causal=True)], 0.5,
                           backend="nope")
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_detached_prefix_backward_memory_does_not_grow_with_prefix(meta):
+    """Queries attend over a prefix that needs no gradient (detached mode), split into many blocks: the backward
+    frees each block's dK/dV at once, so its peak does not grow with the prefix (the planner's long-prompt line
+    rests on this)."""
+    from longstraw.planner import LiveBytes
+
+    dev = "meta" if meta else "cpu"
+
+    def backward_peak(n_prefix: int) -> int:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 16, 8, generator=g).to(dev).requires_grad_()
+        k = torch.randn(1, 2, n_prefix, 8, generator=g).to(dev)
+        v = torch.randn(1, 2, n_prefix, 8, generator=g).to(dev)
+        kn, vn = (torch.randn(1, 2, 16, 8, generator=g).to(dev).requires_grad_() for _ in range(2))
+        out = segment_attention(q, [KVSegment(k, v), KVSegment(kn, vn, causal=True)], scale=0.3, max_segment=64)
+        with LiveBytes() as lb:
+            out.sum().backward()
+        return lb.peak  # bytes of the storages the backward created, at their peak
+
+    short, long = backward_peak(256), backward_peak(4096)  # 4 blocks against 64 blocks of 64 keys
+    block_kv = 2 * 2 * 64 * 8 * 4  # one block's dK + dV, float32
+    assert long <= short + block_kv, (short, long)

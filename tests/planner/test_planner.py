@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from longstraw.planner import BREAKDOWN_KEYS, naive_step_bytes, plan
 
@@ -65,6 +66,24 @@ def test_breakdown_structure_and_scaling():
     sharded = plan(DENSE, prompt_len=8192, response_len=32, group=8, dtype="float32", gpus=4, cp=4)
     assert sharded.breakdown["prompt_state"] == b.breakdown["prompt_state"] // 4
     assert naive_step_bytes(DENSE, 4096, 32, 8) > 3 * naive_step_bytes(DENSE, 4096, 32, 2)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_long_prompt_line_matches_a_direct_dry_run(mode):
+    """Beyond two chunks and one attention block the planner extends a line through two dry runs instead of
+    dry-running the long prompt; that is only right if nothing but the state grows there. A direct dry run at
+    ~3x that length must agree (a backward that kept every block's dK/dV alive broke this by 25% at 262K)."""
+    from longstraw.engine.grpo import GRPOConfig
+    from longstraw.planner import _meta_model, dry_run
+
+    cfg = {**DENSE, "max_position_embeddings": 200_000}
+    p, chunk = 110_000, 4096
+    pl = plan(cfg, prompt_len=p, response_len=32, group=2, prompt_grad=mode, dtype="float32", prefill_chunk=chunk)
+    d = dry_run(_meta_model(cfg, torch.float32), p, 32, 2, GRPOConfig(prompt_grad=mode, prefill_chunk=chunk))
+    direct = (d["prompt_state"] + d["prompt_state_grad"] + max(d["prefill_chunk"], d["branch_graph"] + d["logits"]))
+    b = pl.breakdown
+    line = pl.peak_bytes - b["weights"] - b["grads"] - b["optimizer"]
+    assert abs(line - direct) <= 0.02 * direct, (line / 2**20, direct / 2**20)
 
 
 def test_max_prompt_len_fits_the_memory():

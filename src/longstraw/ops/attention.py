@@ -328,8 +328,11 @@ class _SegmentAttention(torch.autograd.Function):
                 k_sink.add_(dk.to(k_sink.dtype))
                 v_sink.add_(dv.to(v_sink.dtype))
                 grads += [None, None]
-            else:
+            elif need_kv:
                 grads += [dk, dv]
+            else:  # only dq was needed (a detached prefix): free this block's dK/dV now, so the
+                grads += [None, None]  # backward's memory stays one block's however long the prefix
+            del dk, dv
         return (dq, None, None, None, *grads)
 
 
