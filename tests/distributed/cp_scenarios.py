@@ -45,9 +45,14 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
-                    checkpoint_layers=False):
-    """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad)."""
+                    checkpoint_layers=False, mla_mode=None):
+    """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
+    ``mla_mode``: force an MLA form (one process runs it; under CP MLA layers always attend absorbed)."""
     model = _load(paths[family], fsdp)
+    if mla_mode is not None:
+        from longstraw.models.mla import set_mla_mode
+
+        set_mla_mode(model, mla_mode, decompress_chunk=4)
     groups = [group(5, 23, [4, 1, 6]), group(6, 18, [3, 5])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=chunk, branch_batch=branch_batch,
@@ -96,8 +101,9 @@ def state_bytes(paths, *, family="llama"):
     model = longstraw.load_model(paths[family])
     prompt, _, _ = group(10, 98, [1])
     st = prefill(model, prompt[:-1], 8)
-    first = st.layers[0]
-    return {"nbytes": st.nbytes(), "positions": getattr(first, "local", first).k.shape[2]}
+    first = getattr(st.layers[0], "local", st.layers[0])
+    buf = first.k if hasattr(first, "k") else first.lat  # K/V or MLA latents [1, H, positions, D]
+    return {"nbytes": st.nbytes(), "positions": buf.shape[2]}
 
 
 def bad_inputs(paths):
@@ -207,4 +213,26 @@ SCENARIOS = {
     "op_blocks": lambda p: op_blocks(p),
     "low_precision": lambda p: low_precision(p),
     "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),
+    # MoE families: MLA latents (deepseek_v3), MLA + sparse indexer (glm_moe_dsa with a shared indexer layer,
+    # deepseek_v32), GQA + MoE (glm4_moe), hybrid DeltaNet + MoE (qwen3_next, qwen3_5_moe_text)
+    "v3_exact": lambda p: grpo_two_groups(p, family="deepseek_v3"),
+    "v3_detached": lambda p: grpo_two_groups(p, family="deepseek_v3", prompt_grad="detached", branch_batch=2),
+    "v3_exact_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=5, mla_mode="decompressed"),
+    "v3_exact_fsdp": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, fsdp=True),
+    "v3_generate": lambda p: generate(p, family="deepseek_v3"),
+    "v3_state_bytes": lambda p: state_bytes(p, family="deepseek_v3"),
+    "dsa_exact": lambda p: grpo_two_groups(p, family="glm_moe_dsa"),
+    "dsa_detached": lambda p: grpo_two_groups(p, family="glm_moe_dsa", prompt_grad="detached", chunk=4),
+    "dsa_exact_fsdp_ckpt": lambda p: grpo_two_groups(p, family="glm_moe_dsa", chunk=2, fsdp=True, branch_batch=2,
+                                                     checkpoint_layers=True),
+    "dsa_generate": lambda p: generate(p, family="glm_moe_dsa"),
+    "dsa_score": lambda p: score(p, family="glm_moe_dsa"),
+    "dsa_state_bytes": lambda p: state_bytes(p, family="glm_moe_dsa"),
+    "v32_exact": lambda p: grpo_two_groups(p, family="deepseek_v32", chunk=4),
+    "glm4_moe_exact": lambda p: grpo_two_groups(p, family="glm4_moe"),
+    "glm4_moe_detached": lambda p: grpo_two_groups(p, family="glm4_moe", prompt_grad="detached"),
+    "next_exact": lambda p: grpo_two_groups(p, family="qwen3_next"),
+    "next_detached": lambda p: grpo_two_groups(p, family="qwen3_next", prompt_grad="detached", chunk=4),
+    "q35moe_exact": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", chunk=4),
+    "q35moe_detached": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", prompt_grad="detached"),
 }

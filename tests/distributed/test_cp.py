@@ -1,13 +1,17 @@
 """Context parallelism (and FSDP2) on 2 and 4 gloo ranks against the single-process run, float64.
 
-Three jobs, each one launch of plain processes with torchrun's environment (cp_launcher.py), running many
+Five jobs, each one launch of plain processes with torchrun's environment (cp_launcher.py), running many
 scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 
 * 2 ranks, cp=2: every scenario (dense Llama and Qwen3 with tied embeddings, the Qwen3.5 DeltaNet hybrid; exact
   and detached; FSDP2 applied explicitly; checkpointed layers and batched branches; score; generate);
 * 4 ranks, cp=4: the same on an oversubscribed machine (one thread per rank);
 * 4 ranks, cp=2, ``init_distributed(fsdp=True)`` (FSDP2 applied by load_model, the user path): two data-parallel
-  replicas of a 2-rank CP group (dense exact, hybrid exact and detached), their gradients summed.
+  replicas of a 2-rank CP group (dense exact, hybrid exact and detached), their gradients summed;
+* 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents; also against a single process that decompresses),
+  GLM-5 (MLA + DSA sparse indexer with a shared indexer layer, its top-k over the sharded prompt), DeepSeek-V3.2
+  (2 ranks), GLM-4.5 (GQA + MoE) and Qwen3-Next (DeltaNet + MoE): exact and detached, FSDP2 on 2 ranks (MLA; DSA
+  with checkpointed layers and batched branches), generate, score, per-rank state bytes.
 
 One test per launch (so ``pytest -n 2`` never launches a job twice); each checks every scenario of its job and names
 the scenario and rank in its failure message.
@@ -18,8 +22,10 @@ import torch
 from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
-from transformers import LlamaConfig, Qwen3Config
+from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
+                          Qwen3Config, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
 
@@ -31,9 +37,23 @@ ALL = ["exact", "detached", "exact_fsdp", "detached_fsdp", "qwen3_exact_ckpt", "
 FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "hybrid_detached",
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks"]
 DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_detached"]
-JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP)}
-GRAD_SCENARIOS = [s for s in ALL + DP
-                  if s not in ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision")]
+MOE2 = ["v3_exact", "v3_detached", "v3_exact_decompressed", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
+        "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
+        "v32_exact", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached", "q35moe_exact",
+        "q35moe_detached"]
+MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
+        "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
+JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
+        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4)}
+_NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision")
+GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 if not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
+# tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
+# lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties
+_MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+            first_k_dense_replace=1, max_position_embeddings=256, n_group=2, topk_group=1, routed_scaling_factor=1.7)
+_MLA = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, q_lora_rank=10)
+_DSA = dict(index_head_dim=8, index_n_heads=32)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +67,36 @@ def paths():
                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                                linear_value_head_dim=8, vocab_size=V, max_position_embeddings=512,
                                num_hidden_layers=3, intermediate_size=48, full_attention_interval=2)
-    return {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
-            "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
-            "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}
+    moe = {"deepseek_v3": DeepseekV3Config(**_MOE, **_MLA),
+           "glm_moe_dsa": GlmMoeDsaConfig(**_MOE, **_MLA, **_DSA, index_topk=7,
+                                          indexer_types=["full", "shared", "full"]),
+           "deepseek_v32": DeepseekV32Config(**_MOE, **_MLA, **_DSA, index_topk=6),
+           "glm4_moe": Glm4MoeConfig(**{**_MOE, "num_key_value_heads": 2, "n_group": 1}, head_dim=8,
+                                     use_qk_norm=True, attention_bias=True),
+           "qwen3_next": Qwen3NextConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                         vocab_size=V, max_position_embeddings=512, intermediate_size=48,
+                                         full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16, shared_expert_intermediate_size=24),
+           "qwen3_5_moe_text": Qwen3_5MoeTextConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                                    num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                                                    linear_num_value_heads=4, linear_key_head_dim=8,
+                                                    linear_value_head_dim=8, vocab_size=V,
+                                                    max_position_embeddings=512, full_attention_interval=3,
+                                                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                    shared_expert_intermediate_size=24)}
+    out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
+           "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
+           "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}
+    for i, (name, cfg) in enumerate(moe.items()):
+        hf = tiny_hf(cfg, seed=50 + i, init_std=0.15)
+        with torch.no_grad():  # the router's correction bias is a zero buffer: make it matter
+            for n, b in hf.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(i), dtype=b.dtype) * 0.3)
+        out[name] = save_tiny(hf)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -108,25 +155,25 @@ def check_generate(ranks, single, name):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def check_score(ranks, single):
-    want = single("score")
-    for got in _result(ranks, "score"):
+def check_score(ranks, single, name="score"):
+    want = single(name)
+    for got in _result(ranks, name):
         for key in ("logprobs", "entropy"):
             for a, b in zip(got[key], want[key]):
                 assert a.dtype == torch.float64 and a.shape == b.shape
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def check_state_bytes(ranks, single, job):
+def check_state_bytes(ranks, single, job, name="state_bytes"):
     """Each rank holds ~1/R of the single-process prompt state (PromptState.nbytes()); nothing twice."""
     world = JOBS[job][1]
-    want = single("state_bytes")
-    got = _result(ranks, "state_bytes")
+    want = single(name)
+    got = _result(ranks, name)
     nbytes = [g["nbytes"] for g in got]
     assert sum(nbytes) == want["nbytes"]
     for r, b in enumerate(nbytes):
         assert abs(b - want["nbytes"] / world) <= 0.05 * want["nbytes"] / world, (r, b, want["nbytes"])
-    print(f"\n{job}: single-process prompt state {want['nbytes']} B; per rank {nbytes} "
+    print(f"\n{job} {name}: single-process prompt state {want['nbytes']} B; per rank {nbytes} "
           f"(positions {[g['positions'] for g in got]} of {want['positions']})")
 
 
@@ -183,6 +230,11 @@ def _run_job(job, paths, single):
     for name, check in checks.items():
         if name in names:
             check()
+    for name in names:  # the MoE families' variants of these checks
+        if name.endswith("_score"):
+            check_score(ranks, single, name)
+        if name.endswith("_state_bytes"):
+            check_state_bytes(ranks, single, job, name)
     return ranks
 
 
@@ -200,6 +252,18 @@ def test_two_replicas_of_two_ranks_with_fsdp_from_init(paths, single):
     assert [r["context"]["dp_size"] for r in ranks] == [2] * 4
     for r in _result(ranks, "exact"):
         assert r["sharded_params"] > 0  # load_model applied FSDP2 after init_distributed(fsdp=True)
+
+
+def test_moe_families_two_ranks(paths, single):
+    """deepseek_v3 (MLA), glm_moe_dsa and deepseek_v32 (MLA + sparse indexer), glm4_moe, qwen3_next and
+    qwen3_5_moe_text on 2 ranks:
+    exact and detached gradients, FSDP2 (MLA; DSA with checkpointed layers and batched branches), generate, score,
+    per-rank state bytes."""
+    _run_job("moe_cp2", paths, single)
+
+
+def test_moe_families_four_ranks(paths, single):
+    _run_job("moe_cp4", paths, single)
 
 
 def test_init_without_process_group_environment(monkeypatch):
@@ -233,3 +297,26 @@ def test_layout_partitions_positions():
         assert max(sizes) - min(sizes) <= lay.num_steps
     with pytest.raises(ValueError, match="the prompt is too short to shard: 3 prefilled positions"):
         shard_layout(3, 4, 8)
+
+
+def test_latent_positions_and_deterministic_topk():
+    """cp_latent's helpers: global <-> local positions of a rank's pieces, and the global top-k over gathered
+    (score, position) pairs, whose exact ties go to the lower position whatever the candidates' order."""
+    from longstraw.distributed import shard_layout
+    from longstraw.distributed.cp_latent import _first_topk, _global_select, _Owner
+
+    lay = shard_layout(37, 3, 4)
+    for r in range(3):
+        own = _Owner(lay, r)
+        mine = torch.tensor([p for s, e in lay.pieces(r) for p in range(s, e)])
+        local, owned = own.to_local(torch.arange(37))
+        assert owned.nonzero().flatten().tolist() == mine.tolist()
+        assert local[owned].tolist() == list(range(mine.numel()))
+        assert own.to_global(torch.arange(mine.numel())).tolist() == mine.tolist()
+    vals = torch.tensor([[[1.0, 3.0, 2.0, 3.0, float("-inf"), 2.0]]])
+    assert _first_topk(vals, 3).tolist() == [[[1, 2, 3]]]  # both 3s, then the first 2
+    pos = torch.tensor([[[9, 7, 5, 2, 0, 4]]])  # shuffled positions: the tie at 2.0 goes to position 4
+    sel = _global_select([vals], [pos], 3)
+    assert sorted(sel.idx.flatten().tolist()) == [2, 4, 7] and bool(sel.valid.all())
+    sel = _global_select([vals], [pos], 6)  # wider than the finite candidates: the -inf one is invalid
+    assert sel.valid.sum().item() == 5 and 0 in sel.idx[~sel.valid].tolist()

@@ -10,6 +10,7 @@ from hf_reference import save_tiny, tiny_hf
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.cache_utils import LinearAttentionLayer
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
 import longstraw.engine.grpo
@@ -84,6 +85,13 @@ def moe_pair():
                                  shared_expert_intermediate_size=24, mlp_only_layers=[1]), seed=32)
 
 
+@pytest.fixture(scope="module")
+def q35_moe_pair():
+    return _pair(Qwen3_5MoeTextConfig(**COMMON, num_hidden_layers=4, full_attention_interval=2, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=24), seed=33)
+
+
 def _group(seed, p, lens):
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, V, (p,), generator=g)
@@ -131,6 +139,13 @@ def test_dense_hybrid_matches_reference(dense_pair, prompt_grad, p, chunk):
 def test_moe_hybrid_matches_reference(moe_pair, prompt_grad, p, chunk, branch_batch):
     model, hf, _ = _run_both(moe_pair, p=p, lens=[4, 1, 6, 3], chunk=chunk, prompt_grad=prompt_grad,
                              branch_batch=branch_batch, mode="seq-mean-token-mean")
+    assert_grads_close(longstraw.hf_grads(model), hf)
+
+
+@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+def test_qwen3_5_moe_matches_reference(q35_moe_pair, prompt_grad):
+    model, hf, _ = _run_both(q35_moe_pair, p=19, lens=[5, 1, 3], chunk=8, prompt_grad=prompt_grad,
+                             mode="seq-mean-token-sum-norm")
     assert_grads_close(longstraw.hf_grads(model), hf)
 
 

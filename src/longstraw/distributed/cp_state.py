@@ -27,7 +27,7 @@ from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
 from longstraw.state import KVDecoder, KVState, PromptState
 
-__all__ = ["ShardLayout", "shard_layout", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
+__all__ = ["ShardLayout", "shard_layout", "PositionShardedState", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
            "register_cp_kind", "shard_states"]
 
 
@@ -134,16 +134,45 @@ class ShardedLayerState(Protocol):
 _EMPTY = torch.empty(1, 0, 0, 0)
 
 
-class ShardedKVState:
+class PositionShardedState:
+    """What every state kind sharded by position shares: ``local`` (the single-process state of the kind, sized
+    for this rank's positions, in position order), the layout, and ``length`` (the global positions of the steps
+    written so far: every rank writes its piece of each step). Storing, backward seeds, gradient buffers and byte
+    counts delegate to ``local`` after mapping the piece's global range to its local one."""
+
+    def __init__(self, local: Any, layout: ShardLayout, comm: Comm):
+        self.local, self.layout, self.comm = local, layout, comm
+        self.rank = comm.rank
+        self.length = 0
+
+    def write(self, piece: Any, start: int, end: int) -> None:
+        lo, hi = self.layout.to_local(self.rank, start, end)
+        self.local.write(piece, lo, hi)
+        step = next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start)
+        self.length = max(self.length, self.layout.steps[step][-1][1])  # every rank writes its piece of a step
+
+    def backward_roots(self, piece: Any, start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        lo, hi = self.layout.to_local(self.rank, start, end)
+        return self.local.backward_roots(piece, lo, hi)
+
+    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+        self.local.enable_grad(dtype)
+
+    def release_grad(self) -> None:
+        self.local.release_grad()
+
+    def nbytes(self) -> int:
+        return self.local.nbytes()
+
+    def grad_nbytes(self) -> int:
+        return self.local.grad_nbytes()
+
+
+class ShardedKVState(PositionShardedState):
     """Full attention, sharded: ``local`` (a :class:`KVState` for this rank's positions, in position order) holds
     the post-RoPE ``k [1, Hkv, n_local, Dk]`` / ``v [1, Hkv, n_local, Dv]`` of rank ``rank``'s pieces; its
     gradient buffers (exact mode) are this rank's sinks. ``length``: the global positions of the steps written so
     far (every rank writes its piece of each step)."""
-
-    def __init__(self, local: KVState, layout: ShardLayout, comm: Comm):
-        self.local, self.layout, self.comm = local, layout, comm
-        self.rank = comm.rank
-        self.length = 0
 
     def _segment(self, local_len: int, global_len: int, grad: bool, step: StepPieces | None) -> ShardedSegment:
         st = self.local
@@ -169,28 +198,6 @@ class ShardedKVState:
             return []
         assert length <= self.length
         return [self._segment(self.layout.local_len(self.rank, length), length, grad, None)]
-
-    def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
-        lo, hi = self.layout.to_local(self.rank, start, end)
-        self.local.write(piece, lo, hi)
-        step = next(k for k, (s, e) in enumerate(self.layout.pieces(self.rank)) if s == start)
-        self.length = max(self.length, self.layout.steps[step][-1][1])  # every rank writes its piece of a step
-
-    def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
-        lo, hi = self.layout.to_local(self.rank, start, end)
-        return self.local.backward_roots(piece, lo, hi)
-
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
-        self.local.enable_grad(dtype)
-
-    def release_grad(self) -> None:
-        self.local.release_grad()
-
-    def nbytes(self) -> int:
-        return self.local.nbytes()
-
-    def grad_nbytes(self) -> int:
-        return self.local.grad_nbytes()
 
     def decoder(self, batch: int, max_new: int) -> KVDecoder:
         return KVDecoder(self, batch, max_new)  # reads prefix(length): this rank's share, merged over the group
@@ -222,6 +229,6 @@ def shard_states(states: list[Any], layout: ShardLayout, comm: Comm) -> list[Any
         if factory is None:
             raise ValueError(f"layer {i} keeps a {type(st).__name__} prompt state, which has no context-parallel "
                              f"hooks; supported kinds: {', '.join(sorted(t.__name__ for t in _KINDS))} "
-                             "(see docs/DISTRIBUTED.md, 'Adding a state kind')")
+                             "(see docs/DISTRIBUTED.md, 'Prompt-state kinds: the hook interface')")
         out.append(factory(st, layout, comm))
     return out

@@ -26,7 +26,10 @@ recent ``"full"`` layer below them in the same forward (handed over through :cla
 position data every layer receives); their prompt state is the plain :class:`~longstraw.models.mla.LatentState`.
 
 Prompt state of a full layer (:class:`IndexedLatentState`): the MLA latents plus the indexer keys, ``(r + dr + Di)``
-values per position. Ties: with few index heads many keys score exactly 0 (every head's relu at 0), and top-k then
+values per position. Context parallelism (longstraw.distributed.cp_latent) plugs in through three one-line hooks:
+``Indexer.select`` hands keys with ``cp_select`` to it, ``sparse_latent_attention`` a segment with
+``cp_sparse_dispatch``, and a segment's ``cp_key_count`` (the same on every rank) replaces its length when a layer
+decides dense vs sparse. Ties: with few index heads many keys score exactly 0 (every head's relu at 0), and top-k then
 breaks ties by position in an order that depends on how the scores were blocked; tests use >= 32 index heads (or
 ``index_topk`` >= the length).
 """
@@ -121,10 +124,13 @@ class IndexedLatentDecoder(LatentDecoder):
         self.index_k: Tensor | None = None
 
     def prefix(self, step: int) -> IndexedPrefix:
-        keys = [self.prompt.index_k[:, : self.prompt.length]] if self.prompt.length else []
+        pre = self.prompt.prefix(self.prompt.length, False)  # the prompt's latents and keys (a sharded state's too)
+        lat, keys = list(pre.latents), list(pre.index_keys)
         if step > 0:
+            own = self.lat[:, :, :step]
+            lat.append(KVSegment(own, own))
             keys.append(self.index_k[:, :step])
-        return IndexedPrefix(super().prefix(step), keys)
+        return IndexedPrefix(lat, keys)
 
     def append(self, piece: tuple[Tensor, Tensor], step: int) -> None:
         lat, ik = piece
@@ -179,20 +185,46 @@ class Indexer(nn.Module):
         return self._rope(self.k_norm(self.wk(x)), rope[0], rope[1])
 
     @torch.no_grad()
-    def select(self, x: Tensor, q_resid: Tensor, rope, prefix_keys: list[Tensor], own_keys: Tensor) -> Selection:
+    def queries(self, x: Tensor, q_resid: Tensor, rope) -> tuple[Tensor, Tensor]:
+        """``x [B, T, hidden]``, ``q_resid [B, T, q_lora_rank]`` -> roped index queries ``q [B, T, Hi, Di]`` and
+        head weights ``w [B, T, Hi]`` (score dtype, ``Hi^-0.5`` included)."""
+        b, t, _ = x.shape
+        cos, sin = rope[0], rope[1]
+        q = self.wq_b(q_resid).view(b, t, self.num_heads, self.head_dim)
+        q = self._rope(q, cos[:, None], sin[:, None])  # cos [T, 1, dr]: broadcast over the index heads
+        return q, self.weights_proj(x).to(_acc_dtype(x.dtype)) * self.num_heads**-0.5
+
+    def scores(self, qb: Tensor, wb: Tensor, keys: list[Tensor]) -> Tensor:
+        """Index scores ``I [B, bt, sum S_i]`` (unmasked) of a block of queries ``qb [B, bt, Hi, Di]`` with weights
+        ``wb [B, bt, Hi]`` (both in the score dtype) over ``keys`` (``[Bk, S_i, Di]`` each, read in place and cast
+        one key chunk of ``[B, bt, Hi, kc]`` head scores at a time)."""
+        b, bt = qb.shape[:2]
+        kc = max(1, _SCORE_ELEMS // (b * bt * self.num_heads))
+        wb = wb[:, :, None, :]  # [B, bt, 1, Hi]
+        parts = []
+        for k in keys:
+            for c0 in range(0, k.shape[1], kc):
+                kt = k[:, c0 : c0 + kc].to(qb.dtype).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
+                sc = torch.relu(torch.matmul(qb, kt) * self.softmax_scale)  # [B, bt, Hi, kc]
+                parts.append(torch.matmul(wb, sc).squeeze(-2))  # [B, bt, kc]
+        return torch.cat(parts, dim=-1)
+
+    @torch.no_grad()
+    def select(self, x: Tensor, q_resid: Tensor, rope, prefix_keys: list, own_keys: Tensor) -> Selection:
         """Top-``topk`` causal keys for each query ``x [B, T, hidden]`` over ``prefix_keys`` (``[Bk, S_i, Di]``) and
         ``own_keys [B, T, Di]``.
 
         Blocked over queries (``bt`` rows of ``[B, bt, S]`` index scores at a time) and, within a block, over keys
-        (``[B, bt, Hi, kc]`` head scores): the stored keys are read in place and cast to the score dtype one key
-        chunk at a time, never copied whole.
+        (:meth:`scores`): the stored keys are read in place, never copied whole. Keys split over a context-parallel
+        group (an entry with ``cp_select``) hand the whole call to it (longstraw.distributed).
         """
+        for k in prefix_keys:
+            cp_select = getattr(k, "cp_select", None)
+            if cp_select is not None:
+                return cp_select(self, x, q_resid, rope, prefix_keys, own_keys)
         b, t, _ = x.shape
         acc = _acc_dtype(x.dtype)
-        cos, sin = rope[0], rope[1]
-        q = self.wq_b(q_resid).view(b, t, self.num_heads, self.head_dim)
-        q = self._rope(q, cos[:, None], sin[:, None])  # cos [T, 1, dr]: broadcast over the index heads
-        w = self.weights_proj(x).to(acc) * self.num_heads**-0.5  # [B, T, Hi]
+        q, w = self.queries(x, q_resid, rope)
         segs = list(prefix_keys) + [own_keys]
         s_pre = sum(k.shape[1] for k in prefix_keys)
         s_all = s_pre + t
@@ -200,18 +232,10 @@ class Indexer(nn.Module):
         idx = torch.empty(b, t, k_eff, dtype=torch.long, device=x.device)
         valid = torch.empty(b, t, k_eff, dtype=torch.bool, device=x.device)
         bt = max(1, min(t, _SCORE_ELEMS // max(1, b * s_all)))
-        kc = max(1, _SCORE_ELEMS // (b * bt * self.num_heads))
         key_pos = torch.arange(s_all, device=x.device) - s_pre  # own-token index of each key (< 0: prefix)
         for t0 in range(0, t, bt):
             t1 = min(t, t0 + bt)
-            qb, wb = q[:, t0:t1].to(acc), w[:, t0:t1, None, :]  # [B, bt, Hi, Di], [B, bt, 1, Hi]
-            parts = []
-            for k in segs:
-                for c0 in range(0, k.shape[1], kc):
-                    kt = k[:, c0 : c0 + kc].to(acc).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
-                    sc = torch.relu(torch.matmul(qb, kt) * self.softmax_scale)  # [B, bt, Hi, kc]
-                    parts.append(torch.matmul(wb, sc).squeeze(-2))  # [B, bt, kc]
-            sc = torch.cat(parts, dim=-1)
+            sc = self.scores(q[:, t0:t1].to(acc), w[:, t0:t1], segs)
             future = key_pos[None, :] > torch.arange(t0, t1, device=x.device)[:, None]  # [bt, S]
             vals, ids = sc.masked_fill_(future, float("-inf")).topk(k_eff, dim=-1)
             idx[:, t0:t1] = ids
@@ -256,6 +280,25 @@ def _scatter(dkeys: Tensor, targets, lats, offsets, idx: Tensor, valid: Tensor) 
         target.index_add_(0, local.reshape(-1), src.reshape(-1, src.shape[-1]))
 
 
+def _latent_grad_targets(lats, sinks, needs, acc: torch.dtype) -> tuple[list, list]:
+    """Where the backward of a sparse latent attention puts each segment's ``d lat``: its sink (the prompt
+    state's gradient buffer, filled in place; no returned gradient), a fresh ``acc`` buffer it returns (the
+    segment needs a gradient: ``needs[i]``), or nowhere. Returns ``(grads, targets)``, targets as ``[S, D]`` views."""
+    grads, targets = [], []
+    for lat, sink, need in zip(lats, sinks, needs):
+        if sink is not None:
+            grads.append(None)
+            targets.append(sink.view(-1, sink.shape[-1]))
+        elif need:
+            g = torch.zeros(lat.shape, dtype=acc, device=lat.device)
+            grads.append(g)
+            targets.append(g.view(-1, lat.shape[-1]))
+        else:
+            grads.append(None)
+            targets.append(None)
+    return grads, targets
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     """Softmax attention of ``q [B, H, T, D]`` over the selected single-head latents (``K = V``); see
     :func:`sparse_latent_attention`."""
@@ -288,18 +331,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         b, h, t, d = q.shape
         qt, dt = q.transpose(1, 2), dout.transpose(1, 2)
         dq = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device) if ctx.needs_input_grad[0] else None
-        grads, targets = [], []
-        for i, (lat, sink) in enumerate(zip(lats, ctx.sinks)):
-            if sink is not None:
-                grads.append(None)
-                targets.append(sink.view(-1, sink.shape[-1]))
-            elif ctx.needs_input_grad[6 + i]:
-                g = torch.zeros(lat.shape, dtype=acc, device=lat.device)
-                grads.append(g)
-                targets.append(g.view(-1, d))
-            else:
-                grads.append(None)
-                targets.append(None)
+        grads, targets = _latent_grad_targets(lats, ctx.sinks, ctx.needs_input_grad[6:], acc)
         for t0 in range(0, t, ctx.bt):
             sl = slice(t0, min(t, t0 + ctx.bt))
             keys = _gather(lats, ctx.offsets, idx[:, sl], valid[:, sl], acc)
@@ -325,6 +357,10 @@ def sparse_latent_attention(q: Tensor, segments: list[KVSegment], sel: Selection
     Differentiable w.r.t. ``q`` and the segments' latents; a segment with ``k_grad`` receives its gradient in
     place (gradient sink, the prompt state). Memory: one block of queries' gathered keys and probabilities.
     """
+    for s in segments:  # latents split over a context-parallel group compute the call (longstraw.distributed)
+        cp_sparse = getattr(s, "cp_sparse_dispatch", None)
+        if cp_sparse is not None:
+            return cp_sparse(q, segments, sel, scale)
     offsets, lats, sinks = [], [], []
     off = 0
     for s in segments:
@@ -386,7 +422,8 @@ class SparseMLAttention(MLAttention):
         else:
             segs, piece = list(prefix or []), lat
         t = x.shape[1]
-        if sum(s.length for s in segs) + t <= self.index_topk:  # every visible key is selected: dense MLA
+        # a segment split over a context-parallel group counts its keys alike on every rank (cp_key_count)
+        if sum(getattr(s, "cp_key_count", s.length) for s in segs) + t <= self.index_topk:  # all selected: dense
             o = self.attend(q_nope, q_pe, lat, segs)
             return self.output(o), piece
         if self.indexer is not None:

@@ -279,6 +279,12 @@ def _spread(seg: KVSegment, g: int) -> KVSegment:
     return KVSegment(lat, lat)
 
 
+def _context_parallel(prefix: list[KVSegment]) -> bool:
+    """Whether a prefix segment is split over a context-parallel group (it computes attention itself through
+    ``segment_attention``'s ``cp_dispatch`` hook; longstraw.distributed)."""
+    return any(getattr(s, "cp_dispatch", None) is not None for s in prefix)
+
+
 # ---------------------------------------------------------------------------------------------------- mixer
 
 
@@ -381,11 +387,14 @@ class MLAttention(nn.Module):
 
     def attend_absorbed(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
         qa = self.absorbed_query(q_nope, q_pe)
-        g = _pseudo_heads(qa, self.num_heads)
+        g = 1 if _context_parallel(prefix) else _pseudo_heads(qa, self.num_heads)  # a sharded segment stays whole
         segs = [s if g == 1 else _spread(s, g) for s in prefix] + [KVSegment(lat, lat, causal=True)]
         return self.absorbed_output(segment_attention(qa, segs, self.scale))
 
     def attend_decompressed(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
+        if _context_parallel(prefix):
+            raise ValueError("the decompressed MLA form has no context-parallel path; under context parallelism "
+                             "MLA layers attend in the absorbed form (attend() picks it; the result is the same)")
         w_uk, w_uv = self._weights()
         q = torch.cat((q_nope, q_pe), dim=-1)
         w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)  # autocast: the custom backward sees one dtype
@@ -421,7 +430,14 @@ class MLAttention(nn.Module):
         return "decompressed" if f["decompressed"] * penalty < f["absorbed"] else "absorbed"
 
     def attend(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
-        """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``."""
+        """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``.
+
+        A prefix split over a context-parallel group always takes the absorbed form, whatever ``mode`` says: it
+        reaches the sharded latents through ``segment_attention`` (queries shipped to their owners), and the form
+        must not depend on a rank's local share (every rank of the group has to take the same path). Both forms are
+        exact, so only rounding differs from a single-process run that decompresses."""
+        if _context_parallel(prefix):
+            return self.attend_absorbed(q_nope, q_pe, lat, prefix)
         grad = torch.is_grad_enabled() and q_nope.requires_grad
         if self.choose_form(q_nope.shape[0], q_nope.shape[2], prefix, grad) == "absorbed":
             return self.attend_absorbed(q_nope, q_pe, lat, prefix)

@@ -1,0 +1,528 @@
+"""MLA latent states (DeepSeek-V3, DeepSeek-V3.2, GLM-5) under context parallelism.
+
+An MLA layer's prompt state is ``lat [1, 1, P, r + dr]`` (``[c_kv | k_pe]`` per position, :class:`LatentState`);
+a DSA layer with an indexer adds the indexer keys ``[1, P, Di]`` (:class:`IndexedLatentState`). Both are ``O(P)``
+like full-attention K/V and shard the same way (:class:`~longstraw.distributed.cp_state.ShardLayout`): rank ``r``
+keeps the latents (and keys) of its pieces, in position order, in a local single-process state, whose gradient
+buffer is this rank's sink.
+
+Dense MLA (every DeepSeek-V3 layer; DSA layers whose queries see at most ``index_topk`` keys): the absorbed form
+attends through ``segment_attention`` with ``K = V = lat`` and one shared latent head, so the sharded latents take
+the :class:`ShardedSegment` path of :mod:`longstraw.distributed.cp_attention` unchanged (queries shipped to the
+owners, partials merged by LSE, ``d lat`` into the owner's sink). Under CP the MLA mixer always takes the absorbed
+form (``models/mla.py``, ``attend``): the decompressed one is the same function with other FLOPs, and "auto" would
+pick it from a rank's local lengths, which differ between ranks.
+
+DSA (DeepSeek Sparse Attention), the layers whose queries see more than ``index_topk`` keys:
+
+* Indexer top-k (:func:`cp_index_select`, not differentiated): the selection is over the whole prompt. Replicated
+  queries (replay, score, decoding): each rank scores the queries against its stored keys, keeps its local
+  top-``k``, and an all-gather of ``(score, global position)`` pairs (``R B T k``) picks the global top-``k``
+  together with the replicated keys (the new tokens' own, generated tokens'). Prefill step: the step's index
+  queries and head weights are all-gathered (``R T Hi (Di + 1)``), every rank takes each piece's local top-``k``
+  over its stored keys and an all-to-all returns them to the pieces' owners (``R T k`` pairs); the step's indexer
+  keys are all-gathered (``R T Di``) for the earlier pieces. Ties are broken deterministically, by the lower
+  position (the single-process ``topk`` breaks exact ties in an order of its own; with real scores ties do not
+  occur).
+* Sparse attention (:func:`cp_sparse_latent_attention`, the CP twin of ``_SparseLatentAttention``): the selected
+  keys split by owner, so each rank attends the queries over the selected keys it owns (a partial ``(o, lse)``),
+  merged by log-sum-exp: the dense CP attention's pattern with a selection mask. Replicated queries: partials
+  all-gathered (``R B T H (D + 1)``), ``dq`` all-reduced, ``d lat`` of the selected stored keys into the owner's
+  sink. Prefill step: the step's absorbed queries and selections travel to the owners of the stored prefix and the
+  partials come back by all-to-all (backward: ``(q, dO, O, lse)`` gathered, ``dq`` back by all-to-all); the step's
+  latent pieces are all-gathered and the earlier pieces' ``d lat`` returns to their owners inside the same backward.
+
+Every decision that skips a collective depends only on values that are the same on every rank (the step, the
+global lengths): all ranks make the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from longstraw.distributed.context import Comm
+from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
+from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
+from longstraw.models.dsa import (_GATHER_ELEMS, _SCORE_ELEMS, IndexedLatentDecoder, IndexedLatentState,
+                                  IndexedPrefix, Selection, _acc_dtype, _gather, _latent_grad_targets,
+                                  _scatter)
+from longstraw.models.mla import LatentDecoder, LatentState
+from longstraw.ops.attention import KVSegment
+
+__all__ = ["ShardedLatentState", "ShardedIndexedLatentState", "ShardedLatentSegment", "ShardedIndexKeys",
+           "cp_sparse_latent_attention", "cp_index_select"]
+
+_NEG = float("-inf")
+_EMPTY_LAT = torch.empty(1, 1, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------- positions
+
+
+class _Owner:
+    """This rank's pieces as tensors: global ``[start, end)`` in position order and their local buffer offsets.
+    ``O(K)`` numbers, whatever the prompt length (no position-sized map)."""
+
+    def __init__(self, layout: ShardLayout, rank: int):
+        pieces = layout.pieces(rank)
+        self._lists = ([s for s, _ in pieces], [e for _, e in pieces],
+                       [layout.local_offset(rank, k) for k in range(len(pieces))])
+        self._dev: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def _t(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        if device not in self._dev:
+            self._dev[device] = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in self._lists)
+        return self._dev[device]
+
+    def to_local(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Global positions ``pos [...]`` -> (local index, owned by this rank) of the same shape (index 0 where
+        not owned)."""
+        starts, ends, offs = self._t(pos.device)
+        k = (torch.searchsorted(starts, pos.contiguous(), right=True) - 1).clamp_(min=0)
+        st = starts[k]
+        owned = (pos >= st) & (pos < ends[k])
+        return torch.where(owned, offs[k] + pos - st, 0), owned
+
+    def to_global(self, local: Tensor) -> Tensor:
+        """Local buffer indices ``[...]`` -> their global positions."""
+        starts, _, offs = self._t(local.device)
+        k = (torch.searchsorted(offs, local.contiguous(), right=True) - 1).clamp_(min=0)
+        return starts[k] + local - offs[k]
+
+
+def _pad1(x: Tensor, length: int, value: float = 0) -> Tensor:
+    """Pad axis 1 (time) of ``x [B, T, ...]`` to ``length`` with ``value``."""
+    if x.shape[1] == length:
+        return x.contiguous()
+    pad = x.new_full((x.shape[0], length - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def _pad_last(x: Tensor, length: int, value: float) -> Tensor:
+    return torch.cat([x, x.new_full((*x.shape[:-1], length - x.shape[-1]), value)], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------- segments
+
+
+@dataclass
+class ShardedLatentSegment(ShardedSegment):
+    """This rank's share ``k = v = lat [1, 1, S_local, r + dr]`` of the stored latents (``k_grad = v_grad``: the
+    sink). Dense attention goes through :class:`ShardedSegment`'s ``cp_dispatch``; DSA's sparse attention through
+    ``cp_sparse_dispatch``. ``owner`` maps global positions to this rank's buffer."""
+
+    owner: _Owner | None = None
+
+    @property
+    def cp_key_count(self) -> int:
+        """Keys counted before the queries when DSA decides dense vs sparse, the same on every rank: the stored
+        prefix, plus in a prefill step every other piece of the step (with the queries' own piece: the step's end,
+        the longest view any rank's queries have)."""
+        if self.step is None:
+            return self.global_length
+        return self.global_length + sum(self.step.lengths) - self.step.lengths[self.step.rank]
+
+    def cp_sparse_dispatch(self, q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
+        return cp_sparse_latent_attention(q, segments, sel, scale)
+
+
+@dataclass
+class ShardedIndexKeys:
+    """This rank's share ``keys [1, S_local, Di]`` of a DSA layer's stored indexer keys (position order), as an
+    entry of :class:`~longstraw.models.dsa.IndexedPrefix`; the indexer hands its ``select`` to ``cp_select``."""
+
+    keys: Tensor
+    comm: Comm
+    step: StepPieces | None
+    global_length: int
+    owner: _Owner
+
+    def cp_select(self, indexer, x: Tensor, q_resid: Tensor, rope, prefix_keys: list, own_keys: Tensor
+                  ) -> Selection:
+        return cp_index_select(self, indexer, x, q_resid, rope, prefix_keys, own_keys)
+
+
+# ---------------------------------------------------------------------------------------------------- states
+
+
+class ShardedLatentState(PositionShardedState):
+    """An MLA layer's latents, sharded: ``local`` (a :class:`LatentState` for this rank's positions, in position
+    order) holds ``lat [1, 1, n_local, r + dr]`` of rank ``rank``'s pieces; its gradient buffer (exact mode) is this
+    rank's sink. Speaks the LayerState protocol in GLOBAL positions, like :class:`ShardedKVState`."""
+
+    def __init__(self, local: LatentState, layout: ShardLayout, comm: Comm):
+        super().__init__(local, layout, comm)
+        self.owner = _Owner(layout, comm.rank)
+
+    def _segment(self, local_len: int, global_len: int, grad: bool, step: StepPieces | None
+                 ) -> ShardedLatentSegment:
+        st = self.local
+        if st.lat is None:
+            lat, g = _EMPTY_LAT, None
+        else:
+            lat = st.lat[:, :, :local_len]
+            g = st.grad[:, :, :local_len] if grad and st.grad is not None else None
+        return ShardedLatentSegment(lat, lat, k_grad=g, v_grad=g, comm=self.comm, step=step,
+                                    global_length=global_len, owner=self.owner)
+
+    def _step(self, step: int) -> tuple[int, int, StepPieces]:
+        g = self.layout.step_start(step)
+        return self.layout.local_len(self.rank, g), g, StepPieces(self.layout.step_lengths(step), self.rank)
+
+    def step_prefix(self, step: int, grad: bool) -> list[ShardedLatentSegment]:
+        """For this rank's piece of step ``step``: the stored latents before the step (this rank's share) and the
+        step's piece lengths (the earlier pieces are exchanged inside the attention call)."""
+        local_len, g, pieces = self._step(step)
+        return [self._segment(local_len, g, grad, pieces)]
+
+    def segments(self, length: int, grad: bool) -> list[ShardedLatentSegment]:
+        """For tokens run on every rank after the first ``length`` positions (replay, decoding, score)."""
+        if length == 0:
+            return []
+        assert length <= self.length
+        return [self._segment(self.layout.local_len(self.rank, length), length, grad, None)]
+
+    def prefix(self, length: int, grad: bool):
+        return self.segments(length, grad)
+
+    def decoder(self, batch: int, max_new: int) -> LatentDecoder:
+        return LatentDecoder(self, batch, max_new)  # reads segments(length): this rank's share, merged over the group
+
+
+class ShardedIndexedLatentState(ShardedLatentState):
+    """A DSA layer with an indexer: latents as :class:`ShardedLatentState` plus this rank's indexer keys
+    (``local`` is an :class:`IndexedLatentState`); prefixes are :class:`IndexedPrefix` of sharded entries."""
+
+    def _keys(self, local_len: int, global_len: int, step: StepPieces | None) -> ShardedIndexKeys:
+        ik = self.local.index_k
+        keys = ik[:, :local_len] if ik is not None else torch.empty(1, 0, 0)
+        return ShardedIndexKeys(keys, self.comm, step, global_len, self.owner)
+
+    def step_prefix(self, step: int, grad: bool) -> IndexedPrefix:
+        local_len, g, pieces = self._step(step)
+        return IndexedPrefix([self._segment(local_len, g, grad, pieces)], [self._keys(local_len, g, pieces)])
+
+    def prefix(self, length: int, grad: bool) -> IndexedPrefix:
+        if length == 0:
+            return IndexedPrefix([], [])
+        assert length <= self.length
+        local_len = self.layout.local_len(self.rank, length)
+        return IndexedPrefix([self._segment(local_len, length, grad, None)], [self._keys(local_len, length, None)])
+
+    def decoder(self, batch: int, max_new: int) -> IndexedLatentDecoder:
+        return IndexedLatentDecoder(self, batch, max_new)  # reads prefix(length)
+
+
+# ---------------------------------------------------------------------------------------------------- indexer
+
+
+def _first_topk(vals: Tensor, k: int) -> Tensor:
+    """Indices ``[..., k]`` (ascending) of the ``k`` largest of ``vals [..., C]``, exact ties taken lowest index
+    first: deterministic, unlike ``topk``'s indices (its values are exact, so the ``k``-th value is the threshold)."""
+    kth = vals.topk(k, dim=-1).values[..., -1:]
+    above = vals > kth
+    tie = vals == kth
+    keep = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    return keep.nonzero()[:, -1].view(*vals.shape[:-1], k)  # exactly k per row, row-major order
+
+
+def _local_top(indexer, q: Tensor, w: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Best ``k`` of this rank's stored keys ``keys [1, S, Di]`` (position order) for queries ``q [B, T, Hi, Di]``
+    with weights ``w [B, T, Hi]``: ``(scores, local indices)`` ``[B, T, k]``, padded with ``(-inf, 0)`` when
+    ``S < k``. Blocked over queries as the single-process indexer is (``[B, bt, S]`` scores at a time)."""
+    b, t = q.shape[:2]
+    acc, s = w.dtype, keys.shape[1]
+    vals = torch.full((b, t, k), _NEG, dtype=acc, device=q.device)
+    ids = torch.zeros(b, t, k, dtype=torch.long, device=q.device)
+    kk = min(k, s)
+    if kk == 0:
+        return vals, ids
+    bt = max(1, min(t, _SCORE_ELEMS // max(1, b * s)))
+    for t0 in range(0, t, bt):
+        t1 = min(t, t0 + bt)
+        sc = indexer.scores(q[:, t0:t1].to(acc), w[:, t0:t1], [keys])  # [B, bt, S]
+        i = _first_topk(sc, kk)
+        vals[:, t0:t1, :kk] = sc.gather(-1, i)
+        ids[:, t0:t1, :kk] = i
+    return vals, ids
+
+
+def _replicated_candidates(indexer, q: Tensor, w: Tensor, keys: list[Tensor], base: int, own_start: int
+                           ) -> tuple[Tensor, Tensor]:
+    """Scores ``[B, T, S]`` and global positions of keys every rank holds (``keys``, concatenated from position
+    ``base``; the last ``T`` of them are the queries' own, from ``own_start`` on: causally masked)."""
+    b, t = q.shape[:2]
+    acc = w.dtype
+    s = sum(k.shape[1] for k in keys)
+    pos = torch.arange(base, base + s, device=q.device)
+    qpos = torch.arange(own_start, own_start + t, device=q.device)
+    out = torch.empty(b, t, s, dtype=acc, device=q.device)
+    bt = max(1, min(t, _SCORE_ELEMS // max(1, b * s)))
+    for t0 in range(0, t, bt):
+        t1 = min(t, t0 + bt)
+        sc = indexer.scores(q[:, t0:t1].to(acc), w[:, t0:t1], keys)
+        out[:, t0:t1] = sc.masked_fill_(pos[None, :] > qpos[t0:t1, None], _NEG)
+    return out, pos.expand(b, t, s)
+
+
+def _global_select(vals: list[Tensor], pos: list[Tensor], k: int) -> Selection:
+    """The top ``k`` of the candidates ``(score, global position)`` ``[B, T, C_i]``: ordered by position first so
+    that exact ties go to the lower position (deterministic); ``valid`` where the score is finite."""
+    v, p = torch.cat(vals, dim=-1), torch.cat(pos, dim=-1)
+    if v.shape[-1] < k:  # fewer candidates than the width (a low rank's piece early in a step): invalid slots
+        v, p = _pad_last(v, k, _NEG), _pad_last(p, k, 0)
+    order = p.argsort(dim=-1, stable=True)
+    v, p = v.gather(-1, order), p.gather(-1, order)
+    i = _first_topk(v, k)
+    return Selection(p.gather(-1, i), v.gather(-1, i) > _NEG)
+
+
+@torch.no_grad()
+def cp_index_select(sh: ShardedIndexKeys, indexer, x: Tensor, q_resid: Tensor, rope, prefix_keys: list,
+                    own_keys: Tensor) -> Selection:
+    """``Indexer.select`` over indexer keys split over the CP group (module docstring): ``Selection.idx`` holds
+    positions in the same concatenated key axis as in one process (global prompt positions, then the replicated
+    segments and the queries' own tokens), and the same keys (up to exact ties). ``x [B, T, hidden]``."""
+    if not prefix_keys or prefix_keys[0] is not sh:
+        raise ValueError("context-parallel DSA selection expects the sharded prompt keys as the first prefix entry")
+    comm, topk = sh.comm, indexer.topk
+    q, w = indexer.queries(x, q_resid, rope)  # [B, T, Hi, Di], [B, T, Hi]
+    b, t = x.shape[:2]
+    g = sh.global_length
+    vals, pos = [], []
+    if sh.step is None:  # replicated queries: identical on every rank
+        rest = list(prefix_keys[1:]) + [own_keys]
+        n_rest = sum(k.shape[1] for k in rest)
+        if g > 0:
+            kl = min(topk, g)
+            v, i = _local_top(indexer, q, w, sh.keys, kl)
+            gv, gp = comm.all_gather(v), comm.all_gather(sh.owner.to_global(i))  # [R, B, T, kl]
+            vals.append(gv.permute(1, 2, 0, 3).reshape(b, t, -1))
+            pos.append(gp.permute(1, 2, 0, 3).reshape(b, t, -1))
+        v, p = _replicated_candidates(indexer, q, w, rest, g, g + n_rest - t)
+        vals.append(v)
+        pos.append(p)
+        return _global_select(vals, pos, min(topk, g + n_rest))
+    step = sh.step
+    assert b == 1 and len(prefix_keys) == 1, "a prefill step selects over the stored prefix and the step"
+    tm, r = step.max_len, step.rank
+    own_start = g + sum(step.lengths[:r])
+    end = g + sum(step.lengths)
+    if g > 0:  # the step's index queries travel to the stored keys' owners; each piece's local top-k comes back
+        qs = comm.all_gather(_pad1(q, tm)[0])  # [R, Tm, Hi, Di]
+        ws = comm.all_gather(_pad1(w, tm)[0])  # [R, Tm, Hi]
+        kl = min(topk, g)
+        v, i = _local_top(indexer, qs, ws, sh.keys, kl)  # [R, Tm, kl]: every piece over this rank's share
+        v, p = comm.all_to_all(v), comm.all_to_all(sh.owner.to_global(i))  # block j: rank j's for my piece
+        vals.append(v[:, :t].permute(1, 0, 2).reshape(1, t, -1))
+        pos.append(p[:, :t].permute(1, 0, 2).reshape(1, t, -1))
+    gk = comm.all_gather(_pad1(own_keys, tm)[0])  # [R, Tm, Di]: the step's keys, for the later pieces
+    keys = [gk[j : j + 1, : step.lengths[j]] for j in range(r)] + [own_keys]
+    v, p = _replicated_candidates(indexer, q, w, keys, g, own_start)
+    vals.append(v)
+    pos.append(p)
+    return _global_select(vals, pos, min(topk, end))  # one width on every rank (the step's end)
+
+
+# ---------------------------------------------------------------------------------------------------- sparse op
+
+
+def _part_fwd(qt: Tensor, lats: tuple[Tensor, ...], offsets: tuple[int, ...], idx: Tensor, valid: Tensor,
+              scale: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Attention of ``qt [B, T, H, D]`` over the selected keys ``idx/valid [B, T, K]`` that lie in ``lats``
+    (``[Bk, 1, S_i, D]`` at concatenated ``offsets``; ``valid`` already restricted to them): ``o [B, T, H, D]``
+    and ``lse [B, T, H]`` in ``acc``; rows with no such key give ``(0, -inf)``."""
+    b, t, h, d = qt.shape
+    o = torch.empty(b, t, h, d, dtype=acc, device=qt.device)
+    lse = torch.empty(b, t, h, dtype=acc, device=qt.device)
+    bt = max(1, _GATHER_ELEMS // max(1, b * idx.shape[-1] * (d + h)))
+    for t0 in range(0, t, bt):
+        sl = slice(t0, min(t, t0 + bt))
+        keys = _gather(lats, offsets, idx[:, sl], valid[:, sl], acc)  # [B, bt, K, D]
+        s = torch.matmul(qt[:, sl].to(acc), keys.transpose(-1, -2)) * scale  # [B, bt, H, K]
+        s = s.masked_fill(~valid[:, sl, None, :], _NEG)
+        ls = torch.logsumexp(s, dim=-1)
+        safe = torch.where(torch.isinf(ls), 0.0, ls)
+        o[:, sl] = torch.matmul(torch.exp(s - safe[..., None]), keys)
+        lse[:, sl] = ls
+    return o, lse
+
+
+def _part_bwd(qt: Tensor, dt: Tensor, ot: Tensor, lse: Tensor, lats: tuple[Tensor, ...], offsets: tuple[int, ...],
+              idx: Tensor, valid: Tensor, scale: float, targets: list[Tensor | None]) -> Tensor:
+    """Backward of :func:`_part_fwd` against the MERGED ``ot [B, T, H, D]`` and global ``lse [B, T, H]`` (padded
+    rows: ``lse`` 0 and nothing valid): returns ``dq [B, T, H, D]`` (``lse``'s dtype); the keys' gradient is added
+    into ``targets`` (flat ``[Bk * S_i, D]`` per lat, or None)."""
+    acc = lse.dtype
+    b, t, h, d = qt.shape
+    dq = torch.empty(b, t, h, d, dtype=acc, device=qt.device)
+    bt = max(1, _GATHER_ELEMS // max(1, b * idx.shape[-1] * (d + h)))
+    for t0 in range(0, t, bt):
+        sl = slice(t0, min(t, t0 + bt))
+        keys = _gather(lats, offsets, idx[:, sl], valid[:, sl], acc)
+        qb, do, ob = qt[:, sl].to(acc), dt[:, sl].to(acc), ot[:, sl].to(acc)
+        s = torch.matmul(qb, keys.transpose(-1, -2)) * scale
+        s = s.masked_fill(~valid[:, sl, None, :], _NEG)
+        p = torch.exp(s - lse[:, sl, :, None])  # [B, bt, H, K]
+        dp = torch.matmul(do, keys.transpose(-1, -2))
+        ds = p * (dp - (do * ob).sum(-1, keepdim=True))
+        dq[:, sl] = torch.matmul(ds, keys) * scale
+        if any(x is not None for x in targets):
+            dkeys = torch.matmul(ds.transpose(-1, -2), qb) * scale + torch.matmul(p.transpose(-1, -2), do)
+            _scatter(dkeys, targets, lats, offsets, idx[:, sl], valid[:, sl])
+    return dq
+
+
+def _merge_parts(os_: list[Tensor], ls: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Log-sum-exp merge of partials ``o [.., H, D]``, ``lse [.., H]`` (``-inf``: no key), in list order; a row
+    that no partial covers stays ``(0, -inf)``."""
+    lse = torch.stack(ls)
+    total = torch.logsumexp(lse, dim=0)
+    wts = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total))[..., None]
+    return (torch.stack(os_) * wts).sum(0), total
+
+
+@dataclass(frozen=True)
+class _SparsePlan:
+    comm: Comm
+    step: StepPieces | None
+    global_length: int  # stored prompt positions (replicated: the prompt; step: before the step)
+    owner: _Owner | None
+    sink: Tensor | None  # this rank's share's gradient buffer ``[1, 1, S_local, D]``
+    local_start: int  # concatenated position of the first local segment (replicated: global_length)
+
+
+def _localize(idx: Tensor, plan: _SparsePlan) -> tuple[Tensor, Tensor]:
+    """Packed selection ``idx [.., K]`` (``-1``: invalid) -> (index into this rank's share, selected and stored
+    here)."""
+    g = plan.global_length
+    local, owned = plan.owner.to_local(idx.clamp(0, g - 1))
+    m = (idx >= 0) & (idx < g) & owned
+    return torch.where(m, local, 0), m
+
+
+class _CPSparse(torch.autograd.Function):
+    """Sparse latent attention with the prompt latents split over the CP group (module docstring). Inputs:
+    ``q [B, H, T, D]``, the selection (concatenated positions), this rank's share ``sh_lat [1, 1, S_local, D]``
+    (its gradient goes to ``plan.sink``) and the local segments ``lats`` (replicated ones, or the step piece's own
+    latents) at ``offsets``."""
+
+    @staticmethod
+    def forward(ctx, q, idx, valid, scale, plan: _SparsePlan, offsets, sinks, sh_lat, *lats):
+        acc = _acc_dtype(q.dtype)
+        comm, step = plan.comm, plan.step
+        b, h, t, d = q.shape
+        qt = q.transpose(1, 2)  # [B, T, H, D]
+        packed = torch.where(valid, idx, -1)
+        os_, ls = [], []
+        saved: dict[str, Tensor] = {}
+        if plan.global_length > 0:  # the selected stored keys, attended by their owners
+            if step is None:
+                li, lv = _localize(packed, plan)
+                o, l = _part_fwd(qt, (sh_lat,), (0,), li, lv, scale, acc)
+                o, l = _merge_parts(list(comm.all_gather(o)), list(comm.all_gather(l)))
+            else:
+                tm = step.max_len
+                qs = comm.all_gather(_pad1(qt, tm)[0])  # [R, Tm, H, D]: every piece's queries
+                li, lv = _localize(comm.all_gather(_pad1(packed, tm, -1)[0]), plan)  # [R, Tm, K]
+                o, l = _part_fwd(qs, (sh_lat,), (0,), li, lv, scale, acc)
+                o, l = comm.all_to_all(o), comm.all_to_all(l)  # block j: rank j's partial for my piece
+                o, l = _merge_parts(list(o[:, None, :t]), list(l[:, None, :t]))
+                saved["qs"] = qs
+            os_.append(o)
+            ls.append(l)
+            saved["li"], saved["lv"] = li, lv
+        earlier = None
+        if step is not None:  # the earlier pieces of the step, from the lower ranks
+            tm, r = step.max_len, step.rank
+            own = lats[0]
+            gl = comm.all_gather(_pad1(own.transpose(1, 2), tm)[0]).transpose(1, 2)  # [R, 1, Tm, D]
+            if r > 0:
+                earlier = torch.cat([gl[j : j + 1, :, : step.lengths[j]] for j in range(r)], dim=2)
+                ev = (packed >= plan.global_length) & (packed < plan.local_start)
+                o, l = _part_fwd(qt, (earlier,), (plan.global_length,), packed, ev, scale, acc)
+                os_.append(o)
+                ls.append(l)
+                saved["ev"] = ev
+        cv = packed >= plan.local_start  # the local segments
+        if lats:
+            o, l = _part_fwd(qt, tuple(lats), offsets, packed, cv, scale, acc)
+            os_.append(o)
+            ls.append(l)
+        out, lse = _merge_parts(os_, ls)
+        out = out.to(q.dtype)
+        ctx.keys = list(saved)
+        ctx.save_for_backward(q, packed, out, lse, sh_lat, cv,
+                              earlier if earlier is not None else torch.empty(0), *saved.values(), *lats)
+        ctx.scale, ctx.plan, ctx.offsets, ctx.sinks, ctx.n_lats = scale, plan, offsets, sinks, len(lats)
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, packed, out, lse, sh_lat, cv, earlier, *rest = ctx.saved_tensors
+        saved = dict(zip(ctx.keys, rest[: len(ctx.keys)]))
+        lats = tuple(rest[len(ctx.keys) :])
+        plan, scale, comm, step = ctx.plan, ctx.scale, ctx.plan.comm, ctx.plan.step
+        acc = lse.dtype
+        b, h, t, d = q.shape
+        qt, dt = q.transpose(1, 2), dout.transpose(1, 2)
+        needs = [need or (step is not None and i == 0) for i, need in enumerate(ctx.needs_input_grad[8:])]
+        grads, targets = _latent_grad_targets(lats, ctx.sinks, needs, acc)
+        dq = torch.zeros(b, t, h, d, dtype=acc, device=q.device)
+        if lats:
+            dq += _part_bwd(qt, dt, out, lse, lats, ctx.offsets, packed, cv, scale, targets)
+        if step is not None:  # the earlier pieces' d lat back to their owners (all ranks take part)
+            tm, r = step.max_len, step.rank
+            send = torch.zeros(comm.size, 1, tm, d, dtype=acc, device=q.device)
+            if r > 0:
+                de = torch.zeros(earlier.shape, dtype=acc, device=q.device)
+                dq += _part_bwd(qt, dt, out, lse, (earlier,), (plan.global_length,), packed, saved["ev"], scale,
+                                [de.view(-1, d)])
+                for j, piece in enumerate(de[0, 0].split(step.lengths[:r], dim=0)):
+                    send[j, 0, : step.lengths[j]] = piece
+            got = comm.all_to_all(send).sum(0)[None, :, :t]  # [1, 1, t, D]: my piece's d lat from later pieces
+            grads[0] = got if grads[0] is None else grads[0] + got
+        if plan.global_length > 0:
+            sink = [plan.sink.view(-1, plan.sink.shape[-1])] if plan.sink is not None else [None]
+            li, lv = saved["li"], saved["lv"]
+            if step is None:
+                dq += comm.all_reduce(_part_bwd(qt, dt, out, lse, (sh_lat,), (0,), li, lv, scale, sink))
+            else:
+                tm = step.max_len
+                gather = lambda x: comm.all_gather(_pad1(x, tm)[0])  # noqa: E731  [R, Tm, ...]
+                dts, ots, lses = gather(dt), gather(out), gather(lse)  # padded rows: dO = 0, lse = 0
+                dqs = _part_bwd(saved["qs"], dts, ots, lses, (sh_lat,), (0,), li, lv, scale, sink)
+                dq += comm.all_to_all(dqs).sum(0)[None, :t]
+        grads = [None if g is None else g.to(lat.dtype) for g, lat in zip(grads, lats)]
+        return (dq.to(q.dtype).transpose(1, 2), None, None, None, None, None, None, None, *grads)
+
+
+def cp_sparse_latent_attention(q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
+    """``sparse_latent_attention`` when the first segment is a :class:`ShardedLatentSegment` (same signature and
+    result): ``q [B, H, T, D]``, ``sel`` over the concatenated key axis (global prompt positions first). In a
+    prefill step ``B == 1`` and the only other segment is the piece's own latents."""
+    sh = segments[0] if segments else None
+    if not isinstance(sh, ShardedLatentSegment) or any(isinstance(s, ShardedSegment) for s in segments[1:]):
+        raise ValueError("context-parallel sparse attention takes exactly one sharded latent segment, first")
+    local = [s for s in segments[1:] if s.length > 0]
+    for s in local:
+        assert s.k is s.v and s.k.shape[1] == 1, "sparse latent attention reads single-head latents (k is v)"
+    assert tuple(sel.idx.shape[:2]) == (q.shape[0], q.shape[2]), "one selection row per query"
+    if sh.step is not None:
+        assert q.shape[0] == 1 and len(local) == 1 and local[0].length == sh.step.lengths[sh.step.rank], \
+            "a prefill step attends its stored prefix, the step's earlier pieces and itself"
+        start = sh.global_length + sum(sh.step.lengths[: sh.step.rank])
+    else:
+        start = sh.global_length
+    offsets, off = [], start
+    for s in local:
+        offsets.append(off)
+        off += s.length
+    plan = _SparsePlan(sh.comm, sh.step, sh.global_length, sh.owner, sh.k_grad, start)
+    lats = [s.k.detach() if s.k_grad is not None else s.k for s in local]
+    return _CPSparse.apply(q, sel.idx, sel.valid, float(scale), plan, tuple(offsets),
+                           tuple(s.k_grad for s in local), sh.k.detach(), *lats)
