@@ -5,9 +5,10 @@ post-load baseline, gradients included; time of a second step). Configurations w
 planner exceeds ``--skip-above`` are not run (they would not fit this machine) and are marked so.
 
 Longest prompt under ``--cap`` (G = the largest in ``--groups``): for each method, prompt lengths double from
-``--fit-start`` while the measured peak stays under the cap (and the step under ``--fit-max-seconds``); the last
-that fit is reported as measured. Where time, not memory, ends the doubling (LongStraw on this CPU), the memory
-planner's ``max_prompt_len`` for the cap is reported beside it, marked as predicted.
+``--fit-start`` while the measured peak stays under the cap (and the step under ``--fit-max-seconds``, and the
+length under ``--fit-max-len``); the last that fit is reported as measured. Where time or length, not memory, ends
+the doubling (LongStraw on this CPU), the memory planner's ``max_prompt_len`` for the cap is reported beside it,
+marked as predicted.
 
 Writes a markdown table to stdout (and ``--md``), plots to ``--plots`` (PNG), all numbers to ``--json``.
 
@@ -64,7 +65,13 @@ def main(argv=None):
     ap.add_argument("--cap", default="2G", help="memory cap for the longest-prompt search")
     ap.add_argument("--fit-start", type=int, default=2048)
     ap.add_argument("--fit-max-seconds", type=float, default=60.0)
+    ap.add_argument("--fit-max-len", default=None,
+                    help="stop the doubling at this prompt length: N for every method, or method=N,method=N")
     ap.add_argument("--skip-above", default="12G", help="do not run configurations the planner puts above this")
+    ap.add_argument("--fit-methods", default=None, help="methods for the longest-prompt search (default: --methods)")
+    ap.add_argument("--no-sweep", action="store_true", help="only the longest-prompt search")
+    ap.add_argument("--reuse", default=None, metavar="LOG",
+                    help="a previous run's stdout (JSON lines): configurations measured there are not rerun")
     ap.add_argument("--md", default=None)
     ap.add_argument("--plots", default=None)
     ap.add_argument("--json", default=None)
@@ -82,35 +89,61 @@ def main(argv=None):
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
     def estimate(method, p, g):
-        if method in ("naive", "prefix"):
-            return naive_step_bytes(cfg, p, args.response_len, g, dtype="float32")  # prefix: same order
+        if method == "prefix":
+            return 0  # no model of it here: always measured
+        if method == "naive":
+            return naive_step_bytes(cfg, p, args.response_len, g, dtype="float32")
         pl = plan(cfg, prompt_len=p, response_len=args.response_len, group=g, prompt_grad=method, dtype="float32",
                   prefill_chunk=args.chunk)
         return pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]
 
+    reused = {}
+    if args.reuse:
+        for line in Path(args.reuse).read_text().splitlines():
+            if line.startswith("{") and '"peak_bytes"' in line:
+                r = json.loads(line)
+                r.pop("fit", None)
+                r.pop("planned_bytes", None)
+                reused[(r["method"], r["prompt_len"], r["G"])] = r
+
+    def measure(m, p, g):
+        r = reused.get((m, p, g))
+        if r is None:
+            r = run_one(args, ckpt, m, p, g)
+        else:
+            r = {**r, "reused": args.reuse}
+        if m in ("detached", "exact") and "peak_bytes" in r:
+            r["planned_bytes"] = estimate(m, p, g)
+        return r
+
     results = []
-    for p in lens:
+    for p in ([] if args.no_sweep else lens):
         for g in groups:
             for m in methods:
                 est = estimate(m, p, g)
                 if est > skip:
                     r = {"method": m, "G": g, "prompt_len": p, "skipped": f"planner estimate {est / 2**30:.1f} GiB"}
                 else:
-                    r = run_one(args, ckpt, m, p, g)
-                    if m in ("detached", "exact"):
-                        r["planned_bytes"] = est
+                    r = measure(m, p, g)
                 results.append(r)
                 print(json.dumps(r), flush=True)
 
     gmax = max(groups)
-    fits = {}
-    for m in methods:
+    fits, fit_runs = {}, []
+    max_len = {}
+    for item in (args.fit_max_len or "").split(","):
+        if item:
+            name, _, n = item.rpartition("=")
+            for m in ([name] if name else methods):
+                max_len[m] = int(n)
+    for m in (args.fit_methods.split(",") if args.fit_methods else methods):
         p, last_ok, stop = args.fit_start, None, "memory"
         while True:
             if estimate(m, p, gmax) > 2 * cap:
                 stop = "memory (planner: far over the cap)"
                 break
-            r = run_one(args, ckpt, m, p, gmax)
+            r = measure(m, p, gmax)
+            fit_runs.append(r)
             print(json.dumps({"fit": True, **r}), flush=True)
             if "error" in r or r["peak_bytes"] > cap:
                 stop = "memory" if "error" not in r else "error"
@@ -119,9 +152,12 @@ def main(argv=None):
             if r["seconds"] > args.fit_max_seconds:
                 stop = "time"
                 break
+            if m in max_len and 2 * p > max_len[m]:
+                stop = f"--fit-max-len {max_len[m]}"
+                break
             p *= 2
         entry = {"measured_max": last_ok["prompt_len"] if last_ok else 0, "stopped_by": stop}
-        if m in ("detached", "exact") and stop == "time":
+        if m in ("detached", "exact") and stop != "memory":
             kw = dict(response_len=args.response_len, group=gmax, prompt_grad=m, dtype="float32",
                       prefill_chunk=args.chunk)
             b = plan(cfg, prompt_len=args.fit_start, **kw).breakdown
@@ -130,15 +166,16 @@ def main(argv=None):
                                         **kw).max_prompt_len
         fits[m] = entry
 
-    text = report(results, fits, lens, groups, methods, args, started)
+    text = report(results, fits, fit_runs, lens, groups, methods, args, started)
     print(text)
     if args.md:
         Path(args.md).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "started": started, "results": results,
-                                               "fits": fits}, indent=2))
+                                               "fits": fits, "fit_runs": fit_runs}, indent=2))
     if args.plots:
         plot(results, lens, groups, methods, Path(args.plots))
+        plot_fit(fit_runs, cap, gmax, Path(args.plots))
     return 0
 
 
@@ -146,7 +183,7 @@ def _mib(x):
     return f"{x / 2**20:.1f}"
 
 
-def report(results, fits, lens, groups, methods, args, started) -> str:
+def report(results, fits, fit_runs, lens, groups, methods, args, started) -> str:
     by = {(r["method"], r["prompt_len"], r["G"]): r for r in results}
     out = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}; started {started}.",
            f"Model: random Llama-style, hidden {args.hidden}, {args.layers} layers, {args.heads} heads / "
@@ -166,23 +203,28 @@ def report(results, fits, lens, groups, methods, args, started) -> str:
             out.append(f"| {p} | {g} | " + " | ".join(cells) + " |")
     out += ["", f"Longest prompt under a {args.cap} cap at G={max(groups)}:", "",
             "| method | longest measured | stopped by | planner max |", "|---|---|---|---|"]
-    for m in methods:
+    for m in fits:
         f = fits[m]
         out.append(f"| {m} | {f['measured_max']} | {f['stopped_by']} | {f.get('planned_max', '-')} |")
     base = {m: fits[m]["measured_max"] for m in ("naive", "prefix") if m in fits}
     for m in ("detached", "exact"):
         if m not in fits:
             continue
-        ours = fits[m].get("planned_max") or fits[m]["measured_max"]
-        kind = "planned" if fits[m].get("planned_max") else "measured"
+        ours, planned = fits[m]["measured_max"], fits[m].get("planned_max")
         for b, v in base.items():
             if v:
-                out.append(f"- {m} ({kind} {ours}) / {b} (measured {v}): {ours / v:.1f}x longer prompt")
-    planner = [r for r in results if "planned_bytes" in r and "peak_bytes" in r]
+                extra = f"; planner's max under the cap {planned}: {planned / v:.1f}x" if planned else ""
+                out.append(f"- {m} / {b}: measured {ours} / {v} = **{ours / v:.0f}x** longer prompt{extra}")
+    planner = {(r["method"], r["prompt_len"], r["G"]): r for r in results + fit_runs
+               if "planned_bytes" in r and "peak_bytes" in r}
     if planner:
-        worst = max(abs(r["planned_bytes"] / r["peak_bytes"] - 1) for r in planner)
-        out += ["", f"Planner vs measured (LongStraw rows): worst relative error {worst:.1%} over {len(planner)} "
-                    "configurations."]
+        out += ["", "Planner vs measured (LongStraw rows, sweep and longest-prompt search):", "",
+                "| method | prompt | G | measured MiB | planned MiB | error |", "|---|---|---|---|---|---|"]
+        for (m, p, g), r in sorted(planner.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+            out.append(f"| {m} | {p} | {g} | {_mib(r['peak_bytes'])} | {_mib(r['planned_bytes'])} | "
+                       f"{r['planned_bytes'] / r['peak_bytes'] - 1:+.1%} |")
+        worst = max(abs(r["planned_bytes"] / r["peak_bytes"] - 1) for r in planner.values())
+        out += ["", f"Worst relative error {worst:.1%} over {len(planner)} configurations."]
     return "\n".join(out) + "\n"
 
 
@@ -213,6 +255,32 @@ def plot(results, lens, groups, methods, out_dir: Path) -> None:
         fig.tight_layout()
         fig.savefig(out_dir / fname)
         plt.close(fig)
+
+
+def plot_fit(fit_runs, cap, g, out_dir: Path) -> None:
+    """Peak memory against prompt length along the longest-prompt search, with the cap drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.8), dpi=100)
+    for m in dict.fromkeys(r["method"] for r in fit_runs):
+        rs = sorted((r for r in fit_runs if r["method"] == m and "peak_bytes" in r), key=lambda r: r["prompt_len"])
+        if rs:
+            ax.plot([r["prompt_len"] for r in rs], [r["peak_bytes"] / 2**20 for r in rs], marker="o", label=m)
+    ax.axhline(cap / 2**20, color="k", linestyle="--", linewidth=1, label="cap")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("peak memory above baseline (MiB)")
+    ax.set_title(f"Longest prompt under the cap, G={g}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "sweep_fit.png")
+    plt.close(fig)
 
 
 if __name__ == "__main__":
