@@ -237,22 +237,28 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, pro
     peak = peak_of(breakdown)
     max_len = None
     if gpu_mem is not None:
-        max_len = _solve_max_len(lambda x: peak_of(linear(x)), gpu_mem, t)
+        max_len = _solve_max_len(lambda x: peak_of(linear(x)), gpu_mem, t, known=(prompt_len, peak))
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=prompt_grad,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=prefill_chunk, branch_batch=branch_batch)
     return Plan(int(peak), breakdown, max_len, settings)
 
 
-def _solve_max_len(peak_at, limit: float, t: int) -> int | None:
+def _solve_max_len(peak_at, limit: float, t: int, known: tuple[int, int] | None = None) -> int | None:
     """Largest prompt length whose peak fits ``limit``: exact on the line beyond ``2t`` (see ``plan``), by
-    bisection over dry runs below it."""
-    y1, y2 = peak_at(t), peak_at(2 * t)
-    if y2 <= limit:
-        if y2 <= y1:
-            return None  # nothing grows with the prompt: memory sets no limit
-        return int(2 * t + (limit - y2) * t / (y2 - y1))
-    lo, hi = 2, 2 * t  # peak(lo) <= limit < peak(hi), or no prompt fits
+    bisection over dry runs below it. ``known = (p, peak(p))``, the plan's own length: when it is already over the
+    limit, the answer lies below it and no dry run longer than ``p`` is needed."""
+    if known is not None and known[1] > limit:
+        lo, hi = 2, known[0]
+    else:
+        y1, y2 = peak_at(t), peak_at(2 * t)
+        if y2 <= limit:
+            if y2 <= y1:
+                return None  # nothing grows with the prompt: memory sets no limit
+            return int(2 * t + (limit - y2) * t / (y2 - y1))
+        lo, hi = 2, 2 * t  # peak(lo) <= limit < peak(hi), or no prompt fits
+        if known is not None:
+            lo = max(lo, known[0])
     if peak_at(lo) > limit:
         return 0
     while hi - lo > max(1, lo // 100):  # 1% resolution
@@ -270,17 +276,19 @@ def _check_positive(**kw) -> None:
             raise ValueError(f"{k}={v!r} must be an integer >= 1")
 
 
-def _parse_mem(text: str | None) -> float | None:
+def _parse_mem(text: str | None, name: str = "--gpu-mem") -> float | None:
+    """``"80G"``, ``"512M"``, ``"1.5T"`` or a number of bytes -> bytes (binary units); ValueError naming ``name``."""
     if text is None:
         return None
     s = str(text).strip().upper().removesuffix("B")
     mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     try:
-        if s and s[-1] in mult:
-            return float(s[:-1]) * mult[s[-1]]
-        return float(s)
+        val = float(s[:-1]) * mult[s[-1]] if s and s[-1] in mult else float(s)
     except ValueError:
-        raise ValueError(f"--gpu-mem {text!r} must be a size like 80G, 141G or a number of bytes") from None
+        val = -1.0
+    if not val > 0:
+        raise ValueError(f"{name} {text!r} must be a size like 80G, 141G or a number of bytes") from None
+    return val
 
 
 def _fmt(n: float) -> str:

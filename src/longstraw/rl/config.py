@@ -105,6 +105,8 @@ class TrainSection:
     progress: bool = True
     tensorboard: bool = True  # used when the tensorboard package is installed
     plots: bool = True
+    memory_check: str = "warn"  # warn | error | off: the planner's peak against memory_limit before the run
+    memory_limit: str = ""  # e.g. "80G"; "": the device's memory (CUDA: total; CPU: available now)
 
 
 SECTIONS = {
@@ -302,6 +304,12 @@ def validate(cfg: RunConfig) -> None:
     _require(t.save_every >= 0, f"train.save_every={t.save_every} must be >= 0")
     _require(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1")
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    _require(t.memory_check in ("warn", "error", "off"),
+             f"train.memory_check={t.memory_check!r}; allowed: 'warn', 'error', 'off'")
+    if t.memory_limit:
+        from longstraw.planner import _parse_mem
+
+        _parse_mem(t.memory_limit, "train.memory_limit")
     try:
         grpo_config(cfg)  # engine-level checks (prompt_grad, loss_agg_mode, kl_type, chunk sizes, ...)
     except ValueError as e:

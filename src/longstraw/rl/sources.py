@@ -61,10 +61,14 @@ class PromptSource:
 
     def check(self) -> None:
         """Reject bad data before a run starts: every file row (or rollout group) is rendered and tokenised once
-        (a prompt over ``data.max_prompt_len`` names its index); a built-in task generates its first prompt."""
+        (a prompt over ``data.max_prompt_len`` names its index); a built-in task generates its first prompt.
+        Records ``longest_prompt`` and ``longest_response`` (offline rollouts) in tokens for the memory check."""
         n = len(self.rows) if self.rows is not None else len(self.groups) if self.groups is not None else 1
+        self.longest_prompt = self.longest_response = 0
         for i in range(n):
-            self.get(i)
+            item = self.get(i)
+            self.longest_prompt = max(self.longest_prompt, item.prompt_ids.numel())
+            self.longest_response = max([self.longest_response] + [r.numel() for r in item.responses or []])
 
     def _task_options(self) -> dict:
         return {"answer_digits": self.cfg.data.answer_digits}

@@ -40,7 +40,7 @@ from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
 
 # keys that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
-                     "train.save_every", "train.keep_last")
+                     "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit")
 
 
 @dataclass
@@ -128,6 +128,7 @@ class Trainer:
         self.reward_fn = make_reward(cfg.reward.fn)
         self.source = PromptSource(cfg, self.tokenizer)
         self.source.check()
+        self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: records e.g. a longer train.steps
         if not resume and not cfg.model.path:
@@ -165,6 +166,24 @@ class Trainer:
             raise ValueError(f"run directory {str(self.run_dir)!r} already holds a run; resume it with --resume or "
                              "choose another train.out_dir")
 
+    def _model_hf_config(self) -> dict:
+        m = self.cfg.model
+        if m.path:
+            from longstraw.checkpoint.hf import read_config
+
+            return read_config(m.path)
+        return builtin_model_config(m.builtin, self.tokenizer.vocab_size,
+                                    self.cfg.data.max_prompt_len + self.cfg.rollout.max_new_tokens + 1)
+
+    def _check_memory(self):
+        from longstraw.rl.memory_check import check_run_memory
+
+        d = self.cfg.data
+        prompt_len = max(self.source.longest_prompt, d.prompt_len if d.task else 0)
+        response_len = self.source.longest_response if d.offline else self.cfg.rollout.max_new_tokens
+        return check_run_memory(self.cfg, self._model_hf_config(), prompt_len, response_len, self.device,
+                                echo=self.echo)
+
     def _initial_model_dir(self) -> Path:
         """The checkpoint the run starts from (for built-in models: written once into the run directory)."""
         m = self.cfg.model
@@ -174,8 +193,7 @@ class Trainer:
         if not (d / "config.json").exists():
             from longstraw.models.registry import build_model
 
-            hf_cfg = builtin_model_config(m.builtin, self.tokenizer.vocab_size, self.cfg.data.max_prompt_len
-                                          + self.cfg.rollout.max_new_tokens + 1)
+            hf_cfg = self._model_hf_config()
             torch.manual_seed(self.cfg.train.seed)
             model = build_model(hf_cfg)
             init_weights(model, self.cfg.train.seed)

@@ -1,0 +1,127 @@
+"""Before a run: the memory planner's peak for the run's settings against the memory there is, and what to change.
+
+The trainer calls :func:`check_run_memory` before it writes anything. The planner (``longstraw.planner.plan``)
+dry-runs one GRPO step of the run's model on the meta device at the run's longest prompt, longest response and
+group size; the trainer adds what a run holds beyond one step: the frozen reference model (``kl_coef > 0``) and,
+with ``reuse_rollout_state``, the rollout prompt states of the step's other groups, kept until their first
+update. ``train.memory_check``: ``"warn"`` prints the verdict and goes on, ``"error"`` refuses a run that does not
+fit (a ``ValueError``: the CLI's one-line error), ``"off"`` skips the dry run (it takes seconds for small models,
+minutes for a large hybrid at long prompts: the Gated DeltaNet op's chunk loop runs op by op on the meta device).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from longstraw.planner import _fmt, _parse_mem, plan
+from longstraw.rl.config import RunConfig
+
+
+@dataclass
+class MemoryVerdict:
+    peak_bytes: int  # planned peak of the run (one step + what the run holds besides)
+    limit_bytes: int | None  # the memory it is compared with (None: unknown, nothing checked)
+    fits: bool
+    breakdown: dict[str, int]
+    max_prompt_len: int | None  # longest prompt that fits the limit with the other settings unchanged
+    message: str
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes a run on ``device`` may use: a GPU's total memory; on CPU what the OS reports as available now
+    (``MemAvailable``); None where neither is known."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[str]:
+    """What would shrink the largest terms, most effective first."""
+    a = cfg.algorithm
+    out = []
+    transient = max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
+    if b["prompt_state_grad"]:
+        out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
+                   "and the reverse pass; the gradient no longer flows through the prompt)")
+    if b["prefill_chunk"] == transient and a.prefill_chunk > 256:
+        out.append(f"a smaller algorithm.prefill_chunk (now {a.prefill_chunk}: one chunk's transient is "
+                   f"{_fmt(b['prefill_chunk'])})")
+    if b["branch_graph"] + b["logits"] == transient:
+        if a.branch_batch > 1:
+            out.append(f"algorithm.branch_batch = 1 (now {a.branch_batch})")
+        if not a.checkpoint_layers:
+            out.append(f"algorithm.checkpoint_layers = true (one branch's graph is {_fmt(b['branch_graph'])})")
+    if extra.get("rollout_states"):
+        out.append(f"algorithm.reuse_rollout_state = false (the other groups' rollout states, "
+                   f"{_fmt(extra['rollout_states'])}, are then not kept)")
+    if cfg.model.dtype in ("float32", "float64"):
+        out.append(f"model.dtype = 'bfloat16' (now {cfg.model.dtype!r})")
+    out.append("context parallelism over more devices divides the prompt state (docs/DISTRIBUTED.md)")
+    return out
+
+
+def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_len: int, device: torch.device,
+                     echo: Callable[[str], None] = print) -> MemoryVerdict | None:
+    """Plan the run's peak memory and compare it with ``train.memory_limit`` (or the device's memory).
+
+    ``prompt_len`` / ``response_len``: the longest the run will see. Returns None when ``train.memory_check`` is
+    "off". Raises ValueError when it is "error" and the run does not fit; echoes one verdict line otherwise (and
+    the advice when it does not fit).
+    """
+    t, a = cfg.train, cfg.algorithm
+    if t.memory_check == "off":
+        return None
+    limit = _parse_mem(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)
+    limit = int(limit) if limit is not None else None
+    t0 = time.perf_counter()
+    kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
+              prompt_grad=a.prompt_grad, dtype=cfg.model.dtype, prefill_chunk=a.prefill_chunk,
+              branch_batch=a.branch_batch, checkpoint_layers=a.checkpoint_layers)
+    pl = plan(hf_config, **kw)
+    b = dict(pl.breakdown)
+    extra = {}
+    if a.kl_coef > 0:
+        extra["reference_model"] = b["weights"]
+    if a.reuse_rollout_state and a.prompts_per_step > 1:
+        extra["rollout_states"] = (a.prompts_per_step - 1) * b["prompt_state"]
+    peak = pl.peak_bytes + sum(extra.values())
+    secs = time.perf_counter() - t0
+    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in {**b, **extra}.items() if v)
+    if limit is None:
+        msg = f"memory plan: peak {_fmt(peak)} per device ({parts}); the device's memory is unknown: not checked"
+        echo(msg)
+        return MemoryVerdict(peak, None, True, {**b, **extra}, None, msg)
+    where = f"train.memory_limit {t.memory_limit}" if t.memory_limit else f"{device.type} memory {_fmt(limit)}"
+    if peak <= limit:
+        msg = (f"memory plan: peak {_fmt(peak)} per device of {where} ({peak / limit:.0%}; planned in "
+               f"{secs:.1f} s)")
+        echo(msg)
+        return MemoryVerdict(peak, limit, True, {**b, **extra}, None, msg)
+    # does not fit: the longest prompt that would, with the same settings. The reference model is fixed; the
+    # kept rollout states grow with the prompt: one correction at the first estimate errs on the short side.
+    budget = limit - extra.get("reference_model", 0)
+    max_len = plan(hf_config, **kw, gpu_mem=budget).max_prompt_len if budget > 0 else 0
+    if max_len and extra.get("rollout_states"):
+        per_token = extra["rollout_states"] / max(1, prompt_len)
+        max_len = plan(hf_config, **kw, gpu_mem=max(1, budget - per_token * max_len)).max_prompt_len
+    fit = (f"the longest prompt that fits is {max_len:,} tokens" if max_len else
+           "no prompt fits with these settings")
+    msg = (f"the run will not fit: planned peak {_fmt(peak)} per device > {where} ({parts}), at prompts of "
+           f"{prompt_len:,} tokens, responses of {response_len:,}, G={cfg.rollout.group_size}; {fit}. To fit, "
+           "try: " + "; ".join(_advice(cfg, b, extra)) + ". (train.memory_check = 'off' skips this check.)")
+    if t.memory_check == "error":
+        raise ValueError(msg)
+    echo("warning: " + msg)
+    return MemoryVerdict(peak, limit, False, {**b, **extra}, max_len, msg)

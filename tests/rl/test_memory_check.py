@@ -1,0 +1,72 @@
+"""The trainer's pre-run memory check: the planner's peak plus what a run holds besides, against a limit."""
+
+import pytest
+
+from longstraw.planner import plan
+from longstraw.rl.config import RunConfig, apply_overrides
+from longstraw.rl.trainer import Trainer, builtin_model_config
+
+TINY = ["model.builtin=\"tiny-dense\"", "data.prompt_len=160", "data.max_prompt_len=256", "rollout.group_size=4",
+        "rollout.max_new_tokens=4", "algorithm.prefill_chunk=64", "train.progress=false", "train.plots=false",
+        "train.tensorboard=false"]
+
+
+def _cfg(out, *extra):
+    return apply_overrides(RunConfig(), TINY + [f"train.out_dir=\"{out}\""] + list(extra))
+
+
+def test_fitting_run_reports_its_plan(tmp_path):
+    lines = []
+    tr = Trainer(_cfg(tmp_path / "run"), echo=lines.append)
+    v = tr.memory
+    assert v.fits and v.limit_bytes > v.peak_bytes > 0
+    assert any(line.startswith("memory plan: peak ") and "cpu memory" in line for line in lines)
+
+
+def test_peak_is_the_plan_plus_reference_model_and_kept_rollout_states(tmp_path):
+    cfg = _cfg(tmp_path / "run", "algorithm.kl_coef=0.05", "algorithm.prompts_per_step=3",
+               "train.memory_limit=\"4G\"")
+    tr = Trainer(cfg, echo=lambda *_: None)
+    hf = builtin_model_config("tiny-dense", tr.tokenizer.vocab_size, 256 + 4 + 1)
+    p = plan(hf, prompt_len=tr.source.longest_prompt, response_len=4, group=4, prompt_grad="exact",
+             dtype="float32", prefill_chunk=64)
+    b = tr.memory.breakdown
+    assert b["reference_model"] == p.breakdown["weights"]
+    assert b["rollout_states"] == 2 * p.breakdown["prompt_state"]
+    assert tr.memory.peak_bytes == p.peak_bytes + b["reference_model"] + b["rollout_states"]
+    assert tr.memory.limit_bytes == 4 * 2**30
+
+
+def test_run_that_does_not_fit_warns_with_advice(tmp_path):
+    lines = []
+    tr = Trainer(_cfg(tmp_path / "run", "train.memory_limit=\"1800K\""), echo=lines.append)
+    v = tr.memory
+    assert not v.fits and v.peak_bytes > 1800 * 1024
+    assert v.max_prompt_len is not None and 2 < v.max_prompt_len < 160
+    warning = next(line for line in lines if line.startswith("warning: the run will not fit"))
+    assert "train.memory_limit 1800K" in warning and "algorithm.prompt_grad = 'detached'" in warning
+    assert f"the longest prompt that fits is {v.max_prompt_len:,} tokens" in warning
+
+
+def test_error_mode_refuses_before_writing_anything(tmp_path):
+    cfg = _cfg(tmp_path / "run", "train.memory_limit=\"1500K\"", "train.memory_check=\"error\"")
+    with pytest.raises(ValueError, match=r"the run will not fit: planned peak .* > train.memory_limit 1500K"):
+        Trainer(cfg, echo=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_off_skips_the_plan(tmp_path):
+    lines = []
+    tr = Trainer(_cfg(tmp_path / "run", "train.memory_check=\"off\"", "train.memory_limit=\"1K\""),
+                 echo=lines.append)
+    assert tr.memory is None and not any("memory plan" in line or "will not fit" in line for line in lines)
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("train.memory_check=\"maybe\"", r"train.memory_check='maybe'; allowed: 'warn', 'error', 'off'"),
+    ("train.memory_limit=\"lots\"", r"train.memory_limit 'lots' must be a size like 80G"),
+    ("train.memory_limit=\"-3G\"", r"train.memory_limit '-3G' must be a size like 80G"),
+])
+def test_bad_values(tmp_path, override, msg):
+    with pytest.raises(ValueError, match=msg):
+        Trainer(_cfg(tmp_path / "run", override), echo=lambda *_: None)
