@@ -244,3 +244,29 @@ def test_matches_transformers_as_shipped_float32():
         assert ho.dtype == hs.dtype == torch.float32
         torch.testing.assert_close(o, ho, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(s, hs, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_shortcut_changes_no_tracked_byte(monkeypatch):
+    """On the meta device without autograd the chunked op skips the middle blocks' arithmetic (the planner's
+    prefill dry runs); the live bytes it leaves and their peak are those of the full computation, for the op and
+    for a whole plan of a hybrid model whose DeltaNet layer runs several blocks per prefill chunk."""
+    import longstraw.ops.deltanet as dn
+    from longstraw.models.qwen_hybrid import tiny_config
+    from longstraw.planner import LiveBytes, plan
+
+    def op_bytes():
+        q, k = (torch.empty(1, 1000, 4, 16, device="meta") for _ in range(2))
+        v = torch.empty(1, 1000, 4, 24, device="meta")
+        g, beta = (torch.empty(1, 1000, 4, device="meta") for _ in range(2))
+        with torch.no_grad(), LiveBytes() as lb:
+            o, s = dn.chunk_gated_delta_rule(q, k, v, g, beta, block_tokens=128)
+            live = lb.live
+        return lb.peak, live, tuple(o.shape), tuple(s.shape)
+
+    cfg = tiny_config(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=8,
+                      linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+    kw = dict(prompt_len=9000, response_len=16, group=2, dtype="float32", prefill_chunk=4096)
+    fast = [op_bytes()] + [plan(cfg, prompt_grad=m, **kw).breakdown for m in ("detached", "exact")]
+    monkeypatch.setattr(dn, "_META_SHORTCUT", False)
+    slow = [op_bytes()] + [plan(cfg, prompt_grad=m, **kw).breakdown for m in ("detached", "exact")]
+    assert fast == slow

@@ -5,8 +5,9 @@ dry-runs one GRPO step of the run's model on the meta device at the run's longes
 group size; the trainer adds what a run holds beyond one step: the frozen reference model (``kl_coef > 0``) and,
 with ``reuse_rollout_state``, the rollout prompt states of the step's other groups, kept until their first
 update. ``train.memory_check``: ``"warn"`` prints the verdict and goes on, ``"error"`` refuses a run that does not
-fit (a ``ValueError``: the CLI's one-line error), ``"off"`` skips the dry run (it takes seconds for small models,
-minutes for a large hybrid at long prompts: the Gated DeltaNet op's chunk loop runs op by op on the meta device).
+fit (a ``ValueError``: the CLI's one-line error), ``"off"`` skips the dry run (seconds for small models; for a
+large hybrid in exact mode at long prompts, minutes: the reverse pass runs the Gated DeltaNet op's block loop op by
+op on the meta device).
 """
 
 from __future__ import annotations
