@@ -56,9 +56,13 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
     if b["prompt_state_grad"]:
         out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
                    "and the reverse pass; the gradient no longer flows through the prompt)")
-    if b["prefill_chunk"] == transient and a.prefill_chunk > 256:
-        out.append(f"a smaller algorithm.prefill_chunk (now {a.prefill_chunk}: one chunk's transient is "
-                   f"{_fmt(b['prefill_chunk'])})")
+    if b["prefill_chunk"] == transient:
+        if b["prompt_state_grad"] and not a.checkpoint_layers:
+            out.append(f"algorithm.checkpoint_layers = true (the reverse pass then keeps one layer's graph of a "
+                       f"chunk, not all of them: the chunk transient is {_fmt(b['prefill_chunk'])})")
+        if a.prefill_chunk > 256:
+            out.append(f"a smaller algorithm.prefill_chunk (now {a.prefill_chunk}: one chunk's transient is "
+                       f"{_fmt(b['prefill_chunk'])})")
     if b["branch_graph"] + b["logits"] == transient:
         if a.branch_batch > 1:
             out.append(f"algorithm.branch_batch = 1 (now {a.branch_batch})")
