@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
+_PEAK_CHUNKS_ONLY = True  # the dry run's exact reverse pass walks only the chunks that can set its peak
 
 BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "prompt_state", "prompt_state_grad", "branch_graph",
                   "prefill_chunk", "logits")
@@ -154,7 +155,8 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, grpo_cfg) -> 
         if grpo_cfg.exact:
             lb.reset_peak()
             before = lb.live
-            pb.prompt_backward(model, state, checkpoint_layers=grpo_cfg.checkpoint_layers)
+            pb.prompt_backward(model, state, checkpoint_layers=grpo_cfg.checkpoint_layers,
+                               peak_chunks_only=_PEAK_CHUNKS_ONLY)
             recompute_peak = lb.peak - before
         del state, prefix
     tokens = min(grpo_cfg.logprob_chunk, grpo_cfg.branch_batch * response_len)

@@ -120,3 +120,33 @@ def test_bad_input(kw, msg):
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
         plan(DENSE, **args)
+
+
+def test_reverse_pass_dry_run_of_the_peak_chunks_holds_the_peak(monkeypatch):
+    """The dry run's exact reverse pass walks only the first and the last two chunks (the others repeat the
+    second-to-last with a shorter prefix): the plan equals the full walk's, for attention, DeltaNet and MLA states,
+    a short last chunk, checkpointed layers; except that the first chunk may then run beside one boundary's pending
+    recurrent-state gradient that the skipped chunks would have consumed: a slight over-prediction, never under."""
+    import longstraw.planner as planner
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    mla = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "vocab_size": 300, "max_position_embeddings": 8192}
+    cases = [(DENSE, 5000, 1024, False), (tiny_config(), 3100, 512, False), (tiny_config(), 3100, 512, True),
+             (mla, 2600, 512, False)]
+    for cfg, p, chunk, ckpt in cases:
+        kw = dict(prompt_len=p, response_len=16, group=2, prompt_grad="exact", dtype="float32", prefill_chunk=chunk,
+                  checkpoint_layers=ckpt)
+        monkeypatch.setattr(planner, "_PEAK_CHUNKS_ONLY", True)
+        fast = plan(cfg, **kw).breakdown
+        monkeypatch.setattr(planner, "_PEAK_CHUNKS_ONLY", False)
+        full = plan(cfg, **kw).breakdown
+        where = (cfg["model_type"], p, chunk, ckpt)
+        assert {k: v for k, v in full.items() if k != "prefill_chunk"} == \
+               {k: v for k, v in fast.items() if k != "prefill_chunk"}, where
+        assert full["prefill_chunk"] <= fast["prefill_chunk"] <= 1.01 * full["prefill_chunk"], where
+        if "layer_types" not in cfg:  # no recurrent state: nothing pending, the same bytes
+            assert fast == full, where

@@ -118,6 +118,8 @@ def _fsdp_modules(model: torch.nn.Module) -> list:
 
 def cp_prompt_backward(model: "CausalLM", state: ShardedPromptState, *, checkpoint_layers: bool = False) -> None:
     """The exact reverse pass over a sharded prompt state (see module docstring); adds into ``.grad``."""
+    from longstraw.engine.prompt_backward import _seeds
+
     comm, layout = state.comm, state.layout
     assert comm is not None and layout is not None
     params = [p for p in model.parameters() if p.requires_grad]
@@ -137,12 +139,7 @@ def cp_prompt_backward(model: "CausalLM", state: ShardedPromptState, *, checkpoi
             with torch.enable_grad():
                 _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False,
                                       checkpoint_layers=checkpoint_layers)
-                roots, grads = [], []
-                for ls, piece in zip(state.layers, pieces):
-                    for root, grad in ls.backward_roots(piece, s, e):
-                        if root.requires_grad and grad is not None:
-                            roots.append(root)
-                            grads.append(grad)
+                roots, grads = _seeds(state, pieces, s, e)
                 if roots:
                     torch.autograd.backward(roots, grads)
             del pieces, roots, grads, prefix
