@@ -49,14 +49,23 @@ def _softmax(input, dim=None, _stacklevel=3, dtype=None):  # Qwen routers: softm
 
 
 @contextlib.contextmanager
-def true_float64():
-    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _to, _float, _type
+def float64_softmax():
+    """Only ``softmax(..., dtype=torch.float)`` of float64 inputs kept in float64 (HF's MoE routers)."""
     torch.nn.functional.softmax = _softmax
     try:
         yield
     finally:
-        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _orig_to, _orig_float, _orig_type
         torch.nn.functional.softmax = _orig_softmax
+
+
+@contextlib.contextmanager
+def true_float64():
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _to, _float, _type
+    try:
+        with float64_softmax():
+            yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _orig_to, _orig_float, _orig_type
 
 
 def float32_rope(model):
@@ -90,3 +99,15 @@ def tiny_hf(config, seed: int = 0, dtype=torch.float64, init_std: float = 0.2):
             else:
                 p.add_(torch.randn_like(p) * 0.1)
     return float32_rope(model.to(dtype)).eval()
+
+
+def prefill_states(model, ids, p: int, chunk: int, exact: bool = False) -> list:
+    """The model-level prefill protocol by hand (what ``engine.prefill`` does): positions ``[0, p)`` of
+    ``ids [1, T]`` run in chunks of ``chunk`` against the states so far, each piece written into fresh states."""
+    states = model.new_prompt_states(p, exact)
+    for s in range(0, p, chunk):
+        e = min(p, s + chunk)
+        _, pieces = model.run(ids[:, s:e], s, [st.prefix(s, False) for st in states], need_hidden=False)
+        for st, pc in zip(states, pieces):
+            st.write(pc, s, e)
+    return states

@@ -7,10 +7,15 @@ then each branch with autograd on top of a copy of it): the reference for LongSt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 from hf_reference import true_float64
+
+import longstraw
+
+ADVANTAGES = (1.3, -0.7, 0.4, -1.6, 0.9, -0.2)
 
 
 def agg_loss(mat, mask, mode, scale_factor=None):
@@ -100,3 +105,44 @@ def assert_grads_close(ours: dict, hf_model, rel=1e-8):
         worst = max(worst, r)
         assert r <= rel, f"{n}: relative error {r:.3e} > {rel:.0e} (max |grad| {scale:.3e})"
     return worst
+
+
+def _value(x):
+    return getattr(x, "value", x)  # a config enum's string
+
+
+def random_group(seed: int, p: int, lens: list[int], vocab: int):
+    """A seeded group: prompt ``[p]``, responses of lengths ``lens``, mixed-sign advantages (at most six)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (p,), generator=g)
+    responses = [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+    return prompt, responses, torch.tensor(ADVANTAGES[: len(lens)])
+
+
+def run_against_reference(model, hf, prompt, responses, adv, cfg, *, seed=0, off_policy=True,
+                          hf_patch=contextlib.nullcontext):
+    """``grpo_backward`` of ``model`` and the naive reference loss + backward of ``hf`` on one group; returns stats.
+
+    Old log-probs (``off_policy``) are the true ones perturbed, and on negative-advantage branches the first token's
+    ratio is e^2 > ``clip_ratio_c`` (dual clip active); reference log-probs are perturbed too when ``kl_coef > 0``.
+    Checks the per-token log-probs (1e-10) and the loss; the caller compares the gradients. ``hf_patch``: a context
+    the reference runs in (a family's float64 patches)."""
+    true_lp = longstraw.score(model, prompt, responses, cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    old = [lp + torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp] if off_policy else None
+    if old is not None:
+        for i in range(len(old)):
+            if adv[i] < 0:
+                old[i][0] = true_lp[i][0] - 2.0
+    ref = [lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp] if cfg.kl_coef else None
+    stats = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref)
+    hf.zero_grad()
+    with hf_patch():
+        loss, ref_lp = reference_loss(hf, prompt, responses, adv, mode=_value(cfg.loss_agg_mode),
+                                      clip_c=cfg.clip_ratio_c, kl_coef=cfg.kl_coef, kl_type=_value(cfg.kl_type),
+                                      entropy_coef=cfg.entropy_coef, old=old, ref=ref, detached=not cfg.exact)
+        loss.backward()
+    for a, b in zip(stats.logprobs, ref_lp):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert abs(stats.loss - loss.item()) <= 1e-10 * max(1.0, abs(loss.item()))
+    return stats

@@ -4,7 +4,7 @@ shared indexer layer, top-k below the sequence length so the sparse path and its
 
 import pytest
 import torch
-from grpo_reference import assert_grads_close, reference_loss
+from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
 from hf_reference import save_tiny, tiny_hf
 from transformers import DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig
 
@@ -26,12 +26,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 _PAIRS = {}
@@ -51,11 +46,7 @@ def pair(name):
 
 
 def _group(seed, p, lens):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, V, (p,), generator=g)
-    responses = [torch.randint(0, V, (n,), generator=g) for n in lens]
-    adv = torch.tensor([1.3, -0.7, 0.4, -1.6, 0.9, -0.2][: len(lens)])
-    return prompt, responses, adv
+    return random_group(seed, p, lens, V)
 
 
 def _load(name, mode):
@@ -72,21 +63,7 @@ def _run_both(name, *, p, lens, chunk, prompt_grad, mode=None, branch_batch=1, c
     model = _load(name, mode)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, loss_agg_mode=loss_mode, kl_coef=0.05, entropy_coef=0.01,
                                prefill_chunk=chunk, branch_batch=branch_batch, checkpoint_layers=checkpoint_layers)
-    true_lp = longstraw.score(model, prompt, responses, cfg)
-    g = torch.Generator().manual_seed(seed + 1)
-    old = [lp + torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp]
-    for i in range(len(old)):
-        if adv[i] < 0:
-            old[i][0] = true_lp[i][0] - 2.0  # dual clip active
-    ref = [lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp]
-    stats = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref)
-    hf.zero_grad()
-    loss, ref_lp = reference_loss(hf, prompt, responses, adv, mode=loss_mode, kl_coef=0.05, entropy_coef=0.01,
-                                  old=old, ref=ref, detached=prompt_grad == "detached")
-    loss.backward()
-    for a, b in zip(stats.logprobs, ref_lp):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    assert abs(stats.loss - loss.item()) <= 1e-10 * max(1.0, abs(loss.item()))
+    stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=seed)
     assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
     hf.zero_grad()
     return model, stats

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from grpo_reference import assert_grads_close, reference_loss
+from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
 from hf_reference import save_tiny, tiny_hf
 from transformers import LlamaConfig, Qwen3Config
 
@@ -29,11 +29,7 @@ def qwen3_pair():
 
 
 def _group(seed, p, lens):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, V, (p,), generator=g)
-    responses = [torch.randint(0, V, (n,), generator=g) for n in lens]
-    adv = torch.tensor([1.3, -0.7, 0.4, -1.6, 0.9, -0.2][: len(lens)])
-    return prompt, responses, adv
+    return random_group(seed, p, lens, V)
 
 
 def _run_both(pair, *, p, lens, mode, chunk, prompt_grad, branch_batch=1, kl=True, entropy=0.01, clip_c=3.0,
@@ -44,22 +40,7 @@ def _run_both(pair, *, p, lens, mode, chunk, prompt_grad, branch_batch=1, kl=Tru
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, loss_agg_mode=mode, clip_ratio_c=clip_c,
                                kl_coef=0.05 if kl else 0.0, kl_type="low_var_kl", entropy_coef=entropy,
                                prefill_chunk=chunk, branch_batch=branch_batch, checkpoint_layers=checkpoint_layers)
-    true_lp = longstraw.score(model, prompt, responses, cfg)
-    g = torch.Generator().manual_seed(seed + 1)
-    old = [lp + torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp] if off_policy else None
-    if old is not None:  # ratio e^2 > clip_ratio_c on the first token of negative-advantage branches: dual clip
-        for i in range(len(old)):
-            if adv[i] < 0:
-                old[i][0] = true_lp[i][0] - 2.0
-    ref = [lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp] if kl else None
-    stats = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref)
-    hf.zero_grad()
-    loss, ref_lp = reference_loss(hf, prompt, responses, adv, mode=mode, clip_c=clip_c, kl_coef=cfg.kl_coef,
-                                  entropy_coef=entropy, old=old, ref=ref, detached=prompt_grad == "detached")
-    loss.backward()
-    for a, b in zip(stats.logprobs, ref_lp):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    assert abs(stats.loss - loss.item()) <= 1e-10 * max(1.0, abs(loss.item()))
+    stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=seed, off_policy=off_policy)
     return model, hf, stats
 
 

@@ -5,8 +5,8 @@ import contextlib
 
 import pytest
 import torch
-from grpo_reference import assert_grads_close, reference_loss
-from hf_reference import save_tiny, tiny_hf
+from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
+from hf_reference import float64_softmax, save_tiny, tiny_hf
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.cache_utils import LinearAttentionLayer
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
@@ -17,22 +17,9 @@ import longstraw.engine.grpo
 from longstraw.models.deltanet import RecurrentState
 
 V = 53
-_softmax = torch.nn.functional.softmax
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead (and contention on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _softmax64(input, dim=None, _stacklevel=3, dtype=None):
-    if input.dtype == torch.float64 and dtype is torch.float32:
-        dtype = torch.float64
-    return _softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def _update_recurrent_out_of_place(self, recurrent_states, state_idx=0, **kwargs):
@@ -51,13 +38,12 @@ def router64():
       CUDA graphs), which breaks autograd through a branch that reads and then updates the cached prompt state
       (the detached reference): assign the new state instead. The math is unchanged.
     """
-    torch.nn.functional.softmax = _softmax64
     orig = LinearAttentionLayer.update_recurrent_state
     LinearAttentionLayer.update_recurrent_state = _update_recurrent_out_of_place
     try:
-        yield
+        with float64_softmax():
+            yield
     finally:
-        torch.nn.functional.softmax = _softmax
         LinearAttentionLayer.update_recurrent_state = orig
 
 
@@ -93,11 +79,7 @@ def q35_moe_pair():
 
 
 def _group(seed, p, lens):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, V, (p,), generator=g)
-    responses = [torch.randint(0, V, (n,), generator=g) for n in lens]
-    adv = torch.tensor([1.3, -0.7, 0.4, -1.6, 0.9, -0.2][: len(lens)])
-    return prompt, responses, adv
+    return random_group(seed, p, lens, V)
 
 
 def _run_both(pair, *, p, lens, chunk, prompt_grad, branch_batch=1, mode="token-mean", seed=0):
@@ -106,22 +88,7 @@ def _run_both(pair, *, p, lens, chunk, prompt_grad, branch_batch=1, mode="token-
     model = longstraw.load_model(path)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01,
                                prefill_chunk=chunk, branch_batch=branch_batch)
-    true_lp = longstraw.score(model, prompt, responses, cfg)
-    g = torch.Generator().manual_seed(seed + 1)
-    old = [lp + torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp]
-    for i in range(len(old)):
-        if adv[i] < 0:
-            old[i][0] = true_lp[i][0] - 2.0  # dual clip active
-    ref = [lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=lp.dtype) for lp in true_lp]
-    stats = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref)
-    hf.zero_grad()
-    with router64():
-        loss, ref_lp = reference_loss(hf, prompt, responses, adv, mode=mode, kl_coef=0.05, entropy_coef=0.01,
-                                      old=old, ref=ref, detached=prompt_grad == "detached")
-        loss.backward()
-    for a, b in zip(stats.logprobs, ref_lp):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    assert abs(stats.loss - loss.item()) <= 1e-10 * max(1.0, abs(loss.item()))
+    stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=seed, hf_patch=router64)
     return model, hf, stats
 
 

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from hf_reference import save_tiny, tiny_hf, true_float64
+from hf_reference import prefill_states, save_tiny, tiny_hf, true_float64
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig
 
@@ -41,12 +41,7 @@ CONFIGS = {
 MLA_NAMES = [n for n in CONFIGS if n != "glm4_moe"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def hf_model(name, seed=0):
@@ -113,12 +108,7 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk, monk
         model = _load(path, mode)
         with torch.no_grad():
             full = model(ids)
-            states = model.new_prompt_states(p)
-            for s in range(0, p, chunk):
-                e = min(p, s + chunk)
-                _, pieces = model.run(ids[:, s:e], s, [st.prefix(s, False) for st in states], need_hidden=False)
-                for st, pc in zip(states, pieces):
-                    st.write(pc, s, e)
+            states = prefill_states(model, ids, p, chunk)
             hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
             cont = model.lm_head(hidden)
         assert (cont - full[:, p:]).abs().max().item() <= 1e-10, mode

@@ -9,12 +9,7 @@ from longstraw.models.deltanet import GatedDeltaNet, RecurrentPrefix, RecurrentS
 H = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def mixer(layout="qwen3_5", dtype=torch.float64, seed=0):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from hf_reference import save_tiny, tiny_hf, true_float64
+from hf_reference import prefill_states, save_tiny, tiny_hf, true_float64
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import longstraw
@@ -84,12 +84,7 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     p = 33  # prompt positions prefilled, the rest is a continuation
     with torch.no_grad():
         full = model(ids)
-        states = model.new_prompt_states(p)
-        for s in range(0, p, chunk):
-            e = min(p, s + chunk)
-            _, pieces = model.run(ids[:, s:e], s, [st.prefix(s, False) for st in states], need_hidden=False)
-            for st, pc in zip(states, pieces):
-                st.write(pc, s, e)
+        states = prefill_states(model, ids, p, chunk)
         assert all(isinstance(st, KVState) and st.length == p for st in states)
         hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
         cont = model.lm_head(hidden)

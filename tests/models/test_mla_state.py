@@ -18,12 +18,7 @@ F64 = torch.float64
 H, R, DN, DR, DV, HID = 3, 10, 6, 4, 5, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def _layer(q_lora=7, seed=0, interleave=True):

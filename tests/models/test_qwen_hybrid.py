@@ -1,13 +1,12 @@
 """Hybrid Qwen families (qwen3_next, qwen3_5[_text], qwen3_5_moe[_text]): logits and gradients against transformers,
 chunked prefill, save/load, the multimodal checkpoints' text weights, bad input, the built-in tiny config."""
 
-import contextlib
 import json
 import warnings
 
 import pytest
 import torch
-from hf_reference import float32_rope, save_tiny, tiny_hf, true_float64
+from hf_reference import float32_rope, prefill_states, save_tiny, tiny_hf, true_float64
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
@@ -20,33 +19,9 @@ from longstraw.models.qwen_hybrid import tiny_config
 from longstraw.state import KVState
 
 V = 67
-_softmax = torch.nn.functional.softmax
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: one thread avoids thread-pool overhead (and contention on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _softmax64(input, dim=None, _stacklevel=3, dtype=None):
-    if input.dtype == torch.float64 and dtype is torch.float32:
-        dtype = torch.float64
-    return _softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
-
-
-@contextlib.contextmanager
-def reference64():
-    """``true_float64`` plus HF's MoE router softmax (``softmax(dtype=torch.float)``) kept in float64."""
-    torch.nn.functional.softmax = _softmax64
-    try:
-        with true_float64():
-            yield
-    finally:
-        torch.nn.functional.softmax = _softmax
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def _common(layers=4, kv=1, hk=2, hv=4, dk=8, dv=8, **kw):
@@ -85,7 +60,7 @@ def test_logits_match_transformers_float64(pair):
     hf, path = pair
     model = longstraw.load_model(path)
     ids = torch.randint(0, V, (2, 150))  # crosses the 64-token chunk twice, not a multiple of it
-    with torch.no_grad(), reference64():
+    with torch.no_grad(), true_float64():
         want = hf(ids).logits
     with torch.no_grad():
         got = model(ids)
@@ -102,16 +77,6 @@ def test_logits_match_transformers_float32(pair):
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
-def _prefill(model, ids, p, chunk, exact=False):
-    states = model.new_prompt_states(p, exact)
-    for s in range(0, p, chunk):
-        e = min(p, s + chunk)
-        _, pieces = model.run(ids[:, s:e], s, [st.prefix(s, False) for st in states], need_hidden=False)
-        for st, pc in zip(states, pieces):
-            st.write(pc, s, e)
-    return states
-
-
 @pytest.mark.parametrize("chunk", [1, 7, 64, 100])
 def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     hf, path = pair
@@ -120,7 +85,7 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     p = 131
     with torch.no_grad():
         full = model(ids)
-        states = _prefill(model, ids, p, chunk)
+        states = prefill_states(model, ids, p, chunk)
         kinds = {type(st) for st in states}
         assert kinds == {RecurrentState, KVState}
         assert all(st.length == p for st in states)
@@ -135,7 +100,7 @@ def test_hf_grads_match_transformers(pair):
     ids = torch.randint(0, V, (2, 70))
     w = torch.randn(2, 70, V, dtype=torch.float64)
     hf.zero_grad()
-    with reference64():
+    with true_float64():
         (hf(ids).logits * w).sum().backward()
     (model(ids) * w).sum().backward()
     got = longstraw.hf_grads(model)
@@ -155,7 +120,7 @@ def test_save_model_round_trips_through_transformers(pair, tmp_path):
                                                 experts_implementation="eager").eval()
     assert {n for n, _ in back.named_parameters()} == {n for n, _ in model.named_parameters()}
     ids = torch.randint(0, V, (1, 80))
-    with torch.no_grad(), reference64():
+    with torch.no_grad(), true_float64():
         hf_logits = back(ids).logits
     with torch.no_grad():
         ours = model(ids)
@@ -205,7 +170,7 @@ def test_multimodal_checkpoint_text_weights(kind, tmp_path):
     assert len(vision_warnings) == 1
     assert model.spec.model_type == kind + "_text" and model.hf_config["model_type"] == kind + "_text"
     ids = torch.randint(0, V - 4, (2, 90))
-    with torch.no_grad(), reference64():
+    with torch.no_grad(), true_float64():
         want = hf(input_ids=ids).logits
     with torch.no_grad():
         got = model(ids)
@@ -216,7 +181,7 @@ def test_multimodal_checkpoint_text_weights(kind, tmp_path):
     assert cfg["model_type"] == kind + "_text" and "vision_config" not in cfg
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64,
                                                 experts_implementation="eager").eval()
-    with torch.no_grad(), reference64():
+    with torch.no_grad(), true_float64():
         assert (back(ids).logits - want).abs().max().item() <= 1e-10
 
 
