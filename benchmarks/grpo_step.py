@@ -29,7 +29,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 METHODS = ("naive", "prefix", "detached", "exact")

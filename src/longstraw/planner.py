@@ -134,7 +134,6 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, grpo_cfg) -> 
     w, b = model.head()
     vocab = w.shape[0]
     with LiveBytes() as lb:
-        base = lb.live
         state = build_prompt_state(model, prompt, grpo_cfg, grpo_cfg.exact)
         state_bytes = state.nbytes()
         prefill_peak = lb.peak - lb.live  # transient above everything that stays (state, small caches)

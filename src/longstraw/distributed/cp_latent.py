@@ -39,7 +39,6 @@ global lengths): all ranks make the same calls in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,8 +46,7 @@ from torch import Tensor
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
 from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
-from longstraw.models.dsa import (_GATHER_ELEMS, _SCORE_ELEMS, IndexedLatentDecoder, IndexedLatentState,
-                                  IndexedPrefix, Selection, _acc_dtype, _gather, _latent_grad_targets,
+from longstraw.models.dsa import (_GATHER_ELEMS, _SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix, Selection, _acc_dtype, _gather, _latent_grad_targets,
                                   _scatter)
 from longstraw.models.mla import LatentDecoder, LatentState
 from longstraw.ops.attention import KVSegment

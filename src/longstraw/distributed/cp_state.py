@@ -25,7 +25,7 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
-from longstraw.state import KVDecoder, KVState, PromptState
+from longstraw.state import KVDecoder, KVState, LayerState, PromptState
 
 __all__ = ["ShardLayout", "shard_layout", "PositionShardedState", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
            "register_cp_kind", "shard_states"]
@@ -100,7 +100,7 @@ def shard_layout(length: int, world: int, chunk: int) -> ShardLayout:
     return ShardLayout(length, world, steps)
 
 
-class ShardedLayerState(Protocol):
+class ShardedLayerState(LayerState, Protocol):
     """A layer state split over the CP group: the LayerState protocol in global positions, plus the step hook.
 
     ``step_prefix(k, grad)``: what the mixer consumes for this rank's piece of step ``k`` (prefill: ``grad=False``;
@@ -113,22 +113,6 @@ class ShardedLayerState(Protocol):
     length: int
 
     def step_prefix(self, step: int, grad: bool) -> Any: ...
-
-    def write(self, piece: Any, start: int, end: int) -> None: ...
-
-    def prefix(self, length: int, grad: bool) -> Any: ...
-
-    def backward_roots(self, piece: Any, start: int, end: int) -> list[tuple[Tensor, Tensor]]: ...
-
-    def enable_grad(self, dtype: torch.dtype | None) -> None: ...
-
-    def release_grad(self) -> None: ...
-
-    def nbytes(self) -> int: ...
-
-    def grad_nbytes(self) -> int: ...
-
-    def decoder(self, batch: int, max_new: int) -> Any: ...
 
 
 _EMPTY = torch.empty(1, 0, 0, 0)
