@@ -136,12 +136,8 @@ def worker(args) -> dict:
             "seconds": round(secs, 4), "first_step_seconds": round(first, 4), "peak_bytes": int(peak)}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompt-len", type=int, default=8192)
-    ap.add_argument("--response-len", type=int, default=64)
-    ap.add_argument("--groups", default="2,4,8")
-    ap.add_argument("--methods", default=",".join(METHODS))
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The tiny model, prefill chunk and threads: the flags a worker process is started with (sweep.py too)."""
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
@@ -149,6 +145,15 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--groups", default="2,4,8")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    add_model_arguments(ap)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json-out", default=None, help="write all results to this JSON file")
     ap.add_argument("--markdown", action="store_true")
