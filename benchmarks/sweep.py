@@ -71,9 +71,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from longstraw.planner import _parse_mem, naive_step_bytes, plan
+    from longstraw.planner import naive_step_bytes, plan
+    from longstraw.units import parse_bytes
 
-    cap, skip = _parse_mem(args.cap), _parse_mem(args.skip_above)
+    cap = parse_bytes(args.cap, "--cap")
+    skip = parse_bytes(args.skip_above, "--skip-above") if args.skip_above is not None else None
     lens = [int(x) for x in args.prompt_lens.split(",")]
     groups = [int(x) for x in args.groups.split(",")]
     methods = args.methods.split(",")

@@ -7,9 +7,10 @@ prompt. See docs/DESIGN.md.
 
 from longstraw.checkpoint.hf import hf_grads, load_model, save_model
 from longstraw.distributed import init_distributed, shutdown_distributed
-from longstraw.engine.rollout import Rollout, SamplingConfig, generate
-from longstraw.engine.grpo import GRPOConfig, GRPOStats, PromptGrad, grpo_backward, score
-from longstraw.rl.losses import KLType, LossAggMode, group_advantages, loss_denominator
+from longstraw.engine.config import GRPOConfig, GRPOStats, PromptGrad, SamplingConfig
+from longstraw.engine.rollout import Rollout, generate
+from longstraw.engine.grpo import grpo_backward, score
+from longstraw.losses import KLType, LossAggMode, group_advantages, loss_denominator
 from longstraw.models.registry import build_model, supported_model_types
 from longstraw.state import PromptState
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from longstraw.units import format_bytes, parse_bytes
+
 _ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
 _PEAK_CHUNKS_ONLY = True  # the dry run's exact reverse pass walks only the chunks that can set its peak
 
@@ -290,28 +292,6 @@ def _check_positive(**kw) -> None:
             raise ValueError(f"{k}={v!r} must be an integer >= 1")
 
 
-def _parse_mem(text: str | None, name: str = "--gpu-mem") -> float | None:
-    """``"80G"``, ``"512M"``, ``"1.5T"`` or a number of bytes -> bytes (binary units); ValueError naming ``name``."""
-    if text is None:
-        return None
-    s = str(text).strip().upper().removesuffix("B")
-    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    try:
-        val = float(s[:-1]) * mult[s[-1]] if s and s[-1] in mult else float(s)
-    except ValueError:
-        val = -1.0
-    if not val > 0:
-        raise ValueError(f"{name} {text!r} must be a size like 80G, 141G or a number of bytes") from None
-    return val
-
-
-def _fmt(n: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or config.json (nothing is loaded)")
     p.add_argument("--prompt-len", type=int, required=True)
@@ -333,15 +313,15 @@ def plan_from_args(args) -> int:
     cfg = read_config(args.model)
     res = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, group=args.group,
                prompt_grad=args.prompt_grad, dtype=args.dtype, gpus=args.gpus, cp=args.cp,
-               gpu_mem=_parse_mem(args.gpu_mem), prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch)
+               gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
     print(f"model {Path(args.model)} ({cfg.get('model_type')}), prompt {args.prompt_len}, response {args.response_len},"
           f" G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, cp={args.cp}")
     for k in BREAKDOWN_KEYS:
-        print(f"  {k:<18} {_fmt(res.breakdown[k]):>12}")
-    print(f"  {'peak per device':<18} {_fmt(res.peak_bytes):>12}")
+        print(f"  {k:<18} {format_bytes(res.breakdown[k]):>12}")
+    print(f"  {'peak per device':<18} {format_bytes(res.peak_bytes):>12}")
     if res.max_prompt_len is not None:
         print(f"  longest prompt fitting {args.gpu_mem}: {res.max_prompt_len:,} tokens")
     return 0

@@ -11,7 +11,8 @@ import torch
 
 from longstraw.checkpoint.training import checkpoint_dirs
 from longstraw.rl.config import RunConfig, apply_overrides
-from longstraw.rl.trainer import Trainer, read_metrics
+from longstraw.rl.runlog import read_metrics
+from longstraw.rl.trainer import Trainer
 
 TINY = ["model.builtin=\"tiny-dense\"", "data.prompt_len=160", "data.max_prompt_len=256", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "algorithm.prefill_chunk=64", "train.progress=false", "train.plots=false",

@@ -17,7 +17,6 @@ that completes it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,37 +24,11 @@ import torch
 from torch import Tensor
 
 from longstraw import distributed
-from longstraw.engine.grpo import check_ids_1d
+from longstraw.engine.checks import check_ids_1d
+from longstraw.engine.config import SamplingConfig
 from longstraw.engine.prefill import prefill
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to sample: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), max_new_tokens, stops, seed."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop_strings must not contain an empty string")
 
 
 @dataclass

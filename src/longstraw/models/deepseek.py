@@ -44,13 +44,14 @@ from torch import Tensor, nn
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
 from longstraw.models.dsa import Indexer, SparseMLAttention, TablesRotaryEmbedding
+from longstraw.models.family import Family
 from longstraw.models.mla import MLAttention, mla_softmax_scale
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.moe_block import Experts, SparseMoeBlock
 from longstraw.models.norms import RMSNorm
-from longstraw.models.qwen_hybrid import HybridWeightMap
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
+from longstraw.models.weights import ExpertWeightMap
 from longstraw.ops.moe import router_logits, sigmoid_grouped_route
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
@@ -236,8 +237,8 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
-class DeepseekWeightMap(HybridWeightMap):
-    """Per-expert checkpoint tensors fused on load and split on save (:class:`HybridWeightMap`), and the
+class DeepseekWeightMap(ExpertWeightMap):
+    """Per-expert checkpoint tensors fused on load and split on save (:class:`~longstraw.models.weights.ExpertWeightMap`), and the
     multi-token-prediction layers (index ``>= num_layers``) skipped with one warning."""
 
     num_layers: int = 0
@@ -263,10 +264,4 @@ def weights(cfg: dict) -> DeepseekWeightMap:
     return DeepseekWeightMap(num_layers=int(cfg.get("num_hidden_layers") or 0))
 
 
-def _family():
-    from longstraw.models.registry import Family
-
-    return Family("deepseek", MODEL_TYPES, build, weights)
-
-
-FAMILY = _family()
+FAMILY = Family("deepseek", MODEL_TYPES, build, weights)

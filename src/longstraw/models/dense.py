@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
+from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
@@ -77,10 +78,4 @@ def build(cfg: dict) -> CausalLM:
                                         rotary))
 
 
-def _family():
-    from longstraw.models.registry import Family
-
-    return Family("dense", MODEL_TYPES, build)
-
-
-FAMILY = _family()
+FAMILY = Family("dense", MODEL_TYPES, build)

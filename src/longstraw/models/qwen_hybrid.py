@@ -28,20 +28,20 @@ weights (``mtp.*``) are skipped with one warning.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
-import torch
 from torch import Tensor
 
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
 from longstraw.models.deltanet import GatedDeltaNet
+from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.moe_block import qwen_moe_block
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import WeightMap
+from longstraw.models.weights import ExpertWeightMap
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -208,14 +208,13 @@ def build(cfg: dict) -> CausalLM:
 
 # ---------------------------------------------------------------------------------------------------- weights
 
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 _MTP = r"(model\.)?mtp\..*"
 
 
-class HybridWeightMap(WeightMap):
+class HybridWeightMap(ExpertWeightMap):
     """Names of the hybrid checkpoints: ``model.language_model.`` -> ``model.``, vision tower and MTP skipped with
-    one warning each, per-expert tensors fused on load and split again on save."""
+    one warning each (a checkpoint of MTP weights only is refused), experts fused/split by
+    :class:`~longstraw.models.weights.ExpertWeightMap`."""
 
     def load_tensors(self, ckpt_names: list[str], read: Callable[[str], Tensor]) -> Iterator[tuple[str, Tensor]]:
         used = [n for n in ckpt_names if self.param_name(n) is not None]
@@ -224,43 +223,7 @@ class HybridWeightMap(WeightMap):
             raise ValueError(f"this checkpoint holds only multi-token-prediction weights ({len(mtp)} tensors, e.g. "
                              f"{mtp[0]}); LongStraw trains the main model and does not support MTP heads: point to "
                              "the main checkpoint")
-        self.warn_skipped(ckpt_names)
-        experts: dict[str, dict[tuple[int, str], str]] = {}
-        for n in ckpt_names:
-            p = self.param_name(n)
-            if p is None:
-                continue
-            m = _EXPERT.fullmatch(p)
-            if m:
-                experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = n
-                continue
-            yield p, read(n)
-        for prefix, parts in experts.items():  # one layer's experts at a time
-            count = 1 + max(e for e, _ in parts)
-            missing = [f"{prefix}.{e}.{w}.weight" for e in range(count) for w in ("gate_proj", "up_proj", "down_proj")
-                       if (e, w) not in parts]
-            if missing:
-                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-                raise ValueError(f"incomplete experts in the checkpoint: missing {', '.join(missing[:5])}{more}")
-            gate = torch.stack([read(parts[(e, "gate_proj")]) for e in range(count)])
-            up = torch.stack([read(parts[(e, "up_proj")]) for e in range(count)])
-            yield f"{prefix}.gate_up_proj", torch.cat([gate, up], dim=1)
-            del gate, up
-            yield f"{prefix}.down_proj", torch.stack([read(parts[(e, "down_proj")]) for e in range(count)])
-
-    def save_tensors(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        for name, t in super().save_tensors(named):
-            m = _FUSED.fullmatch(name)
-            if not m:
-                yield name, t
-            elif m.group(2) == "gate_up_proj":
-                inter = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    yield f"{m.group(1)}.{e}.gate_proj.weight", t[e, :inter].clone()
-                    yield f"{m.group(1)}.{e}.up_proj.weight", t[e, inter:].clone()
-            else:
-                for e in range(t.shape[0]):
-                    yield f"{m.group(1)}.{e}.down_proj.weight", t[e].clone()
+        yield from super().load_tensors(ckpt_names, read)
 
 
 def weights(cfg: dict) -> HybridWeightMap:
@@ -272,10 +235,4 @@ def weights(cfg: dict) -> HybridWeightMap:
     return wm
 
 
-def _family():
-    from longstraw.models.registry import Family
-
-    return Family("qwen_hybrid", MODEL_TYPES, build, weights)
-
-
-FAMILY = _family()
+FAMILY = Family("qwen_hybrid", MODEL_TYPES, build, weights)

@@ -1,39 +1,28 @@
 """HF ``model_type`` -> how to build our model and map its checkpoint names.
 
-Each family module defines ``FAMILY``; adding a family is one line in ``_family_modules``.
+Each family module defines ``FAMILY`` (a :class:`~longstraw.models.family.Family`); adding a family is one import
+and one entry in :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
+from longstraw.models import deepseek, dense, qwen_hybrid
+from longstraw.models.family import Family
 from longstraw.models.transformer import CausalLM
-from longstraw.models.weights import WeightMap
 
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]
-    build: Callable[[dict], CausalLM]
-    weights: Callable[[dict], WeightMap] = field(default=lambda cfg: WeightMap())
-
-
-_family_modules = ("longstraw.models.dense", "longstraw.models.qwen_hybrid", "longstraw.models.deepseek")
+FAMILIES: tuple[Family, ...] = (dense.FAMILY, qwen_hybrid.FAMILY, deepseek.FAMILY)
 
 
 def families() -> list[Family]:
-    return [importlib.import_module(m).FAMILY for m in _family_modules]
+    return list(FAMILIES)
 
 
 def supported_model_types() -> list[str]:
-    return sorted(t for f in families() for t in f.model_types)
+    return sorted(t for f in FAMILIES for t in f.model_types)
 
 
 def family_for(model_type: object) -> Family:
-    for f in families():
+    for f in FAMILIES:
         if model_type in f.model_types:
             return f
     raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}")

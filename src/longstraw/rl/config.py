@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from longstraw.units import parse_bytes
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -307,9 +309,7 @@ def validate(cfg: RunConfig) -> None:
     _require(t.memory_check in ("warn", "error", "off"),
              f"train.memory_check={t.memory_check!r}; allowed: 'warn', 'error', 'off'")
     if t.memory_limit:
-        from longstraw.planner import _parse_mem
-
-        _parse_mem(t.memory_limit, "train.memory_limit")
+        parse_bytes(t.memory_limit, "train.memory_limit")
     try:
         grpo_config(cfg)  # engine-level checks (prompt_grad, loss_agg_mode, kl_type, chunk sizes, ...)
     except ValueError as e:

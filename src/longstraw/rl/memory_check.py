@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw.planner import _fmt, _parse_mem, plan
+from longstraw.planner import plan
+from longstraw.units import format_bytes as _fmt
+from longstraw.units import parse_bytes
 from longstraw.rl.config import RunConfig
 
 
@@ -88,7 +90,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     t, a = cfg.train, cfg.algorithm
     if t.memory_check == "off":
         return None
-    limit = _parse_mem(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)
+    limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from longstraw.rl.runlog import read_metrics
+
 PANELS = (
     ("reward", ("reward_mean", "solved"), "reward (mean) / solved fraction"),
     ("loss", ("loss",), "loss"),
@@ -25,8 +27,6 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write ``RUN/plots/{reward,loss,kl,memory}.png``; returns the paths (empty if matplotlib is missing)."""
-    from longstraw.rl.trainer import read_metrics
-
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     if not rows:

@@ -18,8 +18,6 @@ so a resumed run repeats exactly what an uninterrupted one does.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +33,9 @@ from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
 from longstraw.profiling import PhaseMeter, current_bytes
 from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config
-from longstraw.rl.losses import group_advantages, loss_denominator
+from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
+from longstraw.rl.runlog import append_metrics, read_metrics, truncate_metrics, write_atomic
 
 # keys that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
@@ -130,7 +129,7 @@ class Trainer:
         self.source.check()
         self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: records e.g. a longer train.steps
+        write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: records e.g. a longer train.steps
         if not resume and not cfg.model.path:
             self.tokenizer.save(self.run_dir / "tokenizer")
         ckpt = latest_checkpoint(self.run_dir) if resume else None
@@ -143,7 +142,7 @@ class Trainer:
             self.opt.load_state_dict(st["optimizer"])
             set_rng_state(st["rng"])
             self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
-            self._truncate_metrics(self.start_step)
+            truncate_metrics(self.run_dir, self.start_step)
             echo(f"resuming {self.run_dir} from {ckpt.name} (step {self.start_step})")
         else:
             torch.manual_seed(cfg.train.seed)
@@ -326,19 +325,6 @@ class Trainer:
         return m
 
     # ------------------------------------------------------------------ the loop
-    def _truncate_metrics(self, upto_step: int) -> None:
-        p = self.run_dir / "metrics.jsonl"
-        if not p.exists():
-            return
-        keep = []
-        for line in p.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= upto_step:
-                    keep.append(line)
-            except (json.JSONDecodeError, KeyError):
-                break  # a torn last line from a crash
-        _write_atomic(p, "".join(x + "\n" for x in keep))
-
     def _save(self, step_done: int) -> Path:
         state = {"step": step_done, "opt_step": self.opt_step, "optimizer": self.opt.state_dict(),
                  "rng": rng_state(), "data_position": step_done * self.cfg.algorithm.prompts_per_step}
@@ -354,14 +340,10 @@ class Trainer:
         writer = _tensorboard(self.run_dir) if t.tensorboard else None
         bar = _progress(t.steps, self.start_step, t.progress)
         last_ckpt = latest_checkpoint(self.run_dir)
-        metrics_path = self.run_dir / "metrics.jsonl"
         try:
             for step in range(self.start_step, t.steps):
                 m = self.step(step)
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(m) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                append_metrics(self.run_dir, m)
                 if writer is not None:
                     for k, v in m.items():
                         if isinstance(v, (int, float)):
@@ -402,28 +384,6 @@ class Trainer:
             peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0),
             peak_above_start_bytes=max((r.get("peak_above_start_bytes", 0) for r in rows), default=0), plots=plots,
             last_checkpoint=last_ckpt)
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _tensorboard(run_dir: Path):
