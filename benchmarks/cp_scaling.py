@@ -46,10 +46,10 @@ def model_config(args) -> dict:
 
 
 def build(args):
-    from longstraw.models.registry import build_model
+    import longstraw
 
     torch.manual_seed(0)
-    model = build_model(model_config(args))
+    model = longstraw.build_model(model_config(args))  # after init_distributed: context-parallel placement
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05) if p.dim() >= 2 else p.fill_(1.0)

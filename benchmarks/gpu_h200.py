@@ -178,8 +178,8 @@ def main(argv=None) -> int:
     params = [q for q in model.parameters() if q.requires_grad]
 
     def planned(mode, p, g):
-        pl = plan(cfg, prompt_len=p, response_len=args.response_len, group=g, prompt_grad=mode, dtype=dtype_name,
-                  prefill_chunk=chunk)
+        pl = plan(cfg, prompt_len=p, response_len=args.response_len, group=g, dtype=dtype_name,
+                  cfg=longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk))
         return pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]
 
     def step(mode, p, g) -> dict:
@@ -251,8 +251,8 @@ def main(argv=None) -> int:
                  "runs": runs[1:]}
         if total_mem and args.planner:
             entry["planner_max_for_device"] = plan(
-                cfg, prompt_len=step_len, response_len=args.response_len, group=gmax, prompt_grad=mode,
-                dtype=dtype_name, prefill_chunk=chunk, gpu_mem=total_mem).max_prompt_len
+                cfg, prompt_len=step_len, response_len=args.response_len, group=gmax, dtype=dtype_name,
+                cfg=longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk), gpu_mem=total_mem).max_prompt_len
         out["longest"][mode] = entry
         say(f"  {mode}: longest measured {entry['measured_max']:,} (stopped by {stop}); planner max for the "
             f"device's memory: {entry.get('planner_max_for_device')}")

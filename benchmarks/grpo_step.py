@@ -208,8 +208,10 @@ def planned_bytes(method: str, g: int, args) -> int | None:
     if method == "naive":
         return naive_step_bytes(cfg, args.prompt_len, args.response_len, g, dtype="float32")
     if method in ("detached", "exact"):
-        p = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, group=g, prompt_grad=method,
-                 dtype="float32", prefill_chunk=args.chunk)
+        from longstraw import GRPOConfig
+
+        p = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, group=g, dtype="float32",
+                 cfg=GRPOConfig(prompt_grad=method, prefill_chunk=args.chunk))
         return p.peak_bytes - p.breakdown["weights"] - p.breakdown["optimizer"]
     return None
 

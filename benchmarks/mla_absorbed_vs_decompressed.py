@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from longstraw.models.context import CallContext
 from longstraw.models.mla import LatentState, MLAttention
 from longstraw.models.rope import RopeParams, RotaryEmbedding
 
@@ -79,8 +80,9 @@ def run_once(layer, st, rope, x, backward):
 
 
 def scenario(args, layer, st, name, b, t, backward, dtype):
-    rope = RotaryEmbedding(RopeParams("default", 10000.0, args.dr, {}))(torch.arange(args.prompt, args.prompt + t),
-                                                                        dtype)
+    cos, sin = RotaryEmbedding(RopeParams("default", 10000.0, args.dr, {}))(torch.arange(args.prompt, args.prompt + t),
+                                                                            dtype)
+    rope = CallContext(args.prompt, t, cos, sin)  # what every layer of one model.run receives
     x = torch.randn(b, t, args.hidden, dtype=dtype, requires_grad=backward)
     times = {"absorbed": [], "decompressed": []}
     for mode in times:  # warm-up

@@ -71,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    from longstraw import GRPOConfig
     from longstraw.planner import naive_step_bytes, plan
     from longstraw.units import parse_bytes
 
@@ -89,8 +90,8 @@ def main(argv=None):
             return 0  # no model of it here: always measured
         if method == "naive":
             return naive_step_bytes(cfg, p, args.response_len, g, dtype="float32")
-        pl = plan(cfg, prompt_len=p, response_len=args.response_len, group=g, prompt_grad=method, dtype="float32",
-                  prefill_chunk=args.chunk)
+        pl = plan(cfg, prompt_len=p, response_len=args.response_len, group=g, dtype="float32",
+                  cfg=GRPOConfig(prompt_grad=method, prefill_chunk=args.chunk))
         return pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]
 
     reused = {}
@@ -154,8 +155,8 @@ def main(argv=None):
             p *= 2
         entry = {"measured_max": last_ok["prompt_len"] if last_ok else 0, "stopped_by": stop}
         if m in ("detached", "exact") and stop != "memory":
-            kw = dict(response_len=args.response_len, group=gmax, prompt_grad=m, dtype="float32",
-                      prefill_chunk=args.chunk)
+            kw = dict(response_len=args.response_len, group=gmax, dtype="float32",
+                      cfg=GRPOConfig(prompt_grad=m, prefill_chunk=args.chunk))
             b = plan(cfg, prompt_len=args.fit_start, **kw).breakdown
             # the worker measures above the weights and steps no optimiser: the cap applies to the rest
             entry["planned_max"] = plan(cfg, prompt_len=args.fit_start, gpu_mem=cap + b["weights"] + b["optimizer"],

@@ -66,13 +66,17 @@ def test_generate_and_score_from_a_checkpoint(demo_run, tmp_path):
     assert [x["response"] for x in scored] == [0, 1] and all(x["logprob"] < 0 for x in scored)
 
 
-def test_plan_json(demo_run):
+def test_plan_json(demo_run, tmp_path):
     out, _ = demo_run
-    r = cli("plan", "--model", out / "initial_model", "--prompt-len", 65536, "--response-len", 16, "--group", 8,
+    over = cli("plan", "--model", out / "initial_model", "--prompt-len", "64K", "--response-len", 16)
+    _one_error_line(over, "needs 65552 positions, more than the model's max_position_embeddings=")
+    cfg = json.loads((out / "initial_model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 1 << 20}))
+    r = cli("plan", "--model", tmp_path, "--prompt-len", "64K", "--response-len", 16, "--group", 8,
             "--dtype", "float32", "--gpu-mem", "2G", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["peak_bytes"] > d["breakdown"]["prompt_state"] > 0 and d["max_prompt_len"] > 65536
+    assert d["peak_bytes"] > d["breakdown"]["prompt_state"] > 0 and d["max_prompt_len"] > 65536 and d["fits"]
 
 
 def _one_error_line(r, text):

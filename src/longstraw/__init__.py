@@ -5,13 +5,13 @@ replayed one at a time with autograd against it; in exact mode a reverse pass ca
 prompt. See docs/DESIGN.md.
 """
 
-from longstraw.checkpoint.hf import hf_grads, load_model, save_model
+from longstraw.checkpoint.hf import build_model, hf_grads, load_model, save_model
 from longstraw.distributed import init_distributed, shutdown_distributed
 from longstraw.engine.config import GRPOConfig, GRPOStats, PromptGrad, SamplingConfig
 from longstraw.engine.rollout import Rollout, generate
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.losses import KLType, LossAggMode, group_advantages, loss_denominator
-from longstraw.models.registry import build_model, supported_model_types
+from longstraw.models.registry import supported_model_types
 from longstraw.state import PromptState
 
 __version__ = "0.1.0"

@@ -1,12 +1,19 @@
 """Predict the peak memory of a LongStraw GRPO step before running it: a dry run on the meta device.
 
-The model is built on the ``meta`` device (no memory, no compute) and the real engine code runs on it: prefill,
-branch replay with backward, the exact reverse pass. A dispatch mode watches every tensor storage the ops create
-and its lifetime (storages are freed when the last tensor using them dies), so the tracker knows the bytes alive
-at every moment and their peak, phase by phase. This is the program's own allocation pattern, not a formula, so it
-follows each family's code (attention K/V, DeltaNet boundary states, MLA latents, MoE routing) without per-family
-bookkeeping. What it does not see: allocator fragmentation and caching (CUDA caching allocator, glibc arenas), the
-framework's own context (CUDA context ~0.5 GB, Python), and kernels' private workspaces.
+The model is built on the ``meta`` device (no memory, no compute) and the engine's own step runs on it: the
+planner calls ``engine.prefill`` and ``engine.grpo_backward`` with an injected meter (:class:`LiveMeter`) instead of
+restating them. A dispatch mode watches every tensor storage the ops create and its lifetime (storages are freed
+when their last tensor dies), so the meter knows the bytes alive at every moment and their peak, phase by phase.
+This is the program's own allocation pattern, not a formula, so it follows each family's code (attention K/V,
+DeltaNet boundary states, MLA latents, MoE routing) without per-family bookkeeping. What it does not see:
+allocator fragmentation and caching (CUDA caching allocator, glibc arenas), the framework's own context (CUDA
+context ~0.5 GB, Python), and kernels' private workspaces.
+
+What the dry run samples instead of running it all (its only shortcuts besides the ops' meta paths, which
+``longstraw.ops.meta`` lists): ONE branch batch of the G (every batch allocates alike and frees its graph before
+the next: the replay's memory is flat in G), and in exact mode the reverse-pass steps that can set its peak
+(:func:`peak_steps`: the first and the last two; every other step repeats the second-to-last with a shorter
+prefix). Tests hold both to a full dry run.
 
 Breakdown (bytes per device):
 
@@ -32,17 +39,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from longstraw.units import format_bytes, parse_bytes
+from longstraw.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
 _ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
-_PEAK_CHUNKS_ONLY = True  # the dry run's exact reverse pass walks only the chunks that can set its peak
+PEAK_STEPS_ONLY = True  # the dry run's exact reverse pass walks only the steps that can set its peak
 
 BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "prompt_state", "prompt_state_grad", "branch_graph",
                   "prefill_chunk", "logits")
@@ -96,16 +105,52 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class LiveMeter:
+    """The engine's meter (``profiling.PhaseMeter``'s interface) for a dry run: per phase, the bytes alive when it
+    starts (``start``) and ends (``end``) and the peak while it runs (``peak``), from a :class:`LiveBytes`."""
+
+    def __init__(self, lb: LiveBytes):
+        self.lb = lb
+        self.start: dict[str, int] = {}
+        self.end: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.peak_bytes = self.peak
+
+    @contextmanager
+    def phase(self, name: str):
+        self.lb.reset_peak()
+        self.start[name] = self.lb.live
+        try:
+            yield lambda done, total: None
+        finally:
+            self.end[name], self.peak[name] = self.lb.live, self.lb.peak
+
+    def transient(self, name: str) -> int:
+        """Peak above what the phase left alive at its end (what it needed only while it ran)."""
+        return max(0, self.peak.get(name, 0) - self.end.get(name, 0))
+
+    def above_start(self, name: str) -> int:
+        """Peak above what was alive when the phase started."""
+        return max(0, self.peak.get(name, 0) - self.start.get(name, 0))
+
+
 @dataclass
 class Plan:
     peak_bytes: int
     breakdown: dict[str, int]
     max_prompt_len: int | None
     settings: dict = field(default_factory=dict)
+    limit_bytes: int | None = None  # the memory per device it was planned against (gpu_mem), or None
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits ``limit_bytes`` (None when no limit was given)."""
+        return None if self.limit_bytes is None else self.peak_bytes <= self.limit_bytes
 
     def to_json(self) -> dict:
         return {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
-                "max_prompt_len": self.max_prompt_len}
+                "max_prompt_len": self.max_prompt_len, "fits": self.fits}
 
 
 def _meta_model(hf_config: dict, dtype: torch.dtype):
@@ -124,50 +169,47 @@ def _layer_bytes(model) -> int:
     return max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers), default=0)
 
 
-def dry_run(model, prompt_len: int, response_len: int, group: int, grpo_cfg) -> dict[str, int]:
-    """Run one grpo_backward on the meta ``model`` and return the tracked bytes per phase."""
-    from longstraw.engine import prompt_backward as pb
-    from longstraw.engine.grpo import branch_batches, branch_logprobs, build_prompt_state
+def peak_steps(steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The prefill steps whose recomputation can set the exact reverse pass's peak: the last two (the longest
+    prefixes; the last one may be short) and the first (no prefix: fresh zero states); every other step repeats the
+    second-to-last with a shorter prefix. The first step may then run beside a recurrent boundary's gradient that
+    the skipped steps would have consumed: a slight over-estimate, never under."""
+    return [steps[0]] + steps[-2:] if len(steps) > 3 else list(steps)
 
-    prompt = torch.zeros(prompt_len, dtype=torch.long, device="meta")
-    responses = [torch.zeros(response_len, dtype=torch.long, device="meta") for _ in range(group)]
+
+def dry_run(model, prompt_len: int, response_len: int, group: int, cfg) -> dict[str, int]:
+    """Run the engine's GRPO step (``prefill`` then ``grpo_backward``) on the meta ``model`` under ``cfg`` (a
+    ``GRPOConfig``) and return the tracked bytes per phase (module docstring: one branch batch, the peak steps)."""
+    from longstraw.engine.grpo import build_prompt_state, grpo_backward
+
+    prompt = torch.zeros(prompt_len, dtype=torch.long)  # host ids, checked like a real call's; moved to meta
+    n = min(group, cfg.branch_batch)
+    responses = [torch.zeros(response_len, dtype=torch.long) for _ in range(n)]
+    ref = [torch.zeros(response_len) for _ in range(n)] if cfg.kl_coef else None
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
-    w, b = model.head()
+    w, _ = model.head()
     vocab = w.shape[0]
-    with LiveBytes() as lb:
-        state = build_prompt_state(model, prompt, grpo_cfg, grpo_cfg.exact)
+    meter = LiveMeter(LiveBytes())
+    with meter.lb:
+        with meter.phase("prompt_state"):
+            state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
         state_bytes = state.nbytes()
-        prefill_peak = lb.peak - lb.live  # transient above everything that stays (state, small caches)
-        if grpo_cfg.exact:
-            state.enable_grad()
-        grad_bytes = state.grad_nbytes()
-        prefix = state.prefix(grad=grpo_cfg.exact)
-        lb.reset_peak()
-        before = lb.live
-        for batch in branch_batches(group, grpo_cfg.branch_batch)[:1]:  # every batch is alike: one is the peak
-            with torch.enable_grad():
-                logps, _ = branch_logprobs(model, prefix, prompt_len - 1, [responses[i] for i in batch],
-                                           prompt[-1], grpo_cfg, grpo_cfg.entropy_coef != 0)
-                torch.stack([lp.sum() for lp in logps]).sum().backward()
-            del logps
-        branch_peak = lb.peak - before
-        recompute_peak = 0
-        if grpo_cfg.exact:
-            lb.reset_peak()
-            before = lb.live
-            pb.prompt_backward(model, state, checkpoint_layers=grpo_cfg.checkpoint_layers,
-                               peak_chunks_only=_PEAK_CHUNKS_ONLY)
-            recompute_peak = lb.peak - before
-        del state, prefix
-    tokens = min(grpo_cfg.logprob_chunk, grpo_cfg.branch_batch * response_len)
+        if cfg.exact and PEAK_STEPS_ONLY:
+            state.chunks = peak_steps(state.chunks)
+        stats = grpo_backward(model, prompt, responses, torch.zeros(n), cfg, ref_logprobs=ref, prompt_state=state,
+                              meter=meter)
+        del state
+    tokens = min(cfg.logprob_chunk, cfg.branch_batch * response_len)
     acc = 8 if w.dtype == torch.float64 else 4
     logits = 3 * tokens * vocab * acc  # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound)
     for p in model.parameters():
         p.grad = None
-    return {"prompt_state": state_bytes, "prompt_state_grad": grad_bytes,
-            "prefill_chunk": max(prefill_peak, recompute_peak), "branch_graph": max(0, branch_peak - logits),
-            "logits": min(logits, branch_peak)}
+    branch_peak = meter.above_start("replay")
+    recompute = meter.above_start("prompt_backward") if cfg.exact else 0
+    return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
+            "prefill_chunk": max(meter.transient("prompt_state"), recompute),
+            "branch_graph": max(0, branch_peak - logits), "logits": min(logits, branch_peak)}
 
 
 def naive_step_bytes(model_or_config, prompt_len: int, response_len: int, group: int, dtype=None) -> int:
@@ -194,28 +236,37 @@ def naive_step_bytes(model_or_config, prompt_len: int, response_len: int, group:
     return int(peak + _param_bytes(model))  # + the gradients
 
 
-def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, prompt_grad: str = "exact",
+def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
-         prefill_chunk: int = 4096, branch_batch: int = 1, logprob_chunk: int = 1024,
-         checkpoint_layers: bool = False, optimizer_states: int = 2) -> Plan:
-    """Peak memory per device of a GRPO step (see module docstring). ``gpu_mem`` in bytes enables
-    ``max_prompt_len``."""
+         optimizer_states: int = 2) -> Plan:
+    """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
+    ``hf_config``, with ``dtype`` parameters (see module docstring). ``gpu_mem`` in bytes gives the verdict
+    (``Plan.fits``) and ``max_prompt_len``. ValueError for a prompt + response longer than the model takes."""
     from longstraw.checkpoint.hf import parse_dtype
-    from longstraw.engine.grpo import GRPOConfig
+    from longstraw.engine.config import GRPOConfig
 
+    cfg = cfg if cfg is not None else GRPOConfig()
+    if not isinstance(cfg, GRPOConfig):
+        raise ValueError(f"cfg must be a longstraw.GRPOConfig, got {type(cfg).__name__}")
     _check_positive(prompt_len=prompt_len, response_len=response_len, group=group, gpus=gpus, cp=cp)
     if prompt_len < 2:
         raise ValueError(f"prompt_len={prompt_len} must be >= 2")
     if gpus % cp:
         raise ValueError(f"cp={cp} must divide gpus={gpus}")
+    if gpu_mem is not None and not (isinstance(gpu_mem, (int, float)) and math.isfinite(gpu_mem) and gpu_mem > 0):
+        raise ValueError(f"gpu_mem={gpu_mem!r} must be a finite number of bytes > 0")
     dt = parse_dtype(dtype)
-    gcfg = GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=prefill_chunk, branch_batch=branch_batch,
-                      logprob_chunk=logprob_chunk, checkpoint_layers=checkpoint_layers)
     model = _meta_model(hf_config, dt)
+    model.spec.check_length(prompt_len + response_len, f"a prompt of {prompt_len} tokens and a response of "
+                                                        f"{response_len}")
+    longest = model.spec.max_position_embeddings - response_len
+    if model.spec.sliding_window is not None:
+        longest = min(longest, model.spec.sliding_window - response_len)
     pbytes = _param_bytes(model)
+    layer = _layer_bytes(model)
     shard = gpus if gpus > 1 else 1
     fixed = {
-        "weights": pbytes // shard + (_layer_bytes(model) if shard > 1 else 0),
+        "weights": pbytes // shard + (layer if shard > 1 else 0),
         "grads": pbytes // shard,
         "optimizer": optimizer_states * pbytes // shard,
     }
@@ -224,7 +275,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, pro
 
     def at(p: int) -> dict[str, int]:
         if p not in cache:
-            d = dry_run(model, p, response_len, group, gcfg)
+            d = dry_run(model, p, response_len, group, cfg)
             d["prompt_state"] //= cp
             d["prompt_state_grad"] //= cp
             cache[p] = {**fixed, **d}
@@ -238,7 +289,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, pro
     # grows linearly (K/V per position, recurrent states per chunk), so two dry runs at T and 2T give every longer
     # prompt; shorter ones are dry-run directly. (Dry runs at a million positions would spend minutes in the
     # per-chunk loops of recurrent layers.)
-    t = -(-max(2 * prefill_chunk, _ATTN_BLOCK + prefill_chunk) // prefill_chunk) * prefill_chunk
+    chunk = cfg.prefill_chunk
+    t = -(-max(2 * chunk, _ATTN_BLOCK + chunk) // chunk) * chunk
 
     def linear(p: int) -> dict[str, int]:
         if p <= 2 * t:
@@ -253,28 +305,34 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, pro
     peak = peak_of(breakdown)
     max_len = None
     if gpu_mem is not None:
-        max_len = _solve_max_len(lambda x: peak_of(linear(x)), gpu_mem, t, known=(prompt_len, peak))
-    settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=prompt_grad,
+        max_len = _solve_max_len(lambda x: peak_of(linear(x)), gpu_mem, t, longest, known=(prompt_len, peak))
+    settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=cfg.prompt_grad.value,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
-                    prefill_chunk=prefill_chunk, branch_batch=branch_batch)
-    return Plan(int(peak), breakdown, max_len, settings)
+                    prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
+                    checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer)
+    return Plan(int(peak), breakdown, max_len, settings, int(gpu_mem) if gpu_mem is not None else None)
 
 
-def _solve_max_len(peak_at, limit: float, t: int, known: tuple[int, int] | None = None) -> int | None:
-    """Largest prompt length whose peak fits ``limit``: exact on the line beyond ``2t`` (see ``plan``), by
-    bisection over dry runs below it. ``known = (p, peak(p))``, the plan's own length: when it is already over the
-    limit, the answer lies below it and no dry run longer than ``p`` is needed."""
+def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int, int] | None = None) -> int:
+    """Largest prompt length ``<= longest`` (the model's positions) whose peak fits ``limit``: exact on the line
+    beyond ``2t`` (see ``plan``), by bisection over dry runs below it; 0 if none fits. ``known = (p, peak(p))``, the
+    plan's own length: when it is already over the limit, the answer lies below it and no dry run longer than ``p``
+    is needed."""
     if known is not None and known[1] > limit:
         lo, hi = 2, known[0]
+    elif longest <= 2 * t:
+        if peak_at(longest) <= limit:
+            return longest
+        lo, hi = 2, longest
     else:
         y1, y2 = peak_at(t), peak_at(2 * t)
         if y2 <= limit:
             if y2 <= y1:
-                return None  # nothing grows with the prompt: memory sets no limit
-            return int(2 * t + (limit - y2) * t / (y2 - y1))
+                return longest  # nothing grows with the prompt: only the model's positions set a limit
+            return min(longest, int(2 * t + (limit - y2) * t / (y2 - y1)))
         lo, hi = 2, 2 * t  # peak(lo) <= limit < peak(hi), or no prompt fits
-        if known is not None:
-            lo = max(lo, known[0])
+    if known is not None and known[1] <= limit:
+        lo = max(lo, known[0])
     if peak_at(lo) > limit:
         return 0
     while hi - lo > max(1, lo // 100):  # 1% resolution
@@ -294,35 +352,85 @@ def _check_positive(**kw) -> None:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or config.json (nothing is loaded)")
-    p.add_argument("--prompt-len", type=int, required=True)
-    p.add_argument("--response-len", type=int, default=1024)
-    p.add_argument("--group", type=int, default=8, help="G, responses per prompt")
-    p.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks sharing the prompt state")
-    p.add_argument("--gpu-mem", default=None, help="memory per device (e.g. 80G, 141G) for max_prompt_len")
-    p.add_argument("--prefill-chunk", type=int, default=4096)
-    p.add_argument("--branch-batch", type=int, default=1)
+    p.add_argument("--prompt-len", required=True,
+                   help="prompt tokens: 4096, 512K, 1M, 2.1M (K, M = 1024, 1024^2)")
+    p.add_argument("--response-len", default="1024", help="response tokens (default: %(default)s)")
+    p.add_argument("--group", type=int, default=8, help="G, responses per prompt (default: %(default)s)")
+    p.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"],
+                   help="gradient through the prompt (exact) or not (detached) (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default: %(default)s)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="devices; > 1: parameters, gradients and optimizer state sharded over them (default: "
+                        "%(default)s)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks sharing one prompt state (default: %(default)s)")
+    p.add_argument("--gpu-mem", default=None,
+                   help="memory per device, e.g. 80G, 141G: gives the verdict and the longest prompt that fits "
+                        "(default: none)")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk (default: "
+                                                                   "%(default)s)")
+    p.add_argument("--branch-batch", type=int, default=1, help="branches replayed together (default: %(default)s)")
+    p.add_argument("--checkpoint-layers", action="store_true",
+                   help="recompute each layer in backward (smaller branch and reverse-pass graphs; default: off)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def explain(res: Plan) -> dict[str, str]:
+    """What each per-device figure of ``res`` is: which total it divides by what."""
+    st = res.settings
+    gpus, cp = st["gpus"], st["cp"]
+    fsdp = f" / {gpus} GPUs (FSDP)" if gpus > 1 else ""
+    out = {
+        "weights": f"{format_bytes(st['param_bytes'])} of parameters{fsdp}"
+                   + (f" + one gathered layer {format_bytes(st['layer_bytes'])}" if gpus > 1 else ""),
+        "grads": f"one gradient per parameter{fsdp}",
+        "optimizer": f"AdamW's two moments per parameter{fsdp}",
+        "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",
+        "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)",
+        "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)",
+        "branch_graph": f"one batch of {st['branch_batch']} branch(es) of {st['response_len']:,} tokens",
+        "logits": "one LM-head chunk of float32 logits",
+    }
+    return out
+
+
+def verdict(res: Plan) -> str:
+    """One line: fits or not, by how much, and the longest prompt that fits."""
+    if res.limit_bytes is None:
+        return "no --gpu-mem given: no verdict (pass e.g. --gpu-mem 80G)"
+    limit, peak = res.limit_bytes, res.peak_bytes
+    longest = (f"; the longest prompt that fits is {format_tokens(res.max_prompt_len)} tokens" if res.max_prompt_len
+               else "; no prompt fits with these settings")
+    if res.fits:
+        return (f"fits: peak {format_bytes(peak)} of {format_bytes(limit)} per device, {format_bytes(limit - peak)} "
+                f"to spare{longest}")
+    return (f"does NOT fit: peak {format_bytes(peak)} > {format_bytes(limit)} per device by "
+            f"{format_bytes(peak - limit)}{longest}")
 
 
 def plan_from_args(args) -> int:
     from longstraw.checkpoint.hf import read_config
+    from longstraw.engine.config import GRPOConfig
 
     cfg = read_config(args.model)
-    res = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, group=args.group,
-               prompt_grad=args.prompt_grad, dtype=args.dtype, gpus=args.gpus, cp=args.cp,
-               gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch)
+    prompt_len = parse_tokens(args.prompt_len, "--prompt-len")
+    response_len = parse_tokens(args.response_len, "--response-len")
+    gcfg = GRPOConfig(prompt_grad=args.prompt_grad, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch,
+                      checkpoint_layers=args.checkpoint_layers)
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
+    res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
+               gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
-    print(f"model {Path(args.model)} ({cfg.get('model_type')}), prompt {args.prompt_len}, response {args.response_len},"
-          f" G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, cp={args.cp}")
+    print(f"model {Path(args.model)} ({cfg.get('model_type')}): prompt {format_tokens(prompt_len)} tokens, response "
+          f"{format_tokens(response_len)}, G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, "
+          f"cp={args.cp}{', checkpointed layers' if args.checkpoint_layers else ''}")
+    print("per device:")
+    why = explain(res)
     for k in BREAKDOWN_KEYS:
-        print(f"  {k:<18} {format_bytes(res.breakdown[k]):>12}")
-    print(f"  {'peak per device':<18} {format_bytes(res.peak_bytes):>12}")
-    if res.max_prompt_len is not None:
-        print(f"  longest prompt fitting {args.gpu_mem}: {res.max_prompt_len:,} tokens")
+        print(f"  {k:<18} {format_bytes(res.breakdown[k]):>12}   {why[k]}")
+    print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + prompt_state + "
+          "prompt_state_grad + max(prefill_chunk, branch_graph + logits)")
+    print(f"verdict: {verdict(res)}")
     return 0
-

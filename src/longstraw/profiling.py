@@ -12,9 +12,12 @@ hides an outer window's peak.
 from __future__ import annotations
 
 import resource
+import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -92,26 +95,75 @@ def current_bytes(device: torch.device) -> int:
     return cpu_current_bytes()
 
 
+class ProgressSink(Protocol):
+    """A progress display for one phase: ``update(done, total)`` after each unit of work, ``close()`` at the end."""
+
+    def update(self, done: int, total: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _no_progress(done: int, total: int) -> None:
+    return None
+
+
 @dataclass
 class PhaseMeter:
-    """Collects ``seconds[phase]`` and ``peak_bytes[phase]`` for named phases on one device."""
+    """Collects ``seconds[phase]`` and ``peak_bytes[phase]`` for named phases on one device, and reports the
+    progress of long phases.
+
+    ``progress``: ``name -> ProgressSink`` (e.g. :func:`delayed_bar`), or None for no display. Inside
+    ``with meter.phase(name) as report:`` the code calls ``report(done, total)`` after each unit of work (prefill
+    steps, branch batches, reverse-pass steps, decoding steps). The engine's entry points take a meter, so that
+    callers (the trainer, the CLI, the memory planner) decide what is measured and shown.
+    """
 
     device: torch.device
     seconds: dict[str, float] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)
+    progress: Callable[[str], ProgressSink] | None = None
 
     @contextmanager
     def phase(self, name: str):
         cuda = self.device.type == "cuda"
+        sink = self.progress(name) if self.progress is not None else None
         t0 = time.perf_counter()
         with peak_window(self.device) as peak_of:
             try:
-                yield
+                yield sink.update if sink is not None else _no_progress
             finally:
                 if cuda:
                     torch.cuda.synchronize(self.device)
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
                 self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak_of())
+                if sink is not None:
+                    sink.close()
+
+
+class _DelayedBar:
+    """A tqdm bar that appears only once its phase has run ``delay_s`` seconds (short phases print nothing)."""
+
+    def __init__(self, name: str, delay_s: float, stream):
+        self.name, self.delay_s, self.stream = name, delay_s, stream
+        self.bar = None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"  {self.name}", unit="step", delay=self.delay_s, leave=False,
+                            file=self.stream, dynamic_ncols=True)
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def delayed_bar(delay_s: float = 3.0, stream=None) -> Callable[[str], ProgressSink]:
+    """A ``PhaseMeter.progress`` factory: a progress bar per phase, shown once the phase takes ``delay_s`` s."""
+    return lambda name: _DelayedBar(name, delay_s, stream if stream is not None else sys.stderr)
 
 
 def trim_heap() -> None:

@@ -21,10 +21,19 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
 
 ``KVState`` is the full-attention kind: post-RoPE keys and values of every prompt position. Hybrid (recurrent) and
 compressed-attention (latent) kinds live beside their mixers and follow the same protocol.
+
+The :class:`PromptState` owns its schedule: which pieces of the prompt this process computes, in which order
+(``steps``), what each piece's layers consume (``step_prefix``), where a piece's state goes (``write_step``), what the
+exact reverse pass back-propagates from (``step_seeds``) and what must happen around that pass (``backward_scope``).
+The engine's prefill and reverse pass are single loops over these; a prompt state split over processes
+(``longstraw.distributed``) is a subclass with another schedule. Which kind a model gets is decided by its
+:class:`Placement` (``CausalLM.placement``), which parallelism sets from outside the model.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -148,12 +157,17 @@ class KVDecoder:
             self.k, self.v = self.k[rows], self.v[rows]
 
 
+def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[0, length)`` cut into consecutive ``(start, end)`` chunks of ``chunk_size`` (the last may be shorter)."""
+    return [(s, min(length, s + chunk_size)) for s in range(0, length, chunk_size)]
+
+
 @dataclass
 class PromptState:
     """The shared prompt state of one GRPO group: per-layer states for ``length`` prompt positions.
 
     ``token_ids`` are the prefilled ids (the prompt without its last token, which every branch replays);
-    ``chunks`` the ``(start, end)`` of each prefill chunk, which the exact reverse pass recomputes.
+    ``chunks`` the ``(start, end)`` of each prefill chunk in order: the schedule of this (single-process) kind.
     """
 
     layers: list[Any]
@@ -164,6 +178,41 @@ class PromptState:
     def length(self) -> int:
         return int(self.token_ids.shape[0])
 
+    # ------------------------------------------------------------------ schedule (prefill and the reverse pass)
+    def steps(self) -> list[tuple[int, int]]:
+        """The pieces of the prompt this process computes, in prefill order: global ``(start, end)`` positions.
+        The reverse pass walks them backwards. Every process of a group has the same number of steps."""
+        return self.chunks
+
+    def step_prefix(self, step: int, grad: bool) -> list[Any]:
+        """Per-layer prefixes for the tokens of step ``step`` (prefill: ``grad=False``; reverse pass: ``True``)."""
+        return self.prefix(self.chunks[step][0], grad)
+
+    def write_step(self, step: int, pieces: list[Any]) -> None:
+        """Store the per-layer state pieces that step ``step``'s tokens produced (prefill)."""
+        s, e = self.chunks[step]
+        for ls, piece in zip(self.layers, pieces):
+            ls.write(piece, s, e)
+
+    def step_seeds(self, step: int, pieces: list[Any]) -> tuple[list[Tensor], list[Tensor]]:
+        """The recomputed pieces of step ``step`` to back-propagate from, and the state gradient collected for
+        them: ``(roots, grads)`` for ``torch.autograd.backward``."""
+        s, e = self.chunks[step]
+        roots, grads = [], []
+        for ls, piece in zip(self.layers, pieces):
+            for root, grad in ls.backward_roots(piece, s, e):
+                if root.requires_grad and grad is not None:
+                    roots.append(root)
+                    grads.append(grad)
+        return roots, grads
+
+    @contextlib.contextmanager
+    def backward_scope(self, model: Any) -> Iterator[None]:
+        """What must surround the exact reverse pass over this state: nothing in one process (a state split over
+        processes combines the processes' parameter gradients here)."""
+        yield
+
+    # ------------------------------------------------------------------ consumption and accounting
     def prefix(self, length: int | None = None, grad: bool = False) -> list[Any]:
         """Per-layer prefixes for tokens following the first ``length`` positions (default: all of them)."""
         n = self.length if length is None else length
@@ -187,3 +236,27 @@ class PromptState:
         """Stored bytes per prompt position for each layer (O(1) layers report their total / length)."""
         n = max(1, self.length)
         return [ls.nbytes() / n for ls in self.layers]
+
+
+class Placement:
+    """Where a model's prompt states live and how the processes that share them stay in step: the seam through
+    which parallelism plugs into the engine (``CausalLM.placement``). This default keeps everything in this
+    process; ``longstraw.distributed`` sets a context-parallel placement on a model from outside."""
+
+    def prompt_state(self, model: Any, ids: Tensor, chunk_size: int, exact: bool) -> PromptState:
+        """An empty prompt state for the prefilled ids ``[n]`` of ``model`` (``model.new_prompt_states``), with
+        its schedule: chunks of ``chunk_size``. ``exact``: keep what the exact reverse pass needs."""
+        n = int(ids.shape[0])
+        return PromptState(model.new_prompt_states(n, exact), ids, chunk_bounds(n, chunk_size))
+
+    def check_group(self, prompt_ids: Tensor, responses: list[Tensor]) -> None:
+        """ValueError unless every process that shares the prompt state passes this group (nothing to check in
+        one process)."""
+
+    def agree(self, ids: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor]:
+        """Sampled token ids ``[n]`` and their log-probs ``[n]`` that every process sharing the state decodes (in
+        one process: these)."""
+        return ids, logprobs
+
+
+LOCAL = Placement()

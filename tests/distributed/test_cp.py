@@ -13,8 +13,10 @@ scenarios per launch (cp_scenarios.py) to keep start-up cost low:
   (2 ranks), GLM-4.5 (GQA + MoE) and Qwen3-Next (DeltaNet + MoE): exact and detached, FSDP2 on 2 ranks (MLA; DSA
   with checkpointed layers and batched branches), generate, score, per-rank state bytes.
 
-One test per launch (so ``pytest -n 2`` never launches a job twice); each checks every scenario of its job and names
-the scenario and rank in its failure message.
+Every scenario of every job is one test (``test_scenario[job-scenario]``), so a failure names it. A job is launched
+once, by the first of its tests that runs, and its tests share the result: they carry the job's ``xdist_group``,
+and ``make test`` runs ``pytest -n 2 --dist loadgroup``, which keeps a group on one worker (a job never launches
+twice).
 """
 
 import pytest
@@ -113,7 +115,7 @@ def single(paths):
 
 def _result(ranks, name):
     for r, res in enumerate(ranks):
-        got = res[name]
+        got = res.get(name, "not run: an earlier scenario failed on this rank (see its test)")
         assert not isinstance(got, str), f"rank {r}, scenario {name}:\n{got}"
     return [res[name] for res in ranks]
 
@@ -215,55 +217,62 @@ def check_bad_inputs(ranks, job):
         assert errs[bad] == f"cp={bad} does not divide the world size {world}; allowed: {allowed}"
 
 
-def _run_job(job, paths, single):
-    world, cp, fsdp, names = JOBS[job]
-    ranks = launch(world, cp=cp, paths=paths, scenarios=names, fsdp=fsdp)
-    assert [r["context"]["cp_size"] for r in ranks] == [cp] * world
-    for name in names:
-        if name in GRAD_SCENARIOS:
-            check_gradients(ranks, single, job, name)
-        if "generate" in name:
-            check_generate(ranks, single, name)
+CASES = [(job, name) for job, (_, _, _, names) in JOBS.items() for name in names]
+
+
+@pytest.fixture(scope="module")
+def launched(paths):
+    """``get(job)``: every rank's results of the job, launched on first use (once per worker: see the docstring)."""
+    cache = {}
+
+    def get(job):
+        if job not in cache:
+            world, cp, fsdp, names = JOBS[job]
+            try:
+                cache[job] = launch(world, cp=cp, paths=paths, scenarios=names, fsdp=fsdp)
+            except AssertionError as e:
+                cache[job] = e
+        if isinstance(cache[job], AssertionError):
+            raise cache[job]
+        return cache[job]
+
+    return get
+
+
+def _check(job, name, ranks, single):
+    if name in GRAD_SCENARIOS:
+        check_gradients(ranks, single, job, name)
+    if "generate" in name:
+        check_generate(ranks, single, name)
     checks = {"score": lambda: check_score(ranks, single), "state_bytes": lambda: check_state_bytes(ranks, single, job),
               "op_blocks": lambda: check_op_blocks(ranks, single), "bad_inputs": lambda: check_bad_inputs(ranks, job),
               "low_precision": lambda: check_low_precision(ranks, single)}
-    for name, check in checks.items():
-        if name in names:
-            check()
-    for name in names:  # the MoE families' variants of these checks
-        if name.endswith("_score"):
-            check_score(ranks, single, name)
-        if name.endswith("_state_bytes"):
-            check_state_bytes(ranks, single, job, name)
-    return ranks
+    if name in checks:
+        checks[name]()
+    if name.endswith("_score"):  # the MoE families' variants of these checks
+        check_score(ranks, single, name)
+    if name.endswith("_state_bytes"):
+        check_state_bytes(ranks, single, job, name)
 
 
-def test_two_ranks(paths, single):
-    _run_job("cp2", paths, single)
+@pytest.mark.parametrize("job,name", [pytest.param(j, n, id=f"{j}-{n}", marks=pytest.mark.xdist_group(j))
+                                      for j, n in CASES])
+def test_scenario(job, name, launched, single):
+    _check(job, name, launched(job), single)
 
 
-def test_four_ranks(paths, single):
-    _run_job("cp4", paths, single)
-
-
-def test_two_replicas_of_two_ranks_with_fsdp_from_init(paths, single):
-    ranks = _run_job("dp2xcp2_fsdp", paths, single)
-    assert [r["context"]["cp_rank"] for r in ranks] == [0, 1, 0, 1]
-    assert [r["context"]["dp_size"] for r in ranks] == [2] * 4
-    for r in _result(ranks, "exact"):
-        assert r["sharded_params"] > 0  # load_model applied FSDP2 after init_distributed(fsdp=True)
-
-
-def test_moe_families_two_ranks(paths, single):
-    """deepseek_v3 (MLA), glm_moe_dsa and deepseek_v32 (MLA + sparse indexer), glm4_moe, qwen3_next and
-    qwen3_5_moe_text on 2 ranks:
-    exact and detached gradients, FSDP2 (MLA; DSA with checkpointed layers and batched branches), generate, score,
-    per-rank state bytes."""
-    _run_job("moe_cp2", paths, single)
-
-
-def test_moe_families_four_ranks(paths, single):
-    _run_job("moe_cp4", paths, single)
+@pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(j)) for j in JOBS])
+def test_job_context(job, launched):
+    """Each rank's place in the job: CP size and rank, data-parallel replicas (FSDP2 applied by load_model when
+    init_distributed(fsdp=True))."""
+    world, cp, fsdp, names = JOBS[job]
+    ranks = launched(job)
+    assert [r["context"]["cp_size"] for r in ranks] == [cp] * world
+    assert [r["context"]["cp_rank"] for r in ranks] == [i % cp for i in range(world)]
+    assert [r["context"]["dp_size"] for r in ranks] == [world // cp] * world
+    if fsdp:
+        for r in _result(ranks, names[0]):
+            assert r["sharded_params"] > 0  # load_model applied FSDP2 after init_distributed(fsdp=True)
 
 
 def test_init_without_process_group_environment(monkeypatch):
@@ -303,7 +312,8 @@ def test_latent_positions_and_deterministic_topk():
     """cp_latent's helpers: global <-> local positions of a rank's pieces, and the global top-k over gathered
     (score, position) pairs, whose exact ties go to the lower position whatever the candidates' order."""
     from longstraw.distributed import shard_layout
-    from longstraw.distributed.cp_latent import _first_topk, _global_select, _Owner
+    from longstraw.distributed.cp_latent import _global_select, _Owner
+    from longstraw.ops.topk import first_topk as _first_topk
 
     lay = shard_layout(37, 3, 4)
     for r in range(3):

@@ -146,7 +146,7 @@ def _bad_calls(prompt, responses, adv):
         (dict(old_logprobs=[torch.zeros(3), torch.full((4,), float("inf"))]), r"old_logprobs\[1\] holds a non-finite"),
         (dict(responses=[responses[0], torch.tensor([1, V + 3])]), rf"token id {V + 3} is outside the vocabulary"),
         (dict(responses=[responses[0], torch.zeros(600, dtype=torch.long)]),
-         r"prompt \(10 tokens\) \+ responses\[1\] \(600 tokens\) = 610 positions exceeds the model's "
+         r"prompt \(10 tokens\) \+ responses\[1\] \(600 tokens\) needs 610 positions, more than the model's "
          r"max_position_embeddings=512"),
         (dict(cfg=longstraw.GRPOConfig(kl_coef=0.1)), "kl_coef=0.1 needs ref_logprobs"),
         (dict(loss_scale=0.0), "loss_scale=0.0 must be a finite number > 0"),

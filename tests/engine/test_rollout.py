@@ -123,3 +123,35 @@ def test_generate_bad_input(model):
         longstraw.generate(model, _prompt(), 2, longstraw.SamplingConfig(stop_strings=("x",)))
     with pytest.raises(ValueError, match="leaves no room"):
         longstraw.generate(model, _prompt(128), 2, longstraw.SamplingConfig())
+
+
+def test_reused_state_under_autocast_equals_the_steps_own(tmp_path):
+    """``generate(compute_dtype="bfloat16")`` prefills and decodes under autocast as the training step does with
+    ``GRPOConfig(compute_dtype="bfloat16")``: a rollout state handed to the step gives exactly the gradients of the
+    step's own prefill (the trainer's reuse claim), and the sampled log-probs are the step's within bf16 rounding.
+    (Before, generate prefilled in float32: a float32 state under bf16 replay is another computation, and the
+    attention kernel refuses the mix.)"""
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=128)
+    model = longstraw.load_model(save_tiny(tiny_hf(cfg, seed=22, init_std=0.3), dtype=torch.float32))
+    prompt = _prompt(40)
+    sp = longstraw.SamplingConfig(max_new_tokens=6, seed=5)
+    gcfg = longstraw.GRPOConfig(prefill_chunk=16, compute_dtype="bfloat16")
+    adv = torch.tensor([1.0, -0.5, 0.25])
+
+    def grads(**kw):
+        model.zero_grad(set_to_none=True)
+        longstraw.grpo_backward(model, prompt, ro.responses, adv, gcfg, old_logprobs=ro.logprobs, **kw)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ro = longstraw.generate(model, prompt, 3, sp, prefill_chunk=16, keep_state=True, exact_state=True,
+                            compute_dtype="bfloat16")
+    reused, own = grads(prompt_state=ro.prompt_state), grads()
+    assert all(torch.equal(reused[n], own[n]) for n in own)
+    want = longstraw.score(model, prompt, ro.responses, gcfg)
+    for a, b in zip(ro.logprobs, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0.05)
+    with pytest.raises(ValueError, match=r"compute_dtype='int8' is not supported; allowed: None, 'bfloat16'"):
+        longstraw.generate(model, prompt, 2, sp, compute_dtype="int8")
+    with pytest.raises(ValueError, match=r"prefill_chunk=0 must be an integer >= 1"):
+        longstraw.generate(model, prompt, 2, sp, prefill_chunk=0)

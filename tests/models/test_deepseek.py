@@ -237,3 +237,40 @@ def test_index_topk_pattern_and_frequency_derive_indexer_types():
                                                                                         "full"]
     derived = indexer_types({**base, "index_topk_freq": 2}, ConfigReader({"index_topk_freq": 2}), 6)
     assert derived == GlmMoeDsaConfig(num_hidden_layers=6, index_topk_freq=2).indexer_types
+
+
+@pytest.mark.parametrize("heads", [2, 3])
+def test_dsa_selection_with_tied_index_scores_does_not_depend_on_the_chunking(heads, monkeypatch):
+    """With 2-3 indexer heads many keys score exactly 0 (every head's ReLU at 0) and top-k must choose among equal
+    scores. The selection takes the lowest positions first, so log-probs do not depend on ``prefill_chunk`` (the
+    prompt's keys are then scored in other blocks) nor on the score blocking; they equal one full forward. (With
+    ``torch.topk``'s own choice among ties they did: up to 0.4 nats apart.)"""
+    cfg = GlmMoeDsaConfig(**MOE, **MLA, **{**DSA, "index_n_heads": heads}, index_topk=6,
+                          indexer_types=["full", "shared", "full"])
+    cfg._experts_implementation = "eager"
+    path = save_tiny(tiny_hf(cfg, seed=heads))
+    model = longstraw.load_model(path)
+    g = torch.Generator().manual_seed(heads)
+    prompt = torch.randint(0, V, (40,), generator=g)
+    responses = [torch.randint(0, V, (n,), generator=g) for n in (5, 9)]
+    ties = []
+    real = dsa.Indexer.scores
+    monkeypatch.setattr(dsa.Indexer, "scores", lambda self, *a: ties.append(r := real(self, *a)) or r)
+    runs = {}
+    for chunk, score_elems in ((1, 1 << 24), (7, 1 << 24), (64, 1 << 24), (7, 40)):
+        monkeypatch.setattr(dsa, "SCORE_ELEMS", score_elems)  # 40: one query and a few keys per score block
+        runs[(chunk, score_elems)] = longstraw.score(model, prompt, responses,
+                                                     longstraw.GRPOConfig(prefill_chunk=chunk, branch_batch=2))
+    full = torch.cat([prompt, responses[1]])[None]
+    with torch.no_grad():
+        logits = model(full)[0, prompt.numel() - 1 : -1].double().log_softmax(-1)
+    want = logits.gather(1, responses[1][:, None])[:, 0]
+    first = next(iter(runs.values()))
+    for key, lps in runs.items():
+        for a, b in zip(lps, first):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=str(key))
+    torch.testing.assert_close(first[1], want, rtol=0, atol=1e-10)
+    # the case is the one that broke: a row's k-th best score is 0 with more zeros than slots left
+    straddle = sum(int(((s == 0).sum(-1) > 0).logical_and(s.topk(6, dim=-1).values[..., -1] == 0).sum())
+                   for s in ties if s.shape[-1] >= 6)
+    assert straddle > 0

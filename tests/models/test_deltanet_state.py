@@ -39,6 +39,8 @@ def test_empty_prefix_means_zero_state():
     zeros = RecurrentPrefix(torch.zeros(1, m.conv_dim, 3, dtype=torch.float64),
                             torch.zeros(1, 4, 8, 6, dtype=torch.float64))
     torch.testing.assert_close(m(x, None, None)[0], m(x, None, zeros)[0], rtol=0, atol=0)
+    # a prefix without a state (one that exists for its enter/leave hooks) starts from zeros too
+    torch.testing.assert_close(m(x, None, None)[0], m(x, None, RecurrentPrefix(None, None))[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", ["qwen3_5", "qwen3_next"])

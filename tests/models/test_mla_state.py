@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from longstraw.models import dsa
-from longstraw.models.dsa import (Indexer, IndexedLatentState, Selection, sparse_latent_attention,
-                                  sparse_latent_attention_reference)
+from longstraw.models.context import CallContext
+from longstraw.models.dsa import Indexer, IndexedLatentState
 from longstraw.models.mla import LatentDecoder, LatentState, MLAttention, mla_softmax_scale, set_mla_mode
 from longstraw.models.rope import RopeParams, RotaryEmbedding, apply_rope_interleaved
 from longstraw.ops.attention import KVSegment
@@ -35,7 +35,8 @@ ROTARY = RotaryEmbedding(RopeParams("default", 1000.0, DR, {}))
 
 
 def rope(start, n):
-    return ROTARY(torch.arange(start, start + n), F64)
+    """The per-call context a layer receives at positions ``start .. start + n - 1``."""
+    return CallContext(start, n, *ROTARY(torch.arange(start, start + n), F64))
 
 
 def reference(layer, x, detach=0):
@@ -129,7 +130,7 @@ def test_state_bytes_per_position_and_grad_dtype():
         layer = layer.to(dtype)
         st = LatentState(13)
         with torch.no_grad():
-            _, piece = layer(torch.randn(1, 13, HID, dtype=dtype), ROTARY(torch.arange(13), dtype), None)
+            _, piece = layer(torch.randn(1, 13, HID, dtype=dtype), CallContext(0, 13, *ROTARY(torch.arange(13), dtype)), None)
         st.write(piece, 0, 13)
         es = torch.empty(0, dtype=dtype).element_size()
         assert st.nbytes() == 13 * (R + DR) * es == 13 * layer.state_bytes_per_position(dtype)
@@ -147,50 +148,9 @@ def test_state_bytes_per_position_and_grad_dtype():
 # ---------------------------------------------------------------------------------------------------- DSA pieces
 
 
-def _selection(b, t, s_pre, k, g):
-    """Random top-k-shaped selection: for each query up to k distinct causal keys, the rest invalid."""
-    idx = torch.zeros(b, t, k, dtype=torch.long)
-    valid = torch.zeros(b, t, k, dtype=torch.bool)
-    for i in range(b):
-        for j in range(t):
-            n = s_pre + j + 1
-            pick = torch.randperm(n, generator=g)[:k]
-            idx[i, j, : pick.numel()] = pick
-            valid[i, j, : pick.numel()] = True
-    return Selection(idx, valid)
-
-
-@pytest.mark.parametrize("block_elems", [1 << 24, 300])  # all queries in one block / one query per block
-def test_sparse_attention_matches_the_gather_reference(block_elems, monkeypatch):
-    monkeypatch.setattr(dsa, "_GATHER_ELEMS", block_elems)
-    g = torch.Generator().manual_seed(3)
-    b, h, t, d, k = 2, 3, 5, 7, 9
-    prompt = torch.randn(1, 1, 4, d, generator=g, dtype=F64)  # shared prompt latents, gradient into a sink
-    gen = torch.randn(b, 1, 3, d, generator=g, dtype=F64, requires_grad=True)  # per-branch latents, autograd
-    own = torch.randn(b, 1, t, d, generator=g, dtype=F64, requires_grad=True)
-    q = torch.randn(b, h, t, d, generator=g, dtype=F64, requires_grad=True)
-    sel = _selection(b, t, 7, k, g)  # query 0 sees 8 keys < k = 9: one invalid slot
-    sink = torch.zeros_like(prompt)
-    w = torch.randn(b, h, t, d, generator=g, dtype=F64)
-    segs = [KVSegment(prompt, prompt, k_grad=sink, v_grad=sink), KVSegment(gen, gen), KVSegment(own, own)]
-    out = sparse_latent_attention(q, segs, sel, 0.37)
-    (out * w).sum().backward()
-    got = (q.grad.clone(), gen.grad.clone(), own.grad.clone(), sink.clone())
-    q.grad = gen.grad = own.grad = None
-
-    leaf = prompt.clone().requires_grad_(True)
-    ref = sparse_latent_attention_reference(q, [KVSegment(leaf, leaf), KVSegment(gen, gen), KVSegment(own, own)],
-                                            sel, 0.37)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
-    (ref * w).sum().backward()
-    for a, want in zip(got, (q.grad, gen.grad, own.grad, leaf.grad)):
-        torch.testing.assert_close(a, want, rtol=0, atol=1e-12)
-    assert (~sel.valid).any() and sel.valid.any()
-
-
 @pytest.mark.parametrize("interleaved,score_elems", [(False, 1 << 24), (True, 1 << 24), (False, 50)])
 def test_indexer_selects_the_causal_top_scores(interleaved, score_elems, monkeypatch):
-    monkeypatch.setattr(dsa, "_SCORE_ELEMS", score_elems)  # 50: blocks of 2 queries, one key at a time
+    monkeypatch.setattr(dsa, "SCORE_ELEMS", score_elems)  # 50: blocks of 2 queries, one key at a time
     torch.manual_seed(4)
     ix = Indexer(HID, 7, num_heads=32, head_dim=8, rope_dim=DR, topk=5, interleaved=interleaved).to(F64)
     with torch.no_grad():
@@ -201,7 +161,7 @@ def test_indexer_selects_the_causal_top_scores(interleaved, score_elems, monkeyp
     qr = torch.randn(2, 12, 7, dtype=F64)
     keys = ix.keys(x, rope(0, 12))
     # brute force over the whole sequence, the formula as written
-    q = ix._rope(ix.wq_b(qr).view(2, 12, 32, 8), rope(0, 12)[0][:, None], rope(0, 12)[1][:, None])
+    q = ix._rope(ix.wq_b(qr).view(2, 12, 32, 8), rope(0, 12).cos[:, None], rope(0, 12).sin[:, None])
     w = ix.weights_proj(x) * 32**-0.5
     score = torch.einsum("bth,bths->bts", w, torch.relu(torch.einsum("bthd,bsd->bths", q, keys) * 8**-0.5))
     score = score.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))

@@ -251,6 +251,7 @@ def test_meta_shortcut_changes_no_tracked_byte(monkeypatch):
     prefill dry runs); the live bytes it leaves and their peak are those of the full computation, for the op and
     for a whole plan of a hybrid model whose DeltaNet layer runs several blocks per prefill chunk."""
     import longstraw.ops.deltanet as dn
+    from longstraw.ops import meta
     from longstraw.models.qwen_hybrid import tiny_config
     from longstraw.planner import LiveBytes, plan
 
@@ -265,8 +266,12 @@ def test_meta_shortcut_changes_no_tracked_byte(monkeypatch):
 
     cfg = tiny_config(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=8,
                       linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
-    kw = dict(prompt_len=9000, response_len=16, group=2, dtype="float32", prefill_chunk=4096)
-    fast = [op_bytes()] + [plan(cfg, prompt_grad=m, **kw).breakdown for m in ("detached", "exact")]
-    monkeypatch.setattr(dn, "_META_SHORTCUT", False)
-    slow = [op_bytes()] + [plan(cfg, prompt_grad=m, **kw).breakdown for m in ("detached", "exact")]
+    from longstraw import GRPOConfig
+
+    kw = dict(prompt_len=9000, response_len=16, group=2, dtype="float32")
+    fast = [op_bytes()] + [plan(cfg, cfg=GRPOConfig(prompt_grad=m, prefill_chunk=4096), **kw).breakdown
+                           for m in ("detached", "exact")]
+    monkeypatch.setattr(meta, "SHORTCUTS", False)
+    slow = [op_bytes()] + [plan(cfg, cfg=GRPOConfig(prompt_grad=m, prefill_chunk=4096), **kw).breakdown
+                           for m in ("detached", "exact")]
     assert fast == slow

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longstraw import GRPOConfig
 from longstraw.planner import BREAKDOWN_KEYS, naive_step_bytes, plan
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -47,21 +48,22 @@ def _measure(cfg, mode, p, r, g, chunk):
 @pytest.mark.parametrize("mode,p,g,chunk", [("detached", 16384, 2, 2048), ("exact", 16384, 4, 2048),
                                             ("exact", 12000, 2, 1024)])
 def test_prediction_within_ten_percent_of_measured(mode, p, g, chunk):
-    pl = plan(DENSE, prompt_len=p, response_len=48, group=g, prompt_grad=mode, dtype="float32", prefill_chunk=chunk)
+    pl = plan(DENSE, prompt_len=p, response_len=48, group=g, cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=chunk),
+              dtype="float32")
     predicted = pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]  # the probe steps no optimiser
     measured = _measure(DENSE, mode, p, 48, g, chunk)
     assert abs(predicted - measured) <= 0.10 * measured, (predicted / 2**20, measured / 2**20)
 
 
 def test_breakdown_structure_and_scaling():
-    a = plan(DENSE, prompt_len=4096, response_len=32, group=2, prompt_grad="exact", dtype="float32")
-    b = plan(DENSE, prompt_len=8192, response_len=32, group=8, prompt_grad="exact", dtype="float32")
+    a = plan(DENSE, prompt_len=4096, response_len=32, group=2, dtype="float32")
+    b = plan(DENSE, prompt_len=8192, response_len=32, group=8, dtype="float32")
     kv = 2 * 2 * 4 * 32 * 4  # layers x (K, V) x kv heads x head dim x fp32 bytes, per position
     assert a.breakdown["prompt_state"] == kv * 4095 and b.breakdown["prompt_state"] == kv * 8191
     assert a.breakdown["prompt_state_grad"] == a.breakdown["prompt_state"]
-    assert plan(DENSE, prompt_len=4096, response_len=32, group=2, prompt_grad="detached",
+    assert plan(DENSE, prompt_len=4096, response_len=32, group=2, cfg=GRPOConfig(prompt_grad="detached"),
                 dtype="float32").breakdown["prompt_state_grad"] == 0
-    b2 = plan(DENSE, prompt_len=8192, response_len=32, group=2, prompt_grad="exact", dtype="float32")
+    b2 = plan(DENSE, prompt_len=8192, response_len=32, group=2, dtype="float32")
     assert b.breakdown["branch_graph"] == b2.breakdown["branch_graph"]  # flat in G
     sharded = plan(DENSE, prompt_len=8192, response_len=32, group=8, dtype="float32", gpus=4, cp=4)
     assert sharded.breakdown["prompt_state"] == b.breakdown["prompt_state"] // 4
@@ -78,7 +80,8 @@ def test_long_prompt_line_matches_a_direct_dry_run(mode):
 
     cfg = {**DENSE, "max_position_embeddings": 200_000}
     p, chunk = 110_000, 4096
-    pl = plan(cfg, prompt_len=p, response_len=32, group=2, prompt_grad=mode, dtype="float32", prefill_chunk=chunk)
+    pl = plan(cfg, prompt_len=p, response_len=32, group=2, cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=chunk),
+              dtype="float32")
     d = dry_run(_meta_model(cfg, torch.float32), p, 32, 2, GRPOConfig(prompt_grad=mode, prefill_chunk=chunk))
     direct = (d["prompt_state"] + d["prompt_state_grad"] + max(d["prefill_chunk"], d["branch_graph"] + d["logits"]))
     b = pl.breakdown
@@ -88,33 +91,69 @@ def test_long_prompt_line_matches_a_direct_dry_run(mode):
 
 def test_max_prompt_len_fits_the_memory():
     mem = 512 * 2**20
-    p = plan(DENSE, prompt_len=4096, response_len=32, group=4, dtype="float32", gpu_mem=mem)
+    big = {**DENSE, "max_position_embeddings": 1 << 20}  # memory, not the positions, sets the limit here
+    p = plan(big, prompt_len=4096, response_len=32, group=4, dtype="float32", gpu_mem=mem)
     assert p.max_prompt_len and p.max_prompt_len > 4096
-    at = plan(DENSE, prompt_len=p.max_prompt_len, response_len=32, group=4, dtype="float32")
+    at = plan(big, prompt_len=p.max_prompt_len, response_len=32, group=4, dtype="float32")
     assert 0.95 * mem <= at.peak_bytes <= 1.01 * mem
+
+
+def _cli(*args):
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run([sys.executable, "-m", "longstraw.cli", "plan", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
 
 
 def test_cli_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
-    env = {**os.environ, "PYTHONPATH": SRC}
-    out = subprocess.run([sys.executable, "-m", "longstraw.cli", "plan", "--model", str(tmp_path), "--prompt-len",
-                          "4096", "--response-len", "64", "--group", "8", "--prompt-grad", "exact", "--dtype",
-                          "bfloat16", "--gpus", "2", "--cp", "2", "--gpu-mem", "1G", "--json"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = _cli("--model", str(tmp_path), "--prompt-len", "4K", "--response-len", "64", "--group", "8",
+               "--prompt-grad", "exact", "--dtype", "bfloat16", "--gpus", "2", "--cp", "2", "--gpu-mem", "1G", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len"}
+    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits"}
     assert set(d["breakdown"]) == set(BREAKDOWN_KEYS) and all(isinstance(v, int) for v in d["breakdown"].values())
-    assert isinstance(d["max_prompt_len"], int) and d["peak_bytes"] > 0
-    bad = subprocess.run([sys.executable, "-m", "longstraw.cli", "plan", "--model", str(tmp_path), "--prompt-len",
-                          "4096", "--gpus", "3", "--cp", "2"], capture_output=True, text=True, env=env, timeout=300)
-    assert bad.returncode == 2 and "cp=2 must divide gpus=3" in bad.stderr
+    assert isinstance(d["max_prompt_len"], int) and d["peak_bytes"] > 0 and d["fits"] is True
+    want = plan(DENSE, prompt_len=4096, response_len=64, group=8, dtype="bfloat16", gpus=2, cp=2, gpu_mem=2**30)
+    assert d == want.to_json()  # "4K" is 4096 tokens
+
+
+def test_cli_verdict_and_what_divides_what(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    out = _cli("--model", str(tmp_path), "--prompt-len", "16K", "--response-len", "64", "--gpus", "4", "--cp", "2",
+               "--gpu-mem", "64M", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "prompt 16,384 tokens" in text
+    assert "/ 4 GPUs (FSDP) + one gathered layer" in text and "the prompt's state / cp=2" in text
+    verdict = [line for line in text.splitlines() if line.startswith("verdict: ")]
+    assert len(verdict) == 1 and verdict[0].startswith("verdict: does NOT fit: peak ")
+    assert "> 64.00 MiB per device by " in verdict[0] and "the longest prompt that fits is " in verdict[0]
+    fits = _cli("--model", str(tmp_path), "--prompt-len", "1K", "--gpu-mem", "80G")
+    assert fits.returncode == 0 and "verdict: fits: peak " in fits.stdout and " to spare; the longest prompt that " \
+        "fits is 18,976 tokens" in fits.stdout  # the model's 20,000 positions less the 1,024-token response
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--gpus", "3", "--cp", "2"], "cp=2 must divide gpus=3"),
+    (["--gpu-mem", "inf"], "--gpu-mem='inf' must be a memory size like 80G"),
+    (["--prompt-len", "1M"], "needs 1049600 positions, more than the model's max_position_embeddings=20000"),
+    (["--prompt-len", "lots"], "--prompt-len='lots' must be a token count like 4096, 512K, 1M or 2.1M"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, args, msg):
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    base = ["--model", str(tmp_path), "--prompt-len", "4096"]
+    out = _cli(*base, *args)
+    assert out.returncode == 2 and msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(prompt_len=1), "prompt_len=1 must be >= 2"),
                                     (dict(group=0), "group=0 must be an integer >= 1"),
                                     (dict(dtype="int4"), "unsupported dtype 'int4'"),
-                                    (dict(prompt_grad="full"), "prompt_grad='full' is not supported")])
+                                    (dict(cfg="exact"), "cfg must be a longstraw.GRPOConfig, got str"),
+                                    (dict(gpu_mem=float("inf")), "gpu_mem=inf must be a finite number"),
+                                    (dict(prompt_len=19995), r"a prompt of 19995 tokens and a response of 8 needs "
+                                                             r"20003 positions, more than the model's "
+                                                             r"max_position_embeddings=20000")])
 def test_bad_input(kw, msg):
     args = dict(prompt_len=512, response_len=8, group=2)
     args.update(kw)
@@ -138,11 +177,11 @@ def test_reverse_pass_dry_run_of_the_peak_chunks_holds_the_peak(monkeypatch):
     cases = [(DENSE, 5000, 1024, False), (tiny_config(), 3100, 512, False), (tiny_config(), 3100, 512, True),
              (mla, 2600, 512, False)]
     for cfg, p, chunk, ckpt in cases:
-        kw = dict(prompt_len=p, response_len=16, group=2, prompt_grad="exact", dtype="float32", prefill_chunk=chunk,
-                  checkpoint_layers=ckpt)
-        monkeypatch.setattr(planner, "_PEAK_CHUNKS_ONLY", True)
+        kw = dict(prompt_len=p, response_len=16, group=2, dtype="float32",
+                  cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=chunk, checkpoint_layers=ckpt))
+        monkeypatch.setattr(planner, "PEAK_STEPS_ONLY", True)
         fast = plan(cfg, **kw).breakdown
-        monkeypatch.setattr(planner, "_PEAK_CHUNKS_ONLY", False)
+        monkeypatch.setattr(planner, "PEAK_STEPS_ONLY", False)
         full = plan(cfg, **kw).breakdown
         where = (cfg["model_type"], p, chunk, ckpt)
         assert {k: v for k, v in full.items() if k != "prefill_chunk"} == \

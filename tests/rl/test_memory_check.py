@@ -2,6 +2,7 @@
 
 import pytest
 
+from longstraw import GRPOConfig
 from longstraw.planner import plan
 from longstraw.rl.config import RunConfig, apply_overrides
 from longstraw.rl.trainer import Trainer, builtin_model_config
@@ -28,8 +29,8 @@ def test_peak_is_the_plan_plus_reference_model_and_kept_rollout_states(tmp_path)
                "train.memory_limit=\"4G\"")
     tr = Trainer(cfg, echo=lambda *_: None)
     hf = builtin_model_config("tiny-dense", tr.tokenizer.vocab_size, 256 + 4 + 1)
-    p = plan(hf, prompt_len=tr.source.longest_prompt, response_len=4, group=4, prompt_grad="exact",
-             dtype="float32", prefill_chunk=64)
+    p = plan(hf, prompt_len=tr.source.longest_prompt, response_len=4, group=4, dtype="float32",
+             cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=64, kl_coef=0.05))
     b = tr.memory.breakdown
     assert b["reference_model"] == p.breakdown["weights"]
     assert b["rollout_states"] == 2 * p.breakdown["prompt_state"]

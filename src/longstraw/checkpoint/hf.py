@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from longstraw import distributed
+from longstraw.models import registry
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
 
@@ -150,6 +151,12 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
         handles.clear()
     model.eval()
     return distributed.parallelize(model)  # FSDP2 over the CP group after init_distributed(fsdp=True), else as is
+
+
+def build_model(cfg: dict) -> CausalLM:
+    """A randomly initialised model for an HF config dict, with the process's parallelism applied as
+    :func:`load_model` applies it (nothing without ``init_distributed``)."""
+    return distributed.parallelize(registry.build_model(cfg))
 
 
 def _parse_size(size: int | str) -> int:

@@ -1,9 +1,9 @@
 """Segment attention over a prompt K/V split by position across a context-parallel group.
 
 The prompt state of a full-attention layer is sharded: each of the ``R`` ranks holds the post-RoPE K/V of its own
-positions (:mod:`longstraw.distributed.cp_state`). A :class:`ShardedSegment` is this rank's share of that segment;
-when ``segment_attention`` meets one it hands the whole call to :func:`cp_segment_attention` (the one hook in
-:mod:`longstraw.ops.attention`). Two modes:
+positions (:mod:`longstraw.distributed.cp_state`). A :class:`ShardedSegment` is this rank's share of that segment, a
+:class:`~longstraw.ops.partitioned.PartitionedSegment`: when ``segment_attention`` meets one it hands the whole
+call to its ``attention`` (:func:`cp_segment_attention`). Two modes:
 
 Replicated queries (branch replay, rollout decoding, score): every rank runs the same tokens, so ``q`` is the same
 everywhere. Forward: each rank attends ``q`` over its share, giving a partial ``(o_r, lse_r)``; the partials are
@@ -38,7 +38,9 @@ import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.ops.attention import _KERNELS, BACKENDS, KVSegment, _merge, _segment_bwd, _segment_fwd, default_backend
+from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_partials, segment_backward,
+                                     segment_forward)
+from longstraw.ops.partitioned import PartitionedSegment
 
 __all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention"]
 
@@ -57,7 +59,7 @@ class StepPieces:
 
 
 @dataclass
-class ShardedSegment(KVSegment):
+class ShardedSegment(KVSegment, PartitionedSegment):
     """This rank's share ``k [1, Hkv, S_local, Dk]``, ``v [1, Hkv, S_local, Dv]`` of a prompt K/V segment of
     ``global_length`` positions split over ``comm``'s ranks (sinks, if given, receive this share's ``dK, dV``).
 
@@ -69,8 +71,16 @@ class ShardedSegment(KVSegment):
     step: StepPieces | None = None
     global_length: int = 0
 
-    def cp_dispatch(self, q: Tensor, segments: list[KVSegment], scale: float, *, backend: str | None = None,
-                    return_lse: bool = False, max_segment: int = 32768):
+    @property
+    def key_count(self) -> int:
+        """Keys counted alike on every rank: the stored prefix, plus in a prefill step every other piece of the
+        step (with the queries' own piece: the step's end, the longest view any rank's queries have)."""
+        if self.step is None:
+            return self.global_length
+        return self.global_length + sum(self.step.lengths) - self.step.lengths[self.step.rank]
+
+    def attention(self, q: Tensor, segments: list[KVSegment], scale: float, *, backend: str | None = None,
+                  return_lse: bool = False, max_segment: int = 32768):
         return cp_segment_attention(q, segments, scale, backend=backend, return_lse=return_lse,
                                     max_segment=max_segment)
 
@@ -113,10 +123,10 @@ def _partial(fwd, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, scale: float) ->
         return o, torch.full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     outs, lses = [], []
     for kb, vb, _, _ in plan.blocks(k, v):
-        o, lse = _segment_fwd(fwd, q, kb, vb, False, scale)
+        o, lse = segment_forward(fwd, q, kb, vb, False, scale)
         outs.append(o)
         lses.append(lse)
-    return _merge(outs, lses, q.dtype) if len(outs) > 1 else (outs[0], lses[0])
+    return merge_partials(outs, lses, q.dtype) if len(outs) > 1 else (outs[0], lses[0])
 
 
 def _partial_bwd(bwd, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, plan: _Plan,
@@ -124,7 +134,7 @@ def _partial_bwd(bwd, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, ls
     """Backward of :func:`_partial` against the global ``(o, lse)``: returns ``dq``; ``dK, dV`` go to the sinks."""
     dq = torch.zeros_like(q)
     for kb, vb, sk, sv in plan.blocks(k, v):
-        dq_b, dk, dv = _segment_bwd(bwd, do, q, kb, vb, o, lse, False, scale)
+        dq_b, dk, dv = segment_backward(bwd, do, q, kb, vb, o, lse, False, scale)
         dq = dq + dq_b
         if sk is not None:
             sk.add_(dk.to(sk.dtype))
@@ -181,7 +191,7 @@ def _earlier(ks: Tensor, step: StepPieces) -> Tensor | None:
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, backend, plan: _Plan, meta, causal_idx, ks, vs, *kv):
-        fwd, _ = _KERNELS[backend]
+        fwd, _ = kernels(backend)
         outs, lses = [], []
         if plan.global_length > 0:
             o, lse = _sharded_fwd(fwd, q, ks, vs, plan, scale)
@@ -192,14 +202,14 @@ class _CPAttention(torch.autograd.Function):
             gk, gv = _gather_step(kv[2 * causal_idx], kv[2 * causal_idx + 1], plan.step, plan.comm)
             ek, ev = _earlier(gk, plan.step), _earlier(gv, plan.step)
             if ek is not None:
-                o, lse = _segment_fwd(fwd, q, ek, ev, False, scale)
+                o, lse = segment_forward(fwd, q, ek, ev, False, scale)
                 outs.append(o)
                 lses.append(lse)
         for idx, (causal, _, _) in enumerate(meta):
-            o, lse = _segment_fwd(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale)
+            o, lse = segment_forward(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale)
             outs.append(o)
             lses.append(lse)
-        out, lse = _merge(outs, lses, q.dtype)
+        out, lse = merge_partials(outs, lses, q.dtype)
         extra = [ek, ev] if ek is not None else []
         ctx.save_for_backward(q, out, lse, ks, vs, *extra, *kv)
         ctx.scale, ctx.backend, ctx.plan, ctx.meta, ctx.causal_idx = scale, backend, plan, meta, causal_idx
@@ -216,12 +226,12 @@ class _CPAttention(torch.autograd.Function):
             ek = ev = None
             kv = rest
         plan, scale = ctx.plan, ctx.scale
-        _, bwd = _KERNELS[ctx.backend]
+        _, bwd = kernels(ctx.backend)
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         grads: list[Tensor | None] = []
         for idx, (causal, k_sink, v_sink) in enumerate(ctx.meta):
-            dq_i, dk, dv = _segment_bwd(bwd, dout, q, kv[2 * idx], kv[2 * idx + 1], out, lse, causal, scale)
+            dq_i, dk, dv = segment_backward(bwd, dout, q, kv[2 * idx], kv[2 * idx + 1], out, lse, causal, scale)
             dq = dq + dq_i
             grads += [dk, dv]
         if plan.step is not None:  # earlier pieces of this step: their dK, dV go back to their owners
@@ -230,7 +240,7 @@ class _CPAttention(torch.autograd.Function):
             send_k = k_own.new_zeros(plan.comm.size, k_own.shape[1], tm, k_own.shape[3])
             send_v = v_own.new_zeros(plan.comm.size, v_own.shape[1], tm, v_own.shape[3])
             if ek is not None:
-                dq_e, dk_e, dv_e = _segment_bwd(bwd, dout, q, ek, ev, out, lse, False, scale)
+                dq_e, dk_e, dv_e = segment_backward(bwd, dout, q, ek, ev, out, lse, False, scale)
                 dq = dq + dq_e
                 for j, (a, b) in enumerate(zip(dk_e[0].split(step.lengths[: step.rank], 1),
                                                dv_e[0].split(step.lengths[: step.rank], 1))):
@@ -283,8 +293,7 @@ def cp_segment_attention(q: Tensor, segments: list[KVSegment], scale: float, *, 
     if backend is None:
         dv = sh.v.shape[-1] if sh.global_length > 0 else local[0].v.shape[-1]
         backend = default_backend(q, max(d, dv))
-    if backend not in _KERNELS:
-        raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    kernels(backend)  # ValueError for an unknown one
     if not (isinstance(max_segment, int) and max_segment >= 1):
         raise ValueError(f"max_segment={max_segment!r} must be an integer >= 1")
     plan = _Plan(sh.comm, sh.step, sh.global_length, sh.k_grad, sh.v_grad, max_segment)

@@ -24,7 +24,8 @@ DSA (DeepSeek Sparse Attention), the layers whose queries see more than ``index_
   keys are all-gathered (``R T Di``) for the earlier pieces. Ties are broken deterministically, by the lower
   position (the single-process ``topk`` breaks exact ties in an order of its own; with real scores ties do not
   occur).
-* Sparse attention (:func:`cp_sparse_latent_attention`, the CP twin of ``_SparseLatentAttention``): the selected
+* Sparse attention (:func:`cp_sparse_latent_attention`; the kernel is the single-process op's own partials,
+  ``ops.sparse_attention.partial_forward`` / ``partial_backward`` / ``merge_partials``): the selected
   keys split by owner, so each rank attends the queries over the selected keys it owns (a partial ``(o, lse)``),
   merged by log-sum-exp: the dense CP attention's pattern with a selection mask. Replicated queries: partials
   all-gathered (``R B T H (D + 1)``), ``dq`` all-reduced, ``d lat`` of the selected stored keys into the owner's
@@ -46,10 +47,14 @@ from torch import Tensor
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
 from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
-from longstraw.models.dsa import (_GATHER_ELEMS, _SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix, Selection, _acc_dtype, _gather, _latent_grad_targets,
-                                  _scatter)
+from longstraw.models.context import CallContext
+from longstraw.models.dsa import SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix
 from longstraw.models.mla import LatentDecoder, LatentState
 from longstraw.ops.attention import KVSegment
+from longstraw.ops.partitioned import PartitionedSegment
+from longstraw.ops.sparse_attention import (Selection, acc_dtype, latent_grad_targets, merge_partials,
+                                            partial_backward, partial_forward)
+from longstraw.ops.topk import first_topk
 
 __all__ = ["ShardedLatentState", "ShardedIndexedLatentState", "ShardedLatentSegment", "ShardedIndexKeys",
            "cp_sparse_latent_attention", "cp_index_select"]
@@ -110,28 +115,19 @@ def _pad_last(x: Tensor, length: int, value: float) -> Tensor:
 @dataclass
 class ShardedLatentSegment(ShardedSegment):
     """This rank's share ``k = v = lat [1, 1, S_local, r + dr]`` of the stored latents (``k_grad = v_grad``: the
-    sink). Dense attention goes through :class:`ShardedSegment`'s ``cp_dispatch``; DSA's sparse attention through
-    ``cp_sparse_dispatch``. ``owner`` maps global positions to this rank's buffer."""
+    sink). Dense attention goes through :class:`ShardedSegment`'s ``attention``; DSA's sparse attention through
+    :meth:`sparse_attention`. ``owner`` maps global positions to this rank's buffer."""
 
     owner: _Owner | None = None
 
-    @property
-    def cp_key_count(self) -> int:
-        """Keys counted before the queries when DSA decides dense vs sparse, the same on every rank: the stored
-        prefix, plus in a prefill step every other piece of the step (with the queries' own piece: the step's end,
-        the longest view any rank's queries have)."""
-        if self.step is None:
-            return self.global_length
-        return self.global_length + sum(self.step.lengths) - self.step.lengths[self.step.rank]
-
-    def cp_sparse_dispatch(self, q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
+    def sparse_attention(self, q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
         return cp_sparse_latent_attention(q, segments, sel, scale)
 
 
 @dataclass
-class ShardedIndexKeys:
+class ShardedIndexKeys(PartitionedSegment):
     """This rank's share ``keys [1, S_local, Di]`` of a DSA layer's stored indexer keys (position order), as an
-    entry of :class:`~longstraw.models.dsa.IndexedPrefix`; the indexer hands its ``select`` to ``cp_select``."""
+    entry of :class:`~longstraw.models.dsa.IndexedPrefix`; the indexer hands its ``select`` to :meth:`index_select`."""
 
     keys: Tensor
     comm: Comm
@@ -139,9 +135,13 @@ class ShardedIndexKeys:
     global_length: int
     owner: _Owner
 
-    def cp_select(self, indexer, x: Tensor, q_resid: Tensor, rope, prefix_keys: list, own_keys: Tensor
-                  ) -> Selection:
-        return cp_index_select(self, indexer, x, q_resid, rope, prefix_keys, own_keys)
+    @property
+    def key_count(self) -> int:
+        return self.global_length
+
+    def index_select(self, indexer, x: Tensor, q_resid: Tensor, ctx: CallContext, prefix_keys: list,
+                     own_keys: Tensor) -> Selection:
+        return cp_index_select(self, indexer, x, q_resid, ctx, prefix_keys, own_keys)
 
 
 # ---------------------------------------------------------------------------------------------------- states
@@ -218,16 +218,6 @@ class ShardedIndexedLatentState(ShardedLatentState):
 # ---------------------------------------------------------------------------------------------------- indexer
 
 
-def _first_topk(vals: Tensor, k: int) -> Tensor:
-    """Indices ``[..., k]`` (ascending) of the ``k`` largest of ``vals [..., C]``, exact ties taken lowest index
-    first: deterministic, unlike ``topk``'s indices (its values are exact, so the ``k``-th value is the threshold)."""
-    kth = vals.topk(k, dim=-1).values[..., -1:]
-    above = vals > kth
-    tie = vals == kth
-    keep = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-    return keep.nonzero()[:, -1].view(*vals.shape[:-1], k)  # exactly k per row, row-major order
-
-
 def _local_top(indexer, q: Tensor, w: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Best ``k`` of this rank's stored keys ``keys [1, S, Di]`` (position order) for queries ``q [B, T, Hi, Di]``
     with weights ``w [B, T, Hi]``: ``(scores, local indices)`` ``[B, T, k]``, padded with ``(-inf, 0)`` when
@@ -239,11 +229,11 @@ def _local_top(indexer, q: Tensor, w: Tensor, keys: Tensor, k: int) -> tuple[Ten
     kk = min(k, s)
     if kk == 0:
         return vals, ids
-    bt = max(1, min(t, _SCORE_ELEMS // max(1, b * s)))
+    bt = max(1, min(t, SCORE_ELEMS // max(1, b * s)))
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
         sc = indexer.scores(q[:, t0:t1].to(acc), w[:, t0:t1], [keys])  # [B, bt, S]
-        i = _first_topk(sc, kk)
+        i = first_topk(sc, kk)
         vals[:, t0:t1, :kk] = sc.gather(-1, i)
         ids[:, t0:t1, :kk] = i
     return vals, ids
@@ -259,7 +249,7 @@ def _replicated_candidates(indexer, q: Tensor, w: Tensor, keys: list[Tensor], ba
     pos = torch.arange(base, base + s, device=q.device)
     qpos = torch.arange(own_start, own_start + t, device=q.device)
     out = torch.empty(b, t, s, dtype=acc, device=q.device)
-    bt = max(1, min(t, _SCORE_ELEMS // max(1, b * s)))
+    bt = max(1, min(t, SCORE_ELEMS // max(1, b * s)))
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
         sc = indexer.scores(q[:, t0:t1].to(acc), w[:, t0:t1], keys)
@@ -275,12 +265,12 @@ def _global_select(vals: list[Tensor], pos: list[Tensor], k: int) -> Selection:
         v, p = _pad_last(v, k, _NEG), _pad_last(p, k, 0)
     order = p.argsort(dim=-1, stable=True)
     v, p = v.gather(-1, order), p.gather(-1, order)
-    i = _first_topk(v, k)
+    i = first_topk(v, k)
     return Selection(p.gather(-1, i), v.gather(-1, i) > _NEG)
 
 
 @torch.no_grad()
-def cp_index_select(sh: ShardedIndexKeys, indexer, x: Tensor, q_resid: Tensor, rope, prefix_keys: list,
+def cp_index_select(sh: ShardedIndexKeys, indexer, x: Tensor, q_resid: Tensor, ctx: CallContext, prefix_keys: list,
                     own_keys: Tensor) -> Selection:
     """``Indexer.select`` over indexer keys split over the CP group (module docstring): ``Selection.idx`` holds
     positions in the same concatenated key axis as in one process (global prompt positions, then the replicated
@@ -288,7 +278,7 @@ def cp_index_select(sh: ShardedIndexKeys, indexer, x: Tensor, q_resid: Tensor, r
     if not prefix_keys or prefix_keys[0] is not sh:
         raise ValueError("context-parallel DSA selection expects the sharded prompt keys as the first prefix entry")
     comm, topk = sh.comm, indexer.topk
-    q, w = indexer.queries(x, q_resid, rope)  # [B, T, Hi, Di], [B, T, Hi]
+    q, w = indexer.queries(x, q_resid, ctx)  # [B, T, Hi, Di], [B, T, Hi]
     b, t = x.shape[:2]
     g = sh.global_length
     vals, pos = [], []
@@ -329,61 +319,6 @@ def cp_index_select(sh: ShardedIndexKeys, indexer, x: Tensor, q_resid: Tensor, r
 # ---------------------------------------------------------------------------------------------------- sparse op
 
 
-def _part_fwd(qt: Tensor, lats: tuple[Tensor, ...], offsets: tuple[int, ...], idx: Tensor, valid: Tensor,
-              scale: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Attention of ``qt [B, T, H, D]`` over the selected keys ``idx/valid [B, T, K]`` that lie in ``lats``
-    (``[Bk, 1, S_i, D]`` at concatenated ``offsets``; ``valid`` already restricted to them): ``o [B, T, H, D]``
-    and ``lse [B, T, H]`` in ``acc``; rows with no such key give ``(0, -inf)``."""
-    b, t, h, d = qt.shape
-    o = torch.empty(b, t, h, d, dtype=acc, device=qt.device)
-    lse = torch.empty(b, t, h, dtype=acc, device=qt.device)
-    bt = max(1, _GATHER_ELEMS // max(1, b * idx.shape[-1] * (d + h)))
-    for t0 in range(0, t, bt):
-        sl = slice(t0, min(t, t0 + bt))
-        keys = _gather(lats, offsets, idx[:, sl], valid[:, sl], acc)  # [B, bt, K, D]
-        s = torch.matmul(qt[:, sl].to(acc), keys.transpose(-1, -2)) * scale  # [B, bt, H, K]
-        s = s.masked_fill(~valid[:, sl, None, :], _NEG)
-        ls = torch.logsumexp(s, dim=-1)
-        safe = torch.where(torch.isinf(ls), 0.0, ls)
-        o[:, sl] = torch.matmul(torch.exp(s - safe[..., None]), keys)
-        lse[:, sl] = ls
-    return o, lse
-
-
-def _part_bwd(qt: Tensor, dt: Tensor, ot: Tensor, lse: Tensor, lats: tuple[Tensor, ...], offsets: tuple[int, ...],
-              idx: Tensor, valid: Tensor, scale: float, targets: list[Tensor | None]) -> Tensor:
-    """Backward of :func:`_part_fwd` against the MERGED ``ot [B, T, H, D]`` and global ``lse [B, T, H]`` (padded
-    rows: ``lse`` 0 and nothing valid): returns ``dq [B, T, H, D]`` (``lse``'s dtype); the keys' gradient is added
-    into ``targets`` (flat ``[Bk * S_i, D]`` per lat, or None)."""
-    acc = lse.dtype
-    b, t, h, d = qt.shape
-    dq = torch.empty(b, t, h, d, dtype=acc, device=qt.device)
-    bt = max(1, _GATHER_ELEMS // max(1, b * idx.shape[-1] * (d + h)))
-    for t0 in range(0, t, bt):
-        sl = slice(t0, min(t, t0 + bt))
-        keys = _gather(lats, offsets, idx[:, sl], valid[:, sl], acc)
-        qb, do, ob = qt[:, sl].to(acc), dt[:, sl].to(acc), ot[:, sl].to(acc)
-        s = torch.matmul(qb, keys.transpose(-1, -2)) * scale
-        s = s.masked_fill(~valid[:, sl, None, :], _NEG)
-        p = torch.exp(s - lse[:, sl, :, None])  # [B, bt, H, K]
-        dp = torch.matmul(do, keys.transpose(-1, -2))
-        ds = p * (dp - (do * ob).sum(-1, keepdim=True))
-        dq[:, sl] = torch.matmul(ds, keys) * scale
-        if any(x is not None for x in targets):
-            dkeys = torch.matmul(ds.transpose(-1, -2), qb) * scale + torch.matmul(p.transpose(-1, -2), do)
-            _scatter(dkeys, targets, lats, offsets, idx[:, sl], valid[:, sl])
-    return dq
-
-
-def _merge_parts(os_: list[Tensor], ls: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Log-sum-exp merge of partials ``o [.., H, D]``, ``lse [.., H]`` (``-inf``: no key), in list order; a row
-    that no partial covers stays ``(0, -inf)``."""
-    lse = torch.stack(ls)
-    total = torch.logsumexp(lse, dim=0)
-    wts = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total))[..., None]
-    return (torch.stack(os_) * wts).sum(0), total
-
-
 @dataclass(frozen=True)
 class _SparsePlan:
     comm: Comm
@@ -411,7 +346,7 @@ class _CPSparse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, idx, valid, scale, plan: _SparsePlan, offsets, sinks, sh_lat, *lats):
-        acc = _acc_dtype(q.dtype)
+        acc = acc_dtype(q.dtype)
         comm, step = plan.comm, plan.step
         b, h, t, d = q.shape
         qt = q.transpose(1, 2)  # [B, T, H, D]
@@ -421,15 +356,15 @@ class _CPSparse(torch.autograd.Function):
         if plan.global_length > 0:  # the selected stored keys, attended by their owners
             if step is None:
                 li, lv = _localize(packed, plan)
-                o, l = _part_fwd(qt, (sh_lat,), (0,), li, lv, scale, acc)
-                o, l = _merge_parts(list(comm.all_gather(o)), list(comm.all_gather(l)))
+                o, l = partial_forward(qt, (sh_lat,), (0,), li, lv, scale, acc)
+                o, l = merge_partials(list(comm.all_gather(o)), list(comm.all_gather(l)))
             else:
                 tm = step.max_len
                 qs = comm.all_gather(_pad1(qt, tm)[0])  # [R, Tm, H, D]: every piece's queries
                 li, lv = _localize(comm.all_gather(_pad1(packed, tm, -1)[0]), plan)  # [R, Tm, K]
-                o, l = _part_fwd(qs, (sh_lat,), (0,), li, lv, scale, acc)
+                o, l = partial_forward(qs, (sh_lat,), (0,), li, lv, scale, acc)
                 o, l = comm.all_to_all(o), comm.all_to_all(l)  # block j: rank j's partial for my piece
-                o, l = _merge_parts(list(o[:, None, :t]), list(l[:, None, :t]))
+                o, l = merge_partials(list(o[:, None, :t]), list(l[:, None, :t]))
                 saved["qs"] = qs
             os_.append(o)
             ls.append(l)
@@ -442,16 +377,16 @@ class _CPSparse(torch.autograd.Function):
             if r > 0:
                 earlier = torch.cat([gl[j : j + 1, :, : step.lengths[j]] for j in range(r)], dim=2)
                 ev = (packed >= plan.global_length) & (packed < plan.local_start)
-                o, l = _part_fwd(qt, (earlier,), (plan.global_length,), packed, ev, scale, acc)
+                o, l = partial_forward(qt, (earlier,), (plan.global_length,), packed, ev, scale, acc)
                 os_.append(o)
                 ls.append(l)
                 saved["ev"] = ev
         cv = packed >= plan.local_start  # the local segments
         if lats:
-            o, l = _part_fwd(qt, tuple(lats), offsets, packed, cv, scale, acc)
+            o, l = partial_forward(qt, tuple(lats), offsets, packed, cv, scale, acc)
             os_.append(o)
             ls.append(l)
-        out, lse = _merge_parts(os_, ls)
+        out, lse = merge_partials(os_, ls)
         out = out.to(q.dtype)
         ctx.keys = list(saved)
         ctx.save_for_backward(q, packed, out, lse, sh_lat, cv,
@@ -469,16 +404,16 @@ class _CPSparse(torch.autograd.Function):
         b, h, t, d = q.shape
         qt, dt = q.transpose(1, 2), dout.transpose(1, 2)
         needs = [need or (step is not None and i == 0) for i, need in enumerate(ctx.needs_input_grad[8:])]
-        grads, targets = _latent_grad_targets(lats, ctx.sinks, needs, acc)
+        grads, targets = latent_grad_targets(lats, ctx.sinks, needs, acc)
         dq = torch.zeros(b, t, h, d, dtype=acc, device=q.device)
         if lats:
-            dq += _part_bwd(qt, dt, out, lse, lats, ctx.offsets, packed, cv, scale, targets)
+            dq += partial_backward(qt, dt, out, lse, lats, ctx.offsets, packed, cv, scale, targets)
         if step is not None:  # the earlier pieces' d lat back to their owners (all ranks take part)
             tm, r = step.max_len, step.rank
             send = torch.zeros(comm.size, 1, tm, d, dtype=acc, device=q.device)
             if r > 0:
                 de = torch.zeros(earlier.shape, dtype=acc, device=q.device)
-                dq += _part_bwd(qt, dt, out, lse, (earlier,), (plan.global_length,), packed, saved["ev"], scale,
+                dq += partial_backward(qt, dt, out, lse, (earlier,), (plan.global_length,), packed, saved["ev"], scale,
                                 [de.view(-1, d)])
                 for j, piece in enumerate(de[0, 0].split(step.lengths[:r], dim=0)):
                     send[j, 0, : step.lengths[j]] = piece
@@ -488,12 +423,12 @@ class _CPSparse(torch.autograd.Function):
             sink = [plan.sink.view(-1, plan.sink.shape[-1])] if plan.sink is not None else [None]
             li, lv = saved["li"], saved["lv"]
             if step is None:
-                dq += comm.all_reduce(_part_bwd(qt, dt, out, lse, (sh_lat,), (0,), li, lv, scale, sink))
+                dq += comm.all_reduce(partial_backward(qt, dt, out, lse, (sh_lat,), (0,), li, lv, scale, sink))
             else:
                 tm = step.max_len
                 gather = lambda x: comm.all_gather(_pad1(x, tm)[0])  # noqa: E731  [R, Tm, ...]
                 dts, ots, lses = gather(dt), gather(out), gather(lse)  # padded rows: dO = 0, lse = 0
-                dqs = _part_bwd(saved["qs"], dts, ots, lses, (sh_lat,), (0,), li, lv, scale, sink)
+                dqs = partial_backward(saved["qs"], dts, ots, lses, (sh_lat,), (0,), li, lv, scale, sink)
                 dq += comm.all_to_all(dqs).sum(0)[None, :t]
         grads = [None if g is None else g.to(lat.dtype) for g, lat in zip(grads, lats)]
         return (dq.to(q.dtype).transpose(1, 2), None, None, None, None, None, None, None, *grads)

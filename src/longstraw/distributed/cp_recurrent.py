@@ -9,20 +9,21 @@ prefix scan over ranks, would parallelise it; the gated-delta-rule op does not e
 each step is broadcast from the last rank, so every rank holds the state after the whole prompt (what the branches
 read: their DeltaNet work is redundant like the rest of the replay).
 
-Mechanism: module hooks on the DeltaNet mixer, attached by the CP engine for the duration of prefill and of the
-reverse pass (the model is not changed). Prefill: a forward pre-hook replaces the placeholder prefix of rank
-``r > 0`` with the state received from rank ``r - 1``; a forward hook sends the piece's final state to ``r + 1``.
+Mechanism: the prefixes this state hands the DeltaNet mixer override the two typed hooks every recurrent prefix has
+(``RecurrentPrefix.enter`` / ``leave``, identities in one process), so the model is not changed. Prefill: rank
+``r > 0``'s ``enter`` receives the initial state from rank ``r - 1``; ``leave`` sends the piece's final state to
+``r + 1``.
 
 Exact reverse pass, step ``k``: rank ``r`` recomputes its piece from its stored initial state. The gradient of rank
 ``r``'s final state is the gradient of rank ``r + 1``'s initial state, produced inside the same backward: on rank
-``r + 1`` the pre-hook threads the initial state (with the mixer's input) through :class:`_GradToPrev`, whose
-backward sends the gradient to ``r``; on rank ``r`` the forward hook threads the mixer's outputs through
-:class:`_Handoff`, whose backward (reached right before the mixer's own backward) receives it and adds it to the
-final state's gradient (ranks ``< R - 1`` seed their final state with a zero root gradient, so that every rank runs
-the backward). Both are ordered by data dependencies, not by the autograd engine's scheduling. The chain runs
-from rank ``R - 1`` down to 0 per DeltaNet layer. Rank 0's initial-state gradient is the gradient of the state
-after step ``k - 1``: it is broadcast at the next step and seeds rank ``R - 1``'s backward there; for the last step
-the seed is the branches' gradient of the final prompt state (identical on every rank).
+``r + 1`` ``enter`` threads the initial state (with the mixer's input) through :class:`_GradToPrev`, whose backward
+sends the gradient to ``r``; on rank ``r`` ``leave`` threads the mixer's outputs through :class:`_Handoff`, whose
+backward (reached right before the mixer's own backward) receives it and adds it to the final state's gradient
+(ranks ``< R - 1`` seed their final state with a zero root gradient, so that every rank runs the backward). Both are
+ordered by data dependencies, not by the autograd engine's scheduling. The chain runs from rank ``R - 1`` down to 0
+per DeltaNet layer. Rank 0's initial-state gradient is the gradient of the state after step ``k - 1``: it is
+broadcast at the next step and seeds rank ``R - 1``'s backward there; for the last step the seed is the branches'
+gradient of the final prompt state (identical on every rank).
 
 Storage per rank: detached, the final state only; exact, also the state before each of its ``K`` pieces
 (``~1/R`` of the single-process chunk boundaries).
@@ -30,6 +31,7 @@ Storage per rank: detached, the final state only; exact, also the state before e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +46,6 @@ from longstraw.state import grad_dtype_for
 __all__ = ["ShardedRecurrentState"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_INCOMING = object()  # prefill placeholder: "the state that rank r - 1 is about to send"
 
 
 def _nbytes(*ts: Tensor | None) -> int:
@@ -119,9 +120,50 @@ class _GradToPrev(torch.autograd.Function):
         return dx, gc, gs, None
 
 
-class _Leaves(RecurrentPrefix):
-    """Reverse pass, rank ``r > 0``: the initial-state leaves, to be threaded through :class:`_GradToPrev` by the
-    mixer's pre-hook."""
+@dataclass
+class _PrefillPrefix(RecurrentPrefix):
+    """Prefill, rank ``r``'s piece of a step: starts from ``(conv, S)`` (rank 0; None: zeros) or from the state rank
+    ``r - 1`` sends (``receive``); hands its final state to rank ``r + 1``. (A dataclass whose fields are all it
+    holds: FSDP2 rebuilds module inputs with ``dataclasses.replace``.)"""
+
+    owner: Any = None
+    receive: bool = False
+
+    def enter(self, x: Tensor):
+        if not self.receive:
+            return x, self.conv, self.S
+        o = self.owner
+        conv, S = _recv(2, o.rank - 1, o.comm, x.device)
+        o.device = x.device
+        if o.exact:
+            o.initial[o._step] = (conv, S)
+        return x, conv, S
+
+    def leave(self, y: Tensor, conv: Tensor, S: Tensor):
+        o = self.owner
+        if o.rank < o.comm.size - 1:
+            _send([conv.detach(), S.detach()], o.rank + 1, o.comm)
+        return y, conv, S
+
+
+@dataclass
+class _ReversePrefix(RecurrentPrefix):
+    """Exact reverse pass, rank ``r``'s piece of a step: the initial-state leaves (None before position 0); rank
+    ``r > 0`` sends their gradient to ``r - 1`` (:class:`_GradToPrev`), rank ``r < R - 1`` receives its final state's
+    gradient from ``r + 1`` (:class:`_Handoff`)."""
+
+    owner: Any = None
+
+    def enter(self, x: Tensor):
+        if self.S is not None and self.owner.rank > 0:
+            return _GradToPrev.apply(x, self.conv, self.S, self.owner)
+        return x, self.conv, self.S
+
+    def leave(self, y: Tensor, conv: Tensor, S: Tensor):
+        o = self.owner
+        if o.rank < o.comm.size - 1 and torch.is_grad_enabled():
+            return _Handoff.apply(y, conv, S, o)
+        return y, conv, S
 
 
 class ShardedRecurrentState:
@@ -138,60 +180,28 @@ class ShardedRecurrentState:
         self.initial: dict[int, tuple[Tensor, Tensor] | None] = {}
         self.grad_dtype: torch.dtype | None = None
         self._leaves: dict[Any, tuple[Tensor, Tensor]] = {}
-        self._phase: str | None = None
         self._step = -1
         self._root_grad: tuple[Tensor, Tensor] | None = None
         self._grad_peak = 0
         self.device = torch.device("cpu")
 
-    # ------------------------------------------------------------------ module hooks (attached by the engine)
-    def attach(self, mixer: torch.nn.Module) -> list:
-        return [mixer.register_forward_pre_hook(self._pre_hook), mixer.register_forward_hook(self._post_hook)]
-
-    def _pre_hook(self, module, args):
-        if len(args) >= 3 and isinstance(args[2], _Leaves):  # reverse pass: the gradient goes back to rank r - 1
-            x, conv, S = _GradToPrev.apply(args[0], args[2].conv, args[2].S, self)
-            return (x, args[1], RecurrentPrefix(conv, S))
-        if len(args) < 3 or args[2] is not _INCOMING:
-            return None
-        self.device = args[0].device
-        conv, S = _recv(2, self.rank - 1, self.comm, args[0].device)
-        if self.exact:
-            self.initial[self._step] = (conv, S)
-        return (args[0], args[1], RecurrentPrefix(conv, S))
-
-    def _post_hook(self, module, args, output):
-        y, (conv, S) = output
-        if self.rank == self.comm.size - 1:
-            return None
-        if self._phase == "prefill":
-            _send([conv.detach(), S.detach()], self.rank + 1, self.comm)
-            return None
-        if self._phase == "reverse" and torch.is_grad_enabled():
-            y, conv, S = _Handoff.apply(y, conv, S, self)
-            return y, (conv, S)
-        return None
-
     # ------------------------------------------------------------------ CP steps
-    def step_prefix(self, step: int, grad: bool):
+    def step_prefix(self, step: int, grad: bool) -> RecurrentPrefix:
+        self._step = step
         if not grad:  # prefill
-            self._phase, self._step = "prefill", step
             if self.rank > 0:
-                return _INCOMING
+                return _PrefillPrefix(None, None, owner=self, receive=True)
             init = self.final if step > 0 else None
             if self.exact:
                 self.initial[step] = init
-            return RecurrentPrefix(*init) if init is not None else None
-        self._phase, self._step = "reverse", step
+            return _PrefillPrefix(*(init if init is not None else (None, None)), owner=self)
         self._seed_last_rank(step)
         init = self.initial.get(step)
         if init is None:
-            return None
+            return _ReversePrefix(None, None, owner=self)
         leaves = tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in init)
         self._track(("init", step), leaves)
-        if self.rank == 0:
-            return RecurrentPrefix(*leaves)  # their .grad goes to rank R-1 at the next (earlier) step
-        return _Leaves(*leaves)
+        return _ReversePrefix(*leaves, owner=self)  # rank 0's .grad goes to rank R-1 at the next (earlier) step
 
     def _seed_last_rank(self, step: int) -> None:
         """Give rank R-1 the gradient of the state after step ``step`` (its piece's final state)."""
@@ -260,7 +270,6 @@ class ShardedRecurrentState:
         self.grad_dtype = None
         self._root_grad = None
         self._grad_peak = 0
-        self._phase = None
 
     def nbytes(self) -> int:
         inits = sum(_nbytes(*s) for s in self.initial.values() if s is not None) if self.exact else 0

@@ -1,4 +1,4 @@
-"""The prompt state split by position over a context-parallel group, and the per-state-kind hooks.
+"""The prompt state split by position over a context-parallel group, and the per-state-kind registry.
 
 Layout (:class:`ShardLayout`): the ``n`` prefilled positions are cut into ``K`` steps of consecutive positions
 (about ``R x prefill_chunk`` each) and every step into ``R`` consecutive pieces, piece ``r`` for rank ``r``
@@ -15,8 +15,9 @@ mixer consumes for this rank's piece of step ``k``). Kinds plug in through :func
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
+from longstraw.distributed.fsdp import fsdp_modules, is_sharded
 from longstraw.state import KVDecoder, KVState, LayerState, PromptState
 
 __all__ = ["ShardLayout", "shard_layout", "PositionShardedState", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
@@ -101,13 +103,14 @@ def shard_layout(length: int, world: int, chunk: int) -> ShardLayout:
 
 
 class ShardedLayerState(LayerState, Protocol):
-    """A layer state split over the CP group: the LayerState protocol in global positions, plus the step hook.
+    """A layer state split over the CP group: the LayerState protocol in global positions, plus ``step_prefix``.
 
     ``step_prefix(k, grad)``: what the mixer consumes for this rank's piece of step ``k`` (prefill: ``grad=False``;
     exact reverse pass: ``grad=True``). ``write`` and ``step_prefix`` may run collectives: every rank calls them in
-    layer order. ``backward_roots`` must be non-empty on every rank when it is on any (zero seeds are fine). A kind
-    may also define ``attach(mixer) -> [hook handles]``: module hooks the CP engine installs while prefill and the
-    reverse pass run (the DeltaNet hand-off uses them).
+    layer order. ``backward_roots`` must be non-empty on every rank when it is on any (zero seeds are fine). What a
+    kind's prefixes do inside the mixers goes through the typed interfaces the models already read: a
+    :class:`~longstraw.ops.partitioned.PartitionedSegment` (stored keys), or a recurrent prefix's ``enter`` /
+    ``leave`` (the DeltaNet state hand-off).
     """
 
     length: int
@@ -190,10 +193,56 @@ class ShardedKVState(PositionShardedState):
 @dataclass
 class ShardedPromptState(PromptState):
     """A :class:`PromptState` whose layers are sharded over ``comm``'s ranks by ``layout``; ``chunks`` are this
-    rank's pieces (global positions) and ``token_ids`` the whole prefilled prompt (every rank has it)."""
+    rank's pieces (global positions, one per step) and ``token_ids`` the whole prefilled prompt (every rank has it).
+
+    Its schedule: step ``k`` is this rank's piece of layout step ``k``; every rank walks all ``K`` steps in lockstep
+    (prefill forwards, the reverse pass backwards), and the layers' ``step_prefix(k, grad)`` give the mixers the
+    sharded prefixes whose calls exchange what the step needs.
+
+    Parameter gradients of the reverse pass (:meth:`backward_scope`). The replay is redundant: every rank computes
+    the same branch gradient ``B``. The reverse pass is rank-local: rank ``r`` computes ``P_r`` from its pieces, and
+    ``.grad`` must become ``G0 + B + sum_r P_r`` (``G0``: whatever ``.grad`` held before, e.g. earlier groups).
+    Unsharded parameters: the reverse pass accumulates into fresh ``.grad`` tensors (the old ones set aside: one
+    gradient-sized buffer more while it runs; under FSDP2 only the parameters FSDP does not shard), which are
+    all-reduced over the CP group and added to the old ones. (Pre-dividing the old ``.grad`` by ``R`` and
+    all-reducing the sum would need no buffer, and is exact only for power-of-two ``R``.) FSDP2-sharded parameters:
+    FSDP reduce-scatters after every backward; the replay keeps the average over the CP group (``avg(B) = B``), the
+    reverse pass switches it to a sum.
+    """
 
     layout: ShardLayout | None = None
     comm: Comm | None = None
+
+    def step_prefix(self, step: int, grad: bool) -> list[Any]:
+        return [ls.step_prefix(step, grad) for ls in self.layers]
+
+    @contextlib.contextmanager
+    def backward_scope(self, model: torch.nn.Module) -> Iterator[None]:
+        comm = self.comm
+        params = [p for p in model.parameters() if p.requires_grad]
+        plain = [p for p in params if not is_sharded(p)]
+        before = [p.grad for p in plain]
+        for p in plain:
+            p.grad = None  # the reverse pass accumulates P_r alone; summed over the group below
+        fsdp = fsdp_modules(model)
+        for m in fsdp:
+            m.set_gradient_divide_factor(1.0)  # rank-local gradients: reduce-scatter sums them
+        try:
+            yield
+        finally:
+            for m in fsdp:
+                m.set_gradient_divide_factor(float(comm.size))  # back to the average over the group (replay)
+        # which parameters the prompt reached on any rank (LM head and final norm: on none); then sum those
+        device = plain[0].device if plain else torch.device("cpu")
+        reached = torch.tensor([p.grad is not None for p in plain], dtype=torch.int32, device=device)
+        comm.all_reduce(reached)
+        for p, old, hit in zip(plain, before, reached.tolist()):
+            if not hit:
+                p.grad = old
+                continue
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            comm.all_reduce(g)
+            p.grad = g if old is None else old.add_(g)
 
 
 _KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState}
@@ -206,13 +255,13 @@ def register_cp_kind(state_type: type, factory: Callable[[Any, ShardLayout, Comm
 
 
 def shard_states(states: list[Any], layout: ShardLayout, comm: Comm) -> list[Any]:
-    """Wrap each layer's fresh local state in its kind's sharded state; ValueError for a kind without hooks."""
+    """Wrap each layer's fresh local state in its kind's sharded state; ValueError for a kind not registered."""
     out = []
     for i, st in enumerate(states):
         factory = _KINDS.get(type(st))
         if factory is None:
             raise ValueError(f"layer {i} keeps a {type(st).__name__} prompt state, which has no context-parallel "
-                             f"hooks; supported kinds: {', '.join(sorted(t.__name__ for t in _KINDS))} "
-                             "(see docs/DISTRIBUTED.md, 'Prompt-state kinds: the hook interface')")
+                             f"twin; supported kinds: {', '.join(sorted(t.__name__ for t in _KINDS))} "
+                             "(see docs/DISTRIBUTED.md, 'Prompt-state kinds: the interface')")
         out.append(factory(st, layout, comm))
     return out

@@ -37,3 +37,17 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext) -> torch.nn.Module:
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     return model
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2-sharded parameter or its gradient)."""
+    return hasattr(t, "device_mesh") and hasattr(t, "full_tensor")
+
+
+def fsdp_modules(model: torch.nn.Module) -> list:
+    """The FSDP2 units of ``model`` (modules ``fully_shard`` was applied to)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

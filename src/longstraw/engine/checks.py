@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longstraw import distributed
 from longstraw.engine.config import GRPOConfig
 from longstraw.models.transformer import CausalLM
 
@@ -44,16 +43,12 @@ def validate_group(model: CausalLM, prompt_ids, responses) -> None:
     if not isinstance(responses, (list, tuple)) or len(responses) == 0:
         raise ValueError("responses must be a non-empty list of 1-D LongTensors")
     model.check_ids(prompt_ids)
-    limit = model.spec.max_position_embeddings
     p = prompt_ids.numel()
     for i, r in enumerate(responses):
         check_ids_1d(f"responses[{i}]", r)
         model.check_ids(r)
-        if p + r.numel() > limit:
-            raise ValueError(f"prompt ({p} tokens) + responses[{i}] ({r.numel()} tokens) = {p + r.numel()} positions "
-                             f"exceeds the model's max_position_embeddings={limit}")
-    if (ctx := distributed.cp_active()) is not None:  # CP ranks run in lockstep: they must agree on the group
-        distributed.check_same_group(ctx, prompt_ids, responses)
+        model.spec.check_length(p + r.numel(), f"prompt ({p} tokens) + responses[{i}] ({r.numel()} tokens)")
+    model.placement.check_group(prompt_ids, responses)  # processes sharing the prompt state must agree on it
 
 
 def check_state(state, prompt_ids) -> None:

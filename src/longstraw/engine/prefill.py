@@ -1,38 +1,39 @@
-"""Phase 1: the prompt, chunk by chunk, under ``no_grad``, into a :class:`PromptState`.
+"""Phase 1: the prompt, piece by piece, under ``no_grad``, into a :class:`~longstraw.state.PromptState`.
 
-Each chunk ``[s, e)`` is one ``model.run`` over the new tokens with the state of positions ``[0, s)`` as prefix;
-each layer then stores its piece. Nothing is differentiated, nothing but the state survives a chunk: peak memory
-is the state plus one chunk's activations. The last prompt token is NOT prefilled: every branch replays it, so that
-the log-prob of the first response token is computed with autograd like the rest.
+The state comes from the model's placement (``model.placement.prompt_state``): in one process the prompt is cut into
+chunks of ``chunk_size``; split over a context-parallel group it is this process's share (its own schedule). Each
+step is one ``model.run`` over the step's tokens with the state of the positions before them as prefix; each layer
+then stores its piece. Nothing is differentiated, nothing but the state survives a step: peak memory is the state
+plus one step's activations. The last prompt token is NOT prefilled: every branch replays it, so that the log-prob
+of the first response token is computed with autograd like the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from longstraw import distributed
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
 
 
-def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(s, min(length, s + chunk_size)) for s in range(0, length, chunk_size)]
-
-
 @torch.no_grad()
-def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False) -> PromptState:
-    """ids ``[P]`` (the prompt without its last token) -> the state of those ``P`` positions."""
+def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, *,
+            report: Callable[[int, int], None] | None = None) -> PromptState:
+    """ids ``[n]`` (the prompt without its last token) -> the state of those ``n`` positions.
+
+    ``exact``: keep what the exact reverse pass needs. ``report(done, total)`` is called after each step.
+    """
     assert ids.dim() == 1
-    if (ctx := distributed.cp_active()) is not None and ids.device.type != "meta":  # each rank keeps its share
-        return distributed.cp_prefill(model, ids, chunk_size, exact, ctx)
-    n = int(ids.shape[0])
-    states = model.new_prompt_states(n, exact)
-    chunks = chunk_bounds(n, chunk_size)
-    for s, e in chunks:
-        prefix = [st.prefix(s, False) for st in states]
+    state = model.placement.prompt_state(model, ids, chunk_size, exact)
+    steps = state.steps()
+    for i, (s, e) in enumerate(steps):
+        prefix = state.step_prefix(i, grad=False)
         _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
-        for st, piece in zip(states, pieces):
-            st.write(piece, s, e)
+        state.write_step(i, pieces)
         del pieces, prefix
-    return PromptState(states, ids, chunks)
+        if report is not None:
+            report(i + 1, len(steps))
+    return state

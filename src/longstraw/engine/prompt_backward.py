@@ -2,57 +2,49 @@
 
 After the branches, each layer's state holds ``dL/dstate`` for every prompt position (attention: the K/V gradient
 buffers, filled in place by the branches' attention backward; recurrent layers: the gradient of the final state).
-Walking the prefill chunks from last to first, chunk ``[s, e)`` is recomputed WITH autograd from the stored state
+Walking the prefill steps from last to first, step ``[s, e)`` is recomputed WITH autograd from the stored state
 of ``[0, s)`` (itself a prefix whose gradient is collected, not differentiated), and back-propagated with the
-collected gradient of the chunk's own state. This adds the chunk's parameter gradients and the gradient that the
-chunk's tokens send to the state of earlier positions, which is complete by the time the walk reaches them.
+collected gradient of the step's own state. This adds the step's parameter gradients and the gradient that the
+step's tokens send to the state of earlier positions, which is complete by the time the walk reaches them.
 
-Cost: one more forward and one backward of the prompt (about three prefill-equivalents); memory: one chunk's graph
+The schedule and what surrounds the walk belong to the state (``steps``, ``step_prefix``, ``step_seeds``,
+``backward_scope``): in one process the steps are the prefill chunks and the scope does nothing; a state split over
+processes brings its own (``longstraw.distributed``).
+
+Cost: one more forward and one backward of the prompt (about three prefill-equivalents); memory: one step's graph
 on top of the state and its gradient. Independent of G.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from longstraw import distributed
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
 
 
 def prompt_backward(model: CausalLM, state: PromptState, *, checkpoint_layers: bool = False,
-                    peak_chunks_only: bool = False) -> None:
-    """Back-propagate the state's collected gradient through the prompt (see module docstring).
-
-    ``peak_chunks_only``: for the memory planner's dry run, walk only the chunks whose memory can differ from the
-    rest: the last two (the longest prefixes; the last chunk may be short) and the first (no prefix: fresh zero
-    states); every other chunk repeats the second-to-last with a shorter prefix. The first chunk may then run
-    beside a recurrent boundary's gradient that the skipped chunks would have consumed (a slight over-estimate,
-    never under). Gradients are incomplete: never for training.
-    """
-    if isinstance(state, distributed.ShardedPromptState):  # split over a context-parallel group
-        return distributed.cp_prompt_backward(model, state, checkpoint_layers=checkpoint_layers)
+                    report: Callable[[int, int], None] | None = None) -> None:
+    """Back-propagate the state's collected gradient through the prompt (see module docstring); adds into
+    ``.grad``. ``report(done, total)`` is called after each step."""
     ids = state.token_ids
-    chunks = state.chunks
-    if peak_chunks_only and len(chunks) > 3:
-        chunks = [chunks[0]] + chunks[-2:]
-    for s, e in reversed(chunks):
-        prefix = state.prefix(s, grad=True)
-        with torch.enable_grad():
-            _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False, checkpoint_layers=checkpoint_layers)
-            roots, grads = _seeds(state, pieces, s, e)
-            if roots:
-                torch.autograd.backward(roots, grads)
-        del pieces, roots, grads, prefix  # nothing of this chunk may outlive its step (the next chunk's peak)
+    steps = state.steps()
+    with state.backward_scope(model):
+        for done, i in enumerate(reversed(range(len(steps))), start=1):
+            _backward_step(model, state, i, ids, checkpoint_layers)
+            if report is not None:
+                report(done, len(steps))
 
 
-def _seeds(state: PromptState, pieces: list, s: int, e: int) -> tuple[list, list]:
-    """The tensors to back-propagate from for chunk ``[s, e)`` and their collected gradients (in a function of its
-    own, so that no loop variable keeps a layer's piece alive into the next chunk)."""
-    roots, grads = [], []
-    for ls, piece in zip(state.layers, pieces):
-        for root, grad in ls.backward_roots(piece, s, e):
-            if root.requires_grad and grad is not None:
-                roots.append(root)
-                grads.append(grad)
-    return roots, grads
+def _backward_step(model: CausalLM, state: PromptState, i: int, ids, checkpoint_layers: bool) -> None:
+    """One step of the walk, in a function of its own so that nothing of it (pieces, seeds, prefixes) outlives it:
+    the next step's peak must not include this one's graph."""
+    s, e = state.steps()[i]
+    prefix = state.step_prefix(i, grad=True)
+    with torch.enable_grad():
+        _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False, checkpoint_layers=checkpoint_layers)
+        roots, grads = state.step_seeds(i, pieces)
+        if roots:
+            torch.autograd.backward(roots, grads)

@@ -17,17 +17,18 @@ that completes it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from longstraw import distributed
 from longstraw.engine.checks import check_ids_1d
-from longstraw.engine.config import SamplingConfig
+from longstraw.engine.config import COMPUTE_DTYPES, SamplingConfig
 from longstraw.engine.prefill import prefill
 from longstraw.models.transformer import CausalLM
+from longstraw.profiling import PhaseMeter
 from longstraw.state import PromptState
 
 
@@ -74,29 +75,46 @@ def _stop_string_hit(decode: Callable[[list[int]], str], ids: list[int], stops: 
 def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConfig, *,
              prompt_state: PromptState | None = None, prefill_chunk: int = 4096,
              decode: Callable[[list[int]], str] | None = None, keep_state: bool = False,
-             exact_state: bool = False) -> Rollout:
+             exact_state: bool = False, compute_dtype: str | None = None, meter: PhaseMeter | None = None) -> Rollout:
     """Sample ``n`` responses to ``prompt_ids [P]`` from one shared prompt state.
 
     prompt_state: the state of ``prompt_ids[:-1]`` if already computed. decode: token ids -> text, needed for
     stop strings. keep_state: return the prompt state in the result, for the training step to reuse
-    (``exact_state`` builds it with what exact mode needs).
+    (``exact_state`` builds it with what exact mode needs). compute_dtype: None or ``"bfloat16"`` / ``"float16"``:
+    prefill and decoding under autocast, as the training step computes with ``GRPOConfig(compute_dtype=...)``, so
+    that a reused state and the sampled log-probs are those the step would compute. meter: time, memory and
+    progress of the ``prefill`` and ``decode`` phases (:class:`~longstraw.profiling.PhaseMeter`).
     """
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n={n!r} must be an integer >= 1")
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a longstraw.SamplingConfig, got {type(sampling).__name__}")
+    if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype!r} is not supported; allowed: None, "
+                         f"{', '.join(map(repr, COMPUTE_DTYPES))}")
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk={prefill_chunk!r} must be an integer >= 1")
     check_ids_1d("prompt_ids", prompt_ids)
     model.check_ids(prompt_ids)
     if sampling.stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function (token ids -> text), e.g. tokenizer.decode")
     p = int(prompt_ids.numel())
     limit = model.spec.max_position_embeddings
+    what = f"the model's max_position_embeddings={limit}"
+    if model.spec.sliding_window is not None and model.spec.sliding_window < limit:
+        limit = model.spec.sliding_window
+        what = f"{model.spec.model_type}'s sliding_window={limit} (sliding-window attention is not implemented)"
     if p >= limit:
-        raise ValueError(f"prompt of {p} tokens leaves no room for a response below the model's "
-                         f"max_position_embeddings={limit}")
+        raise ValueError(f"a prompt of {p} tokens leaves no room for a response below {what}")
     max_new = min(sampling.max_new_tokens, limit - p)
     device = next(model.parameters()).device
+    meter = meter if meter is not None else PhaseMeter(device)
     prompt_ids = prompt_ids.to(device)
+    autocast = (torch.autocast(device.type, dtype=COMPUTE_DTYPES[compute_dtype]) if compute_dtype is not None
+                else contextlib.nullcontext())
     if prompt_state is None:
-        prompt_state = prefill(model, prompt_ids[:-1], prefill_chunk, exact=exact_state)
+        with meter.phase("prefill") as report, autocast:
+            prompt_state = prefill(model, prompt_ids[:-1], prefill_chunk, exact=exact_state, report=report)
     elif prompt_state.length != p - 1:
         raise ValueError(f"prompt_state holds {prompt_state.length} positions, the prompt needs {p - 1}")
     gen = None
@@ -112,34 +130,36 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
     live = torch.arange(n, device=device)  # original branch index of each live row
     tokens = prompt_ids[-1:].expand(n)[:, None]
     weight, bias = model.head()
-    for step in range(max_new):
-        hidden, pieces = model.run(tokens, p - 1 + step, [d.prefix(step) for d in decoders])
-        for d, piece in zip(decoders, pieces):
-            d.append(piece, step)
-        logits = torch.nn.functional.linear(hidden[:, -1], weight, bias)
-        ids, lp = sample_tokens(logits, sampling, gen)
-        if (ctx := distributed.cp_active()) is not None:  # CP ranks decode the same branches in lockstep
-            ids, lp = distributed.cp_broadcast_tokens(ctx, ids, lp)
-        finished = torch.zeros_like(ids, dtype=torch.bool)
-        if stop_ids.numel():
-            finished |= (ids[:, None] == stop_ids[None]).any(-1)
-        ids_l, lp_l, live_l = ids.tolist(), lp.tolist(), live.tolist()
-        for row, b in enumerate(live_l):
-            out_ids[b].append(ids_l[row])
-            out_lp[b].append(lp_l[row])
-            if finished[row]:
-                reasons[b] = "stop"
-            elif sampling.stop_strings and _stop_string_hit(decode, out_ids[b], sampling.stop_strings, window):
-                finished[row] = True
-                reasons[b] = "stop"
-        if bool(finished.all()):
-            break
-        if bool(finished.any()):
-            keep = (~finished).nonzero()[:, 0]
-            for d in decoders:
-                d.select(keep)
-            live, ids = live[keep], ids[keep]
-        tokens = ids[:, None]
+    with meter.phase("decode") as report:
+        for step in range(max_new):
+            with autocast:
+                hidden, pieces = model.run(tokens, p - 1 + step, [d.prefix(step) for d in decoders])
+            for d, piece in zip(decoders, pieces):
+                d.append(piece, step)
+            logits = torch.nn.functional.linear(hidden[:, -1], weight, bias)  # outside autocast, as score's
+            ids, lp = sample_tokens(logits, sampling, gen)
+            ids, lp = model.placement.agree(ids, lp)  # processes sharing the state decode the same branches
+            finished = torch.zeros_like(ids, dtype=torch.bool)
+            if stop_ids.numel():
+                finished |= (ids[:, None] == stop_ids[None]).any(-1)
+            ids_l, lp_l, live_l = ids.tolist(), lp.tolist(), live.tolist()
+            for row, b in enumerate(live_l):
+                out_ids[b].append(ids_l[row])
+                out_lp[b].append(lp_l[row])
+                if finished[row]:
+                    reasons[b] = "stop"
+                elif sampling.stop_strings and _stop_string_hit(decode, out_ids[b], sampling.stop_strings, window):
+                    finished[row] = True
+                    reasons[b] = "stop"
+            report(step + 1, max_new)
+            if bool(finished.all()):
+                break
+            if bool(finished.any()):
+                keep = (~finished).nonzero()[:, 0]
+                for d in decoders:
+                    d.select(keep)
+                live, ids = live[keep], ids[keep]
+            tokens = ids[:, None]
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     return Rollout(
         responses=[torch.tensor(x, dtype=torch.long) for x in out_ids],

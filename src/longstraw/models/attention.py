@@ -4,7 +4,7 @@ Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RM
 independent of ``hidden / heads``) and the gated attention of Qwen3-Next / Qwen3.5 (``q_proj`` emits a per-head
 ``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k norms, partial RoPE).
 
-``forward(x, rope, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
+``forward(x, ctx, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
 ``prefix`` (a list of :class:`KVSegment`: the stored prompt K/V, earlier chunks, generated tokens). The new tokens'
 own K/V form a causal segment. Returns ``(y [B, T, hidden], (k, v))`` where ``k``/``v`` ``[B, Hkv, T, D]`` are the
 post-RoPE keys/values of the new tokens, which prefill stores and the exact reverse pass back-propagates through.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from longstraw.models.context import CallContext
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import apply_rope
 from longstraw.ops.attention import KVSegment, segment_attention
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         are stored anyway)."""
         return KVState(capacity)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], prefix: list[KVSegment] | None):
+    def forward(self, x: Tensor, ctx: CallContext, prefix: list[KVSegment] | None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, -1)
         gate = None
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = rope
+        cos, sin = ctx.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         segments = list(prefix or []) + [KVSegment(k, v, causal=True)]
         o = segment_attention(q, segments, self.scale)  # [B, H, T, D]

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
-from longstraw.models.dsa import Indexer, SparseMLAttention, TablesRotaryEmbedding
+from longstraw.models.dsa import Indexer, SparseMLAttention
 from longstraw.models.family import Family
 from longstraw.models.mla import MLAttention, mla_softmax_scale
 from longstraw.models.mlp import GatedMLP
@@ -211,7 +211,7 @@ def build(cfg: dict) -> CausalLM:
             rotary = RotaryEmbedding(rope_params)
             mixers = [MLAttention(hidden, heads, **mla) for _ in range(n)]
         else:
-            rotary = TablesRotaryEmbedding(rope_params)
+            rotary = RotaryEmbedding(rope_params)
             kinds = indexer_types(cfg, r, n)
             topk = r.positive("index_topk")
             idx = dict(hidden=hidden, q_lora_rank=mla["q_lora_rank"], num_heads=r.positive("index_n_heads"),

@@ -18,11 +18,17 @@ Two projection layouts, as the checkpoints store them:
 
 Either way the conv runs over channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` (``conv1d.weight [C, 1, K]``, no bias).
 
-The mixer follows the :class:`~longstraw.models.attention.Attention` interface: ``forward(x, rope, prefix)`` with
+The mixer follows the :class:`~longstraw.models.attention.Attention` interface: ``forward(x, ctx, prefix)`` with
 ``prefix`` a :class:`RecurrentPrefix` (or None: zeros, i.e. the sequence starts here) returns ``(y, (conv, S))``:
 the conv window ``[B, C, K-1]`` (the last ``K-1`` conv inputs, in the activations' dtype) and the recurrent matrix
-``S [B, Hv, Dk, Dv]`` (float32, float64 for float64 models) after the new tokens. ``rope`` is ignored (DeltaNet
+``S [B, Hv, Dk, Dv]`` (float32, float64 for float64 models) after the new tokens. ``ctx`` is not read (DeltaNet
 has no positions). A prefix of batch 1 is broadcast over a batch of branches (expanded, never copied).
+
+The prefix's two hooks, :meth:`RecurrentPrefix.enter` (the layer's input and initial state) and
+:meth:`RecurrentPrefix.leave` (its output and final state), are identities here; a prefix whose state is handed
+between processes (context parallelism, ``longstraw.distributed``) overrides them, so the state arrives from the
+previous process and leaves for the next one inside the layer's call, forward and backward, without the model
+knowing.
 
 :class:`RecurrentState` is the prompt state of one DeltaNet layer (see :mod:`longstraw.state` for the protocol).
 Detached mode keeps only the latest ``(conv, S)``: O(1) in the prompt length. Exact mode also keeps the state at
@@ -52,11 +58,20 @@ class RecurrentPrefix:
     """What a DeltaNet layer consumes from the positions before the new tokens.
 
     conv ``[Bp, C, K-1]``: the last K-1 conv inputs; S ``[Bp, Hv, Dk, Dv]``: the recurrent matrix. ``Bp`` is 1 (shared
-    by a batch of branches) or the batch size.
+    by a batch of branches) or the batch size. Both None: zeros (the sequence starts here) for a prefix that exists
+    only for its hooks.
     """
 
-    conv: Tensor
-    S: Tensor
+    conv: Tensor | None
+    S: Tensor | None
+
+    def enter(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(x, conv, S)``: the layer's input and the initial state it starts from (identity here)."""
+        return x, self.conv, self.S
+
+    def leave(self, y: Tensor, conv: Tensor, S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(y, conv, S)``: the layer's output and the final state it hands on (identity here)."""
+        return y, conv, S
 
 
 def _autocast_off(device_type: str):
@@ -262,12 +277,13 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(b, t, self.num_v_heads, dv), bb.reshape(b, t, self.num_v_heads),
                 a.reshape(b, t, self.num_v_heads))
 
-    def forward(self, x: Tensor, rope, prefix: RecurrentPrefix | None):
-        b, t, _ = x.shape
-        mixed, z, beta_logit, a = self._project(x)
+    def forward(self, x: Tensor, ctx, prefix: RecurrentPrefix | None):
         conv0 = s0 = None
         if prefix is not None:
-            conv0, s0 = prefix.conv, prefix.S
+            x, conv0, s0 = prefix.enter(x)
+        b, t, _ = x.shape
+        mixed, z, beta_logit, a = self._project(x)
+        if s0 is not None:
             if conv0.shape[0] != b:
                 assert conv0.shape[0] == 1, f"prefix batch {conv0.shape[0]} must be 1 or the batch {b}"
                 conv0, s0 = conv0.expand(b, -1, -1), s0.expand(b, -1, -1, -1)
@@ -287,7 +303,10 @@ class GatedDeltaNet(nn.Module):
             o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                      use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))
         o = self.norm(o, z)  # [B, T, Hv, Dv]
-        return self.out_proj(o.reshape(b, t, self.value_dim)), (conv1, s1)
+        y = self.out_proj(o.reshape(b, t, self.value_dim))
+        if prefix is not None:
+            y, conv1, s1 = prefix.leave(y, conv1, s1)
+        return y, (conv1, s1)
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""

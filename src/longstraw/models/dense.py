@@ -1,8 +1,12 @@
-"""Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3`` (also ``mistral`` without sliding windows).
+"""Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3``, ``mistral``.
 
-The three differ only in switches of the shared blocks: attention/MLP bias (Llama's ``attention_bias`` and
-``mlp_bias``), Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``. Sliding-window layers are
-not supported (they are off in the released checkpoints of these families) and are rejected by name.
+They differ only in switches of the shared blocks: attention/MLP bias (Llama's ``attention_bias`` and
+``mlp_bias``), Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``. Sliding-window attention is
+not implemented; it is off in the released Qwen2/Qwen3/Llama checkpoints, but Mistral's configs carry
+``sliding_window=4096`` (transformers' default) and Qwen2/Qwen3 configs may turn it on. Such a model is accepted and
+its :class:`~longstraw.models.transformer.ModelSpec` records the window: every sequence that fits in the window is
+computed exactly (a token then sees every earlier token either way), and a longer one is a ``ValueError`` naming the
+window (``ModelSpec.check_length``).
 """
 
 from __future__ import annotations
@@ -29,26 +33,41 @@ def model_spec(cfg: dict, r: ConfigReader) -> ModelSpec:
         eos_token_id=cfg.get("eos_token_id"),
         bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
+        sliding_window=_sliding_window(cfg, r),
     )
 
 
-def _reject_sliding(cfg: dict, r: ConfigReader) -> None:
+def _sliding_window(cfg: dict, r: ConfigReader) -> int | None:
+    """The attention window if any layer slides (None: every layer attends all earlier tokens), as transformers
+    decides it: Mistral's ``sliding_window``; Qwen2/Qwen3's ``use_sliding_window`` for the layers from
+    ``max_window_layers`` on; or ``layer_types`` naming ``sliding_attention`` layers."""
+    mt = cfg["model_type"]
     types = cfg.get("layer_types") or []
-    bad = sorted({t for t in types if t != "full_attention"})
+    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
     if bad:
-        raise ValueError(f"{r.where}: layer_types {bad} are not supported for {cfg['model_type']}; "
-                         "supported: ['full_attention']")
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window") and cfg["model_type"] in ("qwen2", "qwen3"):
-        raise ValueError(f"{r.where}: use_sliding_window=True is not supported; set it to false")
-    if cfg["model_type"] == "mistral" and cfg.get("sliding_window"):
-        raise ValueError(f"{r.where}: sliding_window={cfg['sliding_window']} is not supported; supported: null")
+        raise ValueError(f"{r.where}: layer_types {bad} are not supported for {mt}; supported: "
+                         "['full_attention', 'sliding_attention']")
+    window = cfg.get("sliding_window")
+    if types:
+        slides = "sliding_attention" in types
+    elif mt == "mistral":
+        slides = window is not None
+    elif mt in ("qwen2", "qwen3"):
+        slides = bool(cfg.get("use_sliding_window")) and window is not None and \
+            r.opt("max_window_layers", 0, int) < r.positive("num_hidden_layers")
+    else:
+        slides = False
+    if not slides:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 1 (or null) when layers slide")
+    return window
 
 
 def build(cfg: dict) -> CausalLM:
     r = ConfigReader(cfg)
     mt = cfg["model_type"]
     spec = model_spec(cfg, r)
-    _reject_sliding(cfg, r)
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
     head_dim = r.opt("head_dim", spec.hidden_size // heads, int)

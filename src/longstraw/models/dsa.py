@@ -22,16 +22,22 @@ queries, and scatters their gradient back into the prompt state's sink. The spar
 gathered key is used by one query, so expanding it per head would cost ``H r (dn + dv)`` for a single use.
 
 GLM-5 shares indexers: ``indexer_types[i] == "shared"`` layers have no indexer and reuse the selection of the most
-recent ``"full"`` layer below them in the same forward (handed over through :class:`RopeTables`, the per-call
-position data every layer receives); their prompt state is the plain :class:`~longstraw.models.mla.LatentState`.
+recent ``"full"`` layer below them in the same forward (handed over through the call's
+:class:`~longstraw.models.context.CallContext`, ``ctx.shared``); their prompt state is the plain
+:class:`~longstraw.models.mla.LatentState`.
 
 Prompt state of a full layer (:class:`IndexedLatentState`): the MLA latents plus the indexer keys, ``(r + dr + Di)``
-values per position. Context parallelism (longstraw.distributed.cp_latent) plugs in through three one-line hooks:
-``Indexer.select`` hands keys with ``cp_select`` to it, ``sparse_latent_attention`` a segment with
-``cp_sparse_dispatch``, and a segment's ``cp_key_count`` (the same on every rank) replaces its length when a layer
-decides dense vs sparse. Ties: with few index heads many keys score exactly 0 (every head's relu at 0), and top-k then
-breaks ties by position in an order that depends on how the scores were blocked; tests use >= 32 index heads (or
-``index_topk`` >= the length).
+values per position. A prompt state partitioned over processes (context parallelism) plugs in through the typed
+interface of :mod:`longstraw.ops.partitioned`: ``Indexer.select`` hands keys that are a ``PartitionedSegment`` to
+their ``index_select``, ``sparse_latent_attention`` a partitioned latent segment to its ``sparse_attention``, and every
+segment's ``key_count`` (the same on every process) decides dense vs sparse.
+
+Ties: with few index heads many keys score exactly 0 (every head's ReLU at 0). The selection breaks exact ties by
+the lower position (:func:`longstraw.ops.topk.first_topk`), so it does not depend on how the scores were blocked or
+on ``prefill_chunk``. transformers takes ``torch.topk`` of the full score matrix, which picks among tied keys in an
+order of its own: where ties straddle the ``index_topk`` boundary the two can select different (equally scored)
+keys, and their outputs then differ; with distinct scores (real checkpoints, or >= 32 index heads in the tests)
+they select the same keys.
 """
 
 from __future__ import annotations
@@ -41,38 +47,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from longstraw.models.context import CallContext
 from longstraw.models.mla import LatentDecoder, LatentState, MLAttention
-from longstraw.models.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved
+from longstraw.models.rope import apply_rope, apply_rope_interleaved
 from longstraw.ops.attention import KVSegment
+from longstraw.ops.partitioned import PartitionedSegment
+from longstraw.ops.sparse_attention import Selection, acc_dtype, sparse_latent_attention
+from longstraw.ops.topk import first_topk
 
-_SCORE_ELEMS = 1 << 24  # indexer scores: ~16M float32 elements per query block and per (query, key) block
-_GATHER_ELEMS = 1 << 24  # sparse attention per query block: gathered keys + probabilities, ~16M elements
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# ---------------------------------------------------------------------------------------------------- rope tables
-
-
-class RopeTables(tuple):
-    """``(cos, sin)`` of one ``model.run`` call plus ``shared``: data a later layer of the same call reads from an
-    earlier one (GLM-5's shared layers read the selection of their full indexer layer: ``shared[layer_index]``).
-    Made per call, so nothing leaks between calls; activation checkpointing recomputes a layer with the same
-    object, in which the selection it needs is still present."""
-
-    def __new__(cls, cos: Tensor, sin: Tensor):
-        self = super().__new__(cls, (cos, sin))
-        self.shared = {}
-        return self
-
-
-class TablesRotaryEmbedding(RotaryEmbedding):
-    """:class:`RotaryEmbedding` returning :class:`RopeTables`."""
-
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> RopeTables:
-        return RopeTables(*super().forward(positions, dtype))
+SCORE_ELEMS = 1 << 24  # indexer scores: ~16M float32 elements per query block and per (query, key) block
 
 
 # ---------------------------------------------------------------------------------------------------- state
@@ -148,15 +131,6 @@ class IndexedLatentDecoder(LatentDecoder):
 # ---------------------------------------------------------------------------------------------------- indexer
 
 
-@dataclass
-class Selection:
-    """Top-k keys of each query: ``idx [B, T, K]`` into the concatenated key axis (prefix segments in order, then
-    the queries' own tokens) and ``valid [B, T, K]`` (False where a query sees fewer than ``K`` keys)."""
-
-    idx: Tensor
-    valid: Tensor
-
-
 class Indexer(nn.Module):
     """The lightning indexer (see module docstring); ``interleaved`` selects GLM-5's RoPE layout."""
 
@@ -180,26 +154,27 @@ class Indexer(nn.Module):
         return torch.cat((apply_rope_interleaved(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
     @torch.no_grad()
-    def keys(self, x: Tensor, rope) -> Tensor:
+    def keys(self, x: Tensor, ctx: CallContext) -> Tensor:
         """``x [B, T, hidden]`` -> indexer keys ``[B, T, Di]`` (what the state stores)."""
-        return self._rope(self.k_norm(self.wk(x)), rope[0], rope[1])
+        cos, sin = ctx.rope
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
 
     @torch.no_grad()
-    def queries(self, x: Tensor, q_resid: Tensor, rope) -> tuple[Tensor, Tensor]:
+    def queries(self, x: Tensor, q_resid: Tensor, ctx: CallContext) -> tuple[Tensor, Tensor]:
         """``x [B, T, hidden]``, ``q_resid [B, T, q_lora_rank]`` -> roped index queries ``q [B, T, Hi, Di]`` and
         head weights ``w [B, T, Hi]`` (score dtype, ``Hi^-0.5`` included)."""
         b, t, _ = x.shape
-        cos, sin = rope[0], rope[1]
+        cos, sin = ctx.rope
         q = self.wq_b(q_resid).view(b, t, self.num_heads, self.head_dim)
         q = self._rope(q, cos[:, None], sin[:, None])  # cos [T, 1, dr]: broadcast over the index heads
-        return q, self.weights_proj(x).to(_acc_dtype(x.dtype)) * self.num_heads**-0.5
+        return q, self.weights_proj(x).to(acc_dtype(x.dtype)) * self.num_heads**-0.5
 
     def scores(self, qb: Tensor, wb: Tensor, keys: list[Tensor]) -> Tensor:
         """Index scores ``I [B, bt, sum S_i]`` (unmasked) of a block of queries ``qb [B, bt, Hi, Di]`` with weights
         ``wb [B, bt, Hi]`` (both in the score dtype) over ``keys`` (``[Bk, S_i, Di]`` each, read in place and cast
         one key chunk of ``[B, bt, Hi, kc]`` head scores at a time)."""
         b, bt = qb.shape[:2]
-        kc = max(1, _SCORE_ELEMS // (b * bt * self.num_heads))
+        kc = max(1, SCORE_ELEMS // (b * bt * self.num_heads))
         wb = wb[:, :, None, :]  # [B, bt, 1, Hi]
         parts = []
         for k in keys:
@@ -210,182 +185,37 @@ class Indexer(nn.Module):
         return torch.cat(parts, dim=-1)
 
     @torch.no_grad()
-    def select(self, x: Tensor, q_resid: Tensor, rope, prefix_keys: list, own_keys: Tensor) -> Selection:
+    def select(self, x: Tensor, q_resid: Tensor, ctx: CallContext, prefix_keys: list, own_keys: Tensor
+               ) -> Selection:
         """Top-``topk`` causal keys for each query ``x [B, T, hidden]`` over ``prefix_keys`` (``[Bk, S_i, Di]``) and
-        ``own_keys [B, T, Di]``.
+        ``own_keys [B, T, Di]``; exact ties go to the lower position (module docstring).
 
         Blocked over queries (``bt`` rows of ``[B, bt, S]`` index scores at a time) and, within a block, over keys
-        (:meth:`scores`): the stored keys are read in place, never copied whole. Keys split over a context-parallel
-        group (an entry with ``cp_select``) hand the whole call to it (longstraw.distributed).
+        (:meth:`scores`): the stored keys are read in place, never copied whole. Keys partitioned over processes
+        (a :class:`~longstraw.ops.partitioned.PartitionedSegment`, first) compute the whole call.
         """
-        for k in prefix_keys:
-            cp_select = getattr(k, "cp_select", None)
-            if cp_select is not None:
-                return cp_select(self, x, q_resid, rope, prefix_keys, own_keys)
+        if prefix_keys and isinstance(prefix_keys[0], PartitionedSegment):
+            return prefix_keys[0].index_select(self, x, q_resid, ctx, prefix_keys, own_keys)
         b, t, _ = x.shape
-        acc = _acc_dtype(x.dtype)
-        q, w = self.queries(x, q_resid, rope)
+        acc = acc_dtype(x.dtype)
+        q, w = self.queries(x, q_resid, ctx)
         segs = list(prefix_keys) + [own_keys]
         s_pre = sum(k.shape[1] for k in prefix_keys)
         s_all = s_pre + t
         k_eff = min(self.topk, s_all)
         idx = torch.empty(b, t, k_eff, dtype=torch.long, device=x.device)
         valid = torch.empty(b, t, k_eff, dtype=torch.bool, device=x.device)
-        bt = max(1, min(t, _SCORE_ELEMS // max(1, b * s_all)))
+        bt = max(1, min(t, SCORE_ELEMS // max(1, b * s_all)))
         key_pos = torch.arange(s_all, device=x.device) - s_pre  # own-token index of each key (< 0: prefix)
         for t0 in range(0, t, bt):
             t1 = min(t, t0 + bt)
             sc = self.scores(q[:, t0:t1].to(acc), w[:, t0:t1], segs)
             future = key_pos[None, :] > torch.arange(t0, t1, device=x.device)[:, None]  # [bt, S]
-            vals, ids = sc.masked_fill_(future, float("-inf")).topk(k_eff, dim=-1)
+            sc = sc.masked_fill_(future, float("-inf"))
+            ids = first_topk(sc, k_eff)  # exact ties: the lower position (module docstring)
             idx[:, t0:t1] = ids
-            valid[:, t0:t1] = vals > float("-inf")
+            valid[:, t0:t1] = sc.gather(-1, ids) > float("-inf")
         return Selection(idx, valid)
-
-
-# ---------------------------------------------------------------------------------------------------- sparse op
-
-
-def _locate(idx: Tensor, valid: Tensor, offset: int, length: int) -> tuple[Tensor, Tensor]:
-    m = valid & (idx >= offset) & (idx < offset + length)
-    return m, (idx - offset).clamp_(0, length - 1)
-
-
-def _gather(lats: tuple[Tensor, ...], offsets: tuple[int, ...], idx: Tensor, valid: Tensor, dtype) -> Tensor:
-    """Keys ``[B, bt, K, D]`` of the selected positions ``idx [B, bt, K]`` (zeros where not valid)."""
-    b = idx.shape[0]
-    keys = None
-    for lat, off in zip(lats, offsets):
-        flat = lat[:, 0]  # [Bk, S_i, D]
-        m, local = _locate(idx, valid, off, flat.shape[1])
-        g = flat[0][local] if flat.shape[0] == 1 else flat[torch.arange(b, device=idx.device)[:, None, None], local]
-        g = g.to(dtype)
-        keys = torch.where(m[..., None], g, 0.0 if keys is None else keys)
-    return keys
-
-
-def _scatter(dkeys: Tensor, targets, lats, offsets, idx: Tensor, valid: Tensor) -> None:
-    """Add ``dkeys [B, bt, K, D]`` into each segment's gradient target ``[Bk * S_i, D]`` at the selected rows."""
-    b = idx.shape[0]
-    for target, lat, off in zip(targets, lats, offsets):
-        if target is None:
-            continue
-        bk, s_i = lat.shape[0], lat.shape[2]
-        m, local = _locate(idx, valid, off, s_i)
-        if bk > 1:
-            local = local + (torch.arange(b, device=idx.device) * s_i)[:, None, None]
-        # every slot is added (zeros where it belongs to another segment or is invalid): no data-dependent shapes,
-        # so no host sync and the meta-device planner can trace it
-        src = torch.where(m[..., None], dkeys, 0.0).to(target.dtype)
-        target.index_add_(0, local.reshape(-1), src.reshape(-1, src.shape[-1]))
-
-
-def _latent_grad_targets(lats, sinks, needs, acc: torch.dtype) -> tuple[list, list]:
-    """Where the backward of a sparse latent attention puts each segment's ``d lat``: its sink (the prompt
-    state's gradient buffer, filled in place; no returned gradient), a fresh ``acc`` buffer it returns (the
-    segment needs a gradient: ``needs[i]``), or nowhere. Returns ``(grads, targets)``, targets as ``[S, D]`` views."""
-    grads, targets = [], []
-    for lat, sink, need in zip(lats, sinks, needs):
-        if sink is not None:
-            grads.append(None)
-            targets.append(sink.view(-1, sink.shape[-1]))
-        elif need:
-            g = torch.zeros(lat.shape, dtype=acc, device=lat.device)
-            grads.append(g)
-            targets.append(g.view(-1, lat.shape[-1]))
-        else:
-            grads.append(None)
-            targets.append(None)
-    return grads, targets
-
-
-class _SparseLatentAttention(torch.autograd.Function):
-    """Softmax attention of ``q [B, H, T, D]`` over the selected single-head latents (``K = V``); see
-    :func:`sparse_latent_attention`."""
-
-    @staticmethod
-    def forward(ctx, q, idx, valid, scale, offsets, sinks, *lats):
-        b, h, t, d = q.shape
-        acc = _acc_dtype(q.dtype)
-        k = idx.shape[-1]
-        qt = q.transpose(1, 2)  # [B, T, H, D]
-        out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)
-        lse = torch.empty(b, t, h, dtype=acc, device=q.device)
-        bt = max(1, _GATHER_ELEMS // max(1, b * k * (d + h)))
-        for t0 in range(0, t, bt):
-            sl = slice(t0, min(t, t0 + bt))
-            keys = _gather(lats, offsets, idx[:, sl], valid[:, sl], acc)
-            s = torch.matmul(qt[:, sl].to(acc), keys.transpose(-1, -2)) * scale  # [B, bt, H, K]
-            s = s.masked_fill(~valid[:, sl, None, :], float("-inf"))
-            l = torch.logsumexp(s, dim=-1)
-            out[:, sl] = torch.matmul(torch.exp(s - l[..., None]), keys).to(q.dtype)
-            lse[:, sl] = l
-        ctx.save_for_backward(q, idx, valid, out, lse, *lats)
-        ctx.scale, ctx.offsets, ctx.sinks, ctx.bt = scale, offsets, sinks, bt
-        return out.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, idx, valid, out, lse, *lats = ctx.saved_tensors
-        acc = lse.dtype
-        b, h, t, d = q.shape
-        qt, dt = q.transpose(1, 2), dout.transpose(1, 2)
-        dq = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device) if ctx.needs_input_grad[0] else None
-        grads, targets = _latent_grad_targets(lats, ctx.sinks, ctx.needs_input_grad[6:], acc)
-        for t0 in range(0, t, ctx.bt):
-            sl = slice(t0, min(t, t0 + ctx.bt))
-            keys = _gather(lats, ctx.offsets, idx[:, sl], valid[:, sl], acc)
-            qb, do, ob = qt[:, sl].to(acc), dt[:, sl].to(acc), out[:, sl].to(acc)
-            s = torch.matmul(qb, keys.transpose(-1, -2)) * ctx.scale
-            s = s.masked_fill(~valid[:, sl, None, :], float("-inf"))
-            p = torch.exp(s - lse[:, sl, :, None])  # [B, bt, H, K]
-            dp = torch.matmul(do, keys.transpose(-1, -2))
-            ds = p * (dp - (do * ob).sum(-1, keepdim=True))
-            if dq is not None:
-                dq[:, sl] = (torch.matmul(ds, keys) * ctx.scale).to(q.dtype)
-            if any(x is not None for x in targets):
-                dkeys = torch.matmul(ds.transpose(-1, -2), qb) * ctx.scale + torch.matmul(p.transpose(-1, -2), do)
-                _scatter(dkeys, targets, lats, ctx.offsets, idx[:, sl], valid[:, sl])
-        grads = [None if g is None else g.to(lat.dtype) for g, lat in zip(grads, lats)]
-        return (None if dq is None else dq.transpose(1, 2), None, None, None, None, None, *grads)
-
-
-def sparse_latent_attention(q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
-    """Attention of ``q [B, H, T, D]`` over the keys ``sel`` picks from the concatenation of ``segments`` (single-
-    head latents ``k [Bk, 1, S_i, D]`` with ``v is k``; ``Bk`` 1 or ``B``). Returns ``[B, H, T, D]`` in q's dtype.
-
-    Differentiable w.r.t. ``q`` and the segments' latents; a segment with ``k_grad`` receives its gradient in
-    place (gradient sink, the prompt state). Memory: one block of queries' gathered keys and probabilities.
-    """
-    for s in segments:  # latents split over a context-parallel group compute the call (longstraw.distributed)
-        cp_sparse = getattr(s, "cp_sparse_dispatch", None)
-        if cp_sparse is not None:
-            return cp_sparse(q, segments, sel, scale)
-    offsets, lats, sinks = [], [], []
-    off = 0
-    for s in segments:
-        assert s.k is s.v and s.k.shape[1] == 1, "sparse latent attention reads single-head latents (k is v)"
-        if s.length == 0:
-            continue
-        offsets.append(off)
-        lats.append(s.k.detach() if s.k_grad is not None else s.k)
-        sinks.append(s.k_grad)
-        off += s.length
-    assert tuple(sel.idx.shape[:2]) == (q.shape[0], q.shape[2]), "one selection row per query"
-    return _SparseLatentAttention.apply(q, sel.idx, sel.valid, float(scale), tuple(offsets), tuple(sinks), *lats)
-
-
-def sparse_latent_attention_reference(q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
-    """Obviously-correct version: concatenate the latents, mask every key not selected, dense softmax, autograd
-    (sinks ignored: gradients flow to the segments' tensors)."""
-    b, h, t, _ = q.shape
-    k = torch.cat([s.k[:, 0].expand(b, -1, -1) for s in segments if s.length > 0], dim=1)  # [B, S, D]
-    hits = torch.zeros(b, t, k.shape[1], dtype=torch.long, device=q.device)
-    keep = hits.scatter_add_(-1, sel.idx, sel.valid.long()) > 0  # invalid slots may repeat a valid index
-    acc = _acc_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), k.to(acc)[:, None].transpose(-1, -2)) * scale  # [B, H, T, S]
-    s = s.masked_fill(~keep[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), k.to(acc)[:, None]).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- mixer
@@ -395,7 +225,7 @@ class SparseMLAttention(MLAttention):
     """MLA with DeepSeek Sparse Attention. ``indexer`` given: a full layer (its state keeps indexer keys);
     ``indexer=None``: a shared layer reusing the selection of layer ``source_index`` (GLM-5).
 
-    ``forward(x, rope: RopeTables, prefix)`` returns ``(y, piece)``: ``piece = (lat, index_keys)`` for a full
+    ``forward(x, ctx, prefix)`` returns ``(y, piece)``: ``piece = (lat, index_keys)`` for a full
     layer, ``lat`` for a shared one; ``prefix`` is an :class:`IndexedPrefix` (full) or a latent segment list."""
 
     state_type = IndexedLatentState
@@ -413,29 +243,27 @@ class SparseMLAttention(MLAttention):
     def new_state(self, capacity: int, exact: bool = False) -> LatentState:
         return IndexedLatentState(capacity) if self.indexer is not None else LatentState(capacity)
 
-    def forward(self, x: Tensor, rope, prefix):
-        q_nope, q_pe, lat, q_resid = self.project(x, rope)
+    def forward(self, x: Tensor, ctx: CallContext, prefix):
+        q_nope, q_pe, lat, q_resid = self.project(x, ctx)
         if self.indexer is not None:
             pre = prefix if prefix is not None else IndexedPrefix([], [])
-            segs, own_keys = list(pre.latents), self.indexer.keys(x, rope)
+            segs, own_keys = list(pre.latents), self.indexer.keys(x, ctx)
             piece = (lat, own_keys)
         else:
             segs, piece = list(prefix or []), lat
         t = x.shape[1]
-        # a segment split over a context-parallel group counts its keys alike on every rank (cp_key_count)
-        if sum(getattr(s, "cp_key_count", s.length) for s in segs) + t <= self.index_topk:  # all selected: dense
+        # key_count: the same on every process for a segment partitioned over several (they must agree on the path)
+        if sum(s.key_count for s in segs) + t <= self.index_topk:  # every key selected: dense attention
             o = self.attend(q_nope, q_pe, lat, segs)
             return self.output(o), piece
         if self.indexer is not None:
-            sel = self.indexer.select(x, q_resid, rope, pre.index_keys, own_keys)
-            if isinstance(getattr(rope, "shared", None), dict):
-                rope.shared[self.layer_index] = sel
+            sel = self.indexer.select(x, q_resid, ctx, pre.index_keys, own_keys)
+            ctx.shared[self.layer_index] = sel
         else:
-            shared = getattr(rope, "shared", None)
-            if not isinstance(shared, dict) or self.source_index not in shared:
+            if self.source_index not in ctx.shared:
                 raise ValueError(f"shared DSA layer {self.layer_index} needs the selection of layer "
-                                 f"{self.source_index} from the same forward (rope must be RopeTables)")
-            sel = shared[self.source_index]
+                                 f"{self.source_index} from the same forward (run the whole model)")
+            sel = ctx.shared[self.source_index]
         qa = self.absorbed_query(q_nope, q_pe)
         o = sparse_latent_attention(qa, segs + [KVSegment(lat, lat)], sel, self.scale)
         return self.output(self.absorbed_output(o)), piece

@@ -50,8 +50,10 @@ from torch import Tensor, nn
 
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RopeParams, apply_rope, apply_rope_interleaved
-from longstraw.ops.attention import (_KERNELS, KVSegment, _segment_bwd, _segment_fwd, default_backend,
-                                     segment_attention)
+from longstraw.models.context import CallContext
+from longstraw.ops.attention import (KVSegment, default_backend, kernels, segment_attention, segment_backward,
+                                     segment_forward)
+from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.state import grad_dtype_for
 
 MODES = ("auto", "absorbed", "decompressed")
@@ -191,14 +193,14 @@ class _DecompressedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, w_uk, w_uv, k_own, v_own, scale, backend, chunk, sinks, *lats):
-        fwd, _ = _KERNELS[backend]
-        out, lse = _segment_fwd(fwd, q, k_own, v_own, True, scale)
+        fwd, _ = kernels(backend)
+        out, lse = segment_forward(fwd, q, k_own, v_own, True, scale)
         acc_dt = lse.dtype
         out = out.to(acc_dt)
         for lat in lats:
             for s, e in _chunks(lat.shape[2], chunk):
                 k, v = _expand(lat[:, 0, s:e], w_uk, w_uv)
-                o, l = _segment_fwd(fwd, q, k, v, False, scale)
+                o, l = segment_forward(fwd, q, k, v, False, scale)
                 new = torch.logaddexp(lse, l)
                 out = out * torch.exp(lse - new)[..., None] + o.to(acc_dt) * torch.exp(l - new)[..., None]
                 lse = new
@@ -211,9 +213,9 @@ class _DecompressedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, w_uk, w_uv, k_own, v_own, out, lse, *lats = ctx.saved_tensors
-        _, bwd = _KERNELS[ctx.backend]
+        _, bwd = kernels(ctx.backend)
         dout = dout.contiguous()
-        dq, dk_own, dv_own = _segment_bwd(bwd, dout, q, k_own, v_own, out, lse, True, ctx.scale)
+        dq, dk_own, dv_own = segment_backward(bwd, dout, q, k_own, v_own, out, lse, True, ctx.scale)
         dq = dq.to(lse.dtype)
         wdt = grad_dtype_for(w_uk.dtype)
         dw_uk = torch.zeros(w_uk.shape, dtype=wdt, device=q.device) if ctx.needs_input_grad[1] else None
@@ -223,7 +225,7 @@ class _DecompressedAttention(torch.autograd.Function):
             for s, e in _chunks(lat.shape[2], ctx.chunk):
                 c = lat[:, 0, s:e]
                 k, v = _expand(c, w_uk, w_uv)
-                dq_i, dk, dv = _segment_bwd(bwd, dout, q, k, v, out, lse, False, ctx.scale)
+                dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, False, ctx.scale)
                 dq += dq_i
                 dk, dv = dk.to(wdt), dv.to(wdt)
                 cw = c[..., :r].to(wdt)
@@ -279,10 +281,10 @@ def _spread(seg: KVSegment, g: int) -> KVSegment:
     return KVSegment(lat, lat)
 
 
-def _context_parallel(prefix: list[KVSegment]) -> bool:
-    """Whether a prefix segment is split over a context-parallel group (it computes attention itself through
-    ``segment_attention``'s ``cp_dispatch`` hook; longstraw.distributed)."""
-    return any(getattr(s, "cp_dispatch", None) is not None for s in prefix)
+def _partitioned(prefix: list[KVSegment]) -> bool:
+    """Whether a prefix segment is partitioned over processes (it computes the attention call itself:
+    :mod:`longstraw.ops.partitioned`)."""
+    return any(isinstance(s, PartitionedSegment) for s in prefix)
 
 
 # ---------------------------------------------------------------------------------------------------- mixer
@@ -291,7 +293,7 @@ def _context_parallel(prefix: list[KVSegment]) -> bool:
 class MLAttention(nn.Module):
     """The MLA token mixer (parameter names as in transformers' ``DeepseekV3Attention``).
 
-    ``forward(x [B, T, hidden], rope (cos, sin [T, dr]), prefix list[KVSegment] of latents | None)`` returns
+    ``forward(x [B, T, hidden], ctx (CallContext: cos, sin [T, dr]), prefix list[KVSegment] of latents | None)`` returns
     ``(y [B, T, hidden], lat [B, 1, T, r + dr])``, the new tokens' latents being what prefill stores.
     """
 
@@ -347,12 +349,12 @@ class MLAttention(nn.Module):
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return apply_rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
 
-    def project(self, x: Tensor, rope) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def project(self, x: Tensor, ctx: CallContext) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """``x [B, T, hidden]`` -> ``q_nope [B, H, T, dn]``, roped ``q_pe [B, H, T, dr]``, latents
         ``lat [B, 1, T, r + dr]`` and the normalised low-rank query ``q_resid [B, T, q_lora_rank]`` (the DSA
         indexer's input; None without q_lora)."""
         b, t, _ = x.shape
-        cos, sin = rope[0], rope[1]
+        cos, sin = ctx.rope
         q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -387,14 +389,15 @@ class MLAttention(nn.Module):
 
     def attend_absorbed(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
         qa = self.absorbed_query(q_nope, q_pe)
-        g = 1 if _context_parallel(prefix) else _pseudo_heads(qa, self.num_heads)  # a sharded segment stays whole
+        g = 1 if _partitioned(prefix) else _pseudo_heads(qa, self.num_heads)  # a sharded segment stays whole
         segs = [s if g == 1 else _spread(s, g) for s in prefix] + [KVSegment(lat, lat, causal=True)]
         return self.absorbed_output(segment_attention(qa, segs, self.scale))
 
     def attend_decompressed(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
-        if _context_parallel(prefix):
-            raise ValueError("the decompressed MLA form has no context-parallel path; under context parallelism "
-                             "MLA layers attend in the absorbed form (attend() picks it; the result is the same)")
+        if _partitioned(prefix):
+            raise ValueError("the decompressed MLA form has no path for a prefix partitioned over processes (context "
+                             "parallelism); MLA layers then attend in the absorbed form (attend() picks it; the result "
+                             "is the same)")
         w_uk, w_uv = self._weights()
         q = torch.cat((q_nope, q_pe), dim=-1)
         w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)  # autocast: the custom backward sees one dtype
@@ -436,7 +439,7 @@ class MLAttention(nn.Module):
         reaches the sharded latents through ``segment_attention`` (queries shipped to their owners), and the form
         must not depend on a rank's local share (every rank of the group has to take the same path). Both forms are
         exact, so only rounding differs from a single-process run that decompresses."""
-        if _context_parallel(prefix):
+        if _partitioned(prefix):
             return self.attend_absorbed(q_nope, q_pe, lat, prefix)
         grad = torch.is_grad_enabled() and q_nope.requires_grad
         if self.choose_form(q_nope.shape[0], q_nope.shape[2], prefix, grad) == "absorbed":
@@ -447,8 +450,8 @@ class MLAttention(nn.Module):
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.num_heads * self.dv))
 
-    def forward(self, x: Tensor, rope, prefix: list[KVSegment] | None):
-        q_nope, q_pe, lat, _ = self.project(x, rope)
+    def forward(self, x: Tensor, ctx: CallContext, prefix: list[KVSegment] | None):
+        q_nope, q_pe, lat, _ = self.project(x, ctx)
         return self.output(self.attend(q_nope, q_pe, lat, list(prefix or []))), lat
 
     # ------------------------------------------------------------------ accounting

@@ -5,7 +5,8 @@ Module and parameter names mirror the HF checkpoints (``model.embed_tokens``, ``
 
 One forward path processes new tokens given a prefix state (DESIGN.md principle 4): ``run(ids, start, prefix)``
 serves prefill chunks, branch replay and decoding alike; only the inputs differ. ``forward(ids)`` is the HF-like
-full forward from position 0 that returns logits. The model knows nothing of RL, distribution or checkpoints.
+full forward from position 0 that returns logits. The model knows nothing of RL, distribution or checkpoints; where
+its prompt states live is set from outside (``placement``, see :class:`~longstraw.state.Placement`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from longstraw.models.context import CallContext
 from longstraw.models.rope import RotaryEmbedding
+from longstraw.state import LOCAL, Placement
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,18 @@ class ModelSpec:
     eos_token_id: Any = None
     bos_token_id: Any = None
     pad_token_id: Any = None
+    sliding_window: int | None = None  # set when some layer attends a sliding window (sequences must fit in it)
+
+    def check_length(self, end: int, what: str = "the sequence") -> None:
+        """ValueError if positions ``0 .. end-1`` do not fit the model: ``max_position_embeddings``, and a sliding
+        window, which LongStraw does not implement (within the window it equals full attention, exactly)."""
+        if end > self.max_position_embeddings:
+            raise ValueError(f"{what} needs {end} positions, more than the model's max_position_embeddings="
+                             f"{self.max_position_embeddings}")
+        if self.sliding_window is not None and end > self.sliding_window:
+            raise ValueError(f"{what} needs {end} positions, more than {self.model_type}'s sliding_window="
+                             f"{self.sliding_window}: sliding-window attention is not implemented (up to the window "
+                             "it equals full attention, which LongStraw computes)")
 
 
 class DecoderLayer(nn.Module):
@@ -58,8 +73,8 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self.ffn_name)
 
-    def forward(self, x: Tensor, rope: Any, prefix: Any, need_ffn: bool = True):
-        y, piece = self.mixer(self.input_layernorm(x), rope, prefix)
+    def forward(self, x: Tensor, ctx: CallContext, prefix: Any, need_ffn: bool = True):
+        y, piece = self.mixer(self.input_layernorm(x), ctx, prefix)
         x = x + y
         if need_ffn:
             x = x + self.ffn(self.post_attention_layernorm(x))
@@ -77,7 +92,9 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A LongStraw language model. ``spec`` holds its shape facts, ``hf_config`` the checkpoint's config dict."""
+    """A LongStraw language model. ``spec`` holds its shape facts, ``hf_config`` the checkpoint's config dict,
+    ``placement`` where its prompt states live (this process unless parallelism was applied from outside:
+    ``longstraw.distributed.parallelize``)."""
 
     def __init__(self, spec: ModelSpec, hf_config: dict, backbone: Backbone):
         super().__init__()
@@ -85,6 +102,7 @@ class CausalLM(nn.Module):
         self.hf_config = dict(hf_config)
         self.model = backbone
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.placement: Placement = LOCAL
         self.tie_weights()
 
     # ------------------------------------------------------------------ structure
@@ -127,21 +145,22 @@ class CausalLM(nn.Module):
         ``pieces[l]`` is the state layer ``l`` produced for the new tokens. With ``need_hidden=False`` (prefill)
         the last layer's feed-forward block and the final norm are skipped: nothing reads them.
         """
-        x = self.model.embed_tokens(ids)
         t = ids.shape[1]
-        rope = None
+        self.spec.check_length(start + t, f"tokens at positions {start}..{start + t - 1}")
+        x = self.model.embed_tokens(ids)
+        ctx = CallContext(start, t)
         if self.model.rotary_emb is not None:
             pos = torch.arange(start, start + t, device=ids.device)
-            rope = self.model.rotary_emb(pos, x.dtype)
+            ctx.cos, ctx.sin = self.model.rotary_emb(pos, x.dtype)
         pieces = []
         n = len(self.model.layers)
         for i, layer in enumerate(self.model.layers):
             p = prefix[i] if prefix is not None else None
             need_ffn = need_hidden or i < n - 1
             if checkpoint_layers and torch.is_grad_enabled():
-                x, piece = checkpoint(layer, x, rope, p, need_ffn, use_reentrant=False)
+                x, piece = checkpoint(layer, x, ctx, p, need_ffn, use_reentrant=False)
             else:
-                x, piece = layer(x, rope, p, need_ffn)
+                x, piece = layer(x, ctx, p, need_ffn)
             pieces.append(piece)
         return (self.model.norm(x) if need_hidden else None), pieces
 

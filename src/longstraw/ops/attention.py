@@ -1,7 +1,6 @@
 """Attention of new queries over several key/value segments, merged by log-sum-exp.
 
-This one op serves chunked prefill, branch replay, rollout decoding and (later) context parallelism: the
-queries of the new tokens attend to
+This one op serves chunked prefill, branch replay and rollout decoding: the queries of the new tokens attend to
 
 * stored prefix segments (the shared prompt state, earlier prefill chunks, already generated tokens): no mask;
 * their own segment (the new tokens' keys/values): causal, query t sees keys 0..t of the segment.
@@ -44,7 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend"]
+from longstraw.ops.partitioned import PartitionedSegment
+
+__all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend", "kernels",
+           "segment_forward", "segment_backward", "merge_partials"]
 
 BACKENDS = ("flash_cpu", "flash_cuda", "math")
 
@@ -67,6 +69,12 @@ class KVSegment:
 
     @property
     def length(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def key_count(self) -> int:
+        """Keys this segment contributes to its queries (a partitioned segment counts them alike on every
+        process; see :mod:`longstraw.ops.partitioned`)."""
         return self.k.shape[2]
 
 
@@ -212,6 +220,15 @@ _KERNELS = {
 }
 
 
+def kernels(backend: str):
+    """``(forward, backward)`` of a kernel: ``forward(q, k, v, causal, scale) -> (out, lse)`` and
+    ``backward(do, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` (shapes in the section above);
+    ValueError for an unknown backend."""
+    if backend not in _KERNELS:
+        raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    return _KERNELS[backend]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # query folding for grouped-query attention
 
@@ -240,7 +257,10 @@ def _repeat_heads(x: Tensor, g: int) -> Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
-def _segment_fwd(fwd, q, seg_k, seg_v, causal, scale):
+def segment_forward(fwd, q, seg_k, seg_v, causal, scale):
+    """One segment's partial ``(out [B, Hq, T, Dv], lse [B, Hq, T])`` for queries ``q [B, Hq, T, Dk]`` by the kernel
+    forward ``fwd`` (see :func:`kernels`): a causal segment's K/V are repeated to the query heads; an unmasked one is
+    read in place with the query heads folded onto its key heads."""
     b, hq, t, _ = q.shape
     hkv = seg_k.shape[1]
     if causal:
@@ -251,7 +271,9 @@ def _segment_fwd(fwd, q, seg_k, seg_v, causal, scale):
     return _unfold(o, b, hq, t, shared), _unfold(lse, b, hq, t, shared)
 
 
-def _segment_bwd(bwd, do, q, seg_k, seg_v, o, lse, causal, scale):
+def segment_backward(bwd, do, q, seg_k, seg_v, o, lse, causal, scale):
+    """Backward of :func:`segment_forward` against the MERGED output ``o`` and GLOBAL ``lse`` of all segments:
+    ``(dq, dk, dv)``, ``dk, dv`` shaped like the segment's K/V."""
     b, hq, t, _ = q.shape
     hkv = seg_k.shape[1]
     if causal:
@@ -288,7 +310,7 @@ class _OnlineMerge:
         return self.acc.to(dtype), self.lse
 
 
-def _merge(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def merge_partials(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Merge per-segment ``(out_i, lse_i)`` into ``(out, lse)`` (``out`` in ``dtype``)."""
     merge = _OnlineMerge()
     for o, l in zip(outs, lses):
@@ -302,7 +324,7 @@ class _SegmentAttention(torch.autograd.Function):
         fwd, _ = _KERNELS[backend]
         merge = _OnlineMerge()
         for idx, (causal, _, _) in enumerate(meta):
-            merge.add(*_segment_fwd(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale))
+            merge.add(*segment_forward(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale))
         out, lse = merge.result(q.dtype)
         ctx.save_for_backward(q, out, lse, *kv)
         ctx.scale, ctx.backend, ctx.meta = scale, backend, meta
@@ -322,7 +344,7 @@ class _SegmentAttention(torch.autograd.Function):
             if not need_kv and not ctx.needs_input_grad[0]:
                 grads += [None, None]
                 continue
-            dq_i, dk, dv = _segment_bwd(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
+            dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
             dq = dq_i if dq is None else dq + dq_i
             if k_sink is not None:
                 k_sink.add_(dk.to(k_sink.dtype))
@@ -366,10 +388,9 @@ def segment_attention(
     temporary of the kernels (in particular the backward's ``dK, dV`` before they reach a sink) exceeds one block:
     memory stays bounded at any prompt length.
     """
-    for s in segments:  # a segment split over a context-parallel group computes the call (longstraw.distributed)
-        if getattr(s, "cp_dispatch", None) is not None:
-            return s.cp_dispatch(q, segments, scale, backend=backend, return_lse=return_lse,
-                                 max_segment=max_segment)
+    for s in segments:  # a segment partitioned over processes computes the whole call (ops/partitioned.py)
+        if isinstance(s, PartitionedSegment):
+            return s.attention(q, segments, scale, backend=backend, return_lse=return_lse, max_segment=max_segment)
     segments = [piece for s in segments if s.length > 0 for piece in _split(s, max_segment)]
     if not segments:
         raise ValueError("segment_attention needs at least one non-empty key/value segment")
@@ -384,8 +405,7 @@ def segment_attention(
         assert (s.k_grad is None) == (s.v_grad is None)
     if backend is None:
         backend = default_backend(q, max(d, segments[0].v.shape[-1]))
-    if backend not in _KERNELS:
-        raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    kernels(backend)  # ValueError for an unknown one
     meta = tuple((s.causal, s.k_grad, s.v_grad) for s in segments)
     kv = []
     for s in segments:

@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from longstraw.ops import meta
+
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm"]
 
 _L2NORM_EPS = 1e-6
@@ -141,9 +143,6 @@ def recurrent_gated_delta_rule(
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
     o = torch.stack(outs, dim=1) if outs else torch.zeros(B, 0, H, Dv, dtype=cdt, device=q.device)
     return o.to(out_dtype), (S if output_final_state else None)
-
-
-_META_SHORTCUT = True  # see chunk_gated_delta_rule; tests switch it off to check it changes no byte
 
 
 def _chunk_block(q, k, v, g, beta, S, C):
@@ -230,16 +229,12 @@ def chunk_gated_delta_rule(
     else:
         S = initial_state.to(cdt)
     outs = []
-    # On the meta device without autograd (the memory planner's dry run of a prefill) tensors have no values and
-    # each block frees its intermediates, so the blocks between the first and the last only add their output:
-    # allocated as such, the live bytes follow the same course, without thousands of meta ops per layer.
-    shapes_only = _META_SHORTCUT and q.device.type == "meta" and not (torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)))
+    # on the meta device (the planner's dry run) the middle blocks only add their output: ops/meta.py
     last_start = ((T - 1) // blk) * blk if T else 0
     for t0 in range(0, T, blk):
         t1 = min(T, t0 + blk)
         n = t1 - t0
-        if shapes_only and 0 < t0 < last_start:
+        if meta.skip_delta_rule_block((q, k, v, g, beta, initial_state), t0, last_start):
             outs.append(torch.empty(B, n, H, Dv, dtype=out_dtype, device=q.device))
             S = torch.empty_like(S)
             continue

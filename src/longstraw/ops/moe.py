@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from longstraw.ops import meta
+
 __all__ = [
     "softmax_topk_route",
     "sigmoid_grouped_route",
@@ -223,8 +225,8 @@ def experts_forward(
     use_grouped = use_grouped and impl != "loop" and expert_ids.numel() > 0
 
     n, k = expert_ids.shape
-    if x.device.type == "meta":  # the memory planner's dry run: routing is data, so model its memory, not its values
-        return _experts_forward_meta(x, weights, gate_up_proj, down_proj, act_fn)
+    if meta.is_meta(x):  # the memory planner's dry run: routing is data (ops/meta.py)
+        return meta.experts_forward_shapes(x, weights, gate_up_proj, down_proj, act_fn)
     flat_ids = expert_ids.reshape(-1)
     with torch.no_grad():
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, token order within an expert
@@ -251,19 +253,6 @@ def experts_forward(
         ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
 
     ys = (ys * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-    return x.new_zeros(n, x.shape[1]).index_add(0, token_idx, ys)
-
-
-def _experts_forward_meta(x, weights, gate_up_proj, down_proj, act_fn):
-    """Same tensors, shapes and dtypes as the real dispatch (all N*k slots through one expert's weights): the
-    planner's dry run on the meta device sees the memory of the routed computation without its data-dependent
-    counts."""
-    n, k = weights.shape
-    token_idx = torch.arange(n * k, device=x.device) // k
-    xs = x[token_idx]
-    gate, up = F.linear(xs, gate_up_proj[0]).chunk(2, dim=-1)
-    ys = F.linear(act_fn(gate) * up, down_proj[0])
-    ys = (ys * weights.reshape(-1).unsqueeze(-1)).to(x.dtype)
     return x.new_zeros(n, x.shape[1]).index_add(0, token_idx, ys)
 
 

@@ -21,7 +21,7 @@ import torch
 from longstraw.planner import plan
 from longstraw.units import format_bytes as _fmt
 from longstraw.units import parse_bytes
-from longstraw.rl.config import RunConfig
+from longstraw.rl.config import RunConfig, grpo_config
 
 
 @dataclass
@@ -52,7 +52,7 @@ def device_memory(device: torch.device) -> int | None:
 
 def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[str]:
     """What would shrink the largest terms, most effective first."""
-    a = cfg.algorithm
+    a = grpo_config(cfg)
     out = []
     transient = max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
     if b["prompt_state_grad"]:
@@ -87,19 +87,18 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     "off". Raises ValueError when it is "error" and the run does not fit; echoes one verdict line otherwise (and
     the advice when it does not fit).
     """
-    t, a = cfg.train, cfg.algorithm
+    t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
     if t.memory_check == "off":
         return None
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
-              prompt_grad=a.prompt_grad, dtype=cfg.model.dtype, prefill_chunk=a.prefill_chunk,
-              branch_batch=a.branch_batch, checkpoint_layers=a.checkpoint_layers)
+              cfg=g, dtype=cfg.model.dtype)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}
-    if a.kl_coef > 0:
+    if g.kl_coef > 0:
         extra["reference_model"] = b["weights"]
     if a.reuse_rollout_state and a.prompts_per_step > 1:
         extra["rollout_states"] = (a.prompts_per_step - 1) * b["prompt_state"]

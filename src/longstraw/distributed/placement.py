@@ -1,0 +1,93 @@
+"""Context parallelism as a model's placement: the prompt state of each group split over the ranks of a CP group.
+
+``parallelize`` (``longstraw.distributed``) sets a :class:`ContextParallel` placement on a model (``load_model``
+does it after ``init_distributed(cp=R)``). The engine then asks the placement, as it asks the default one, for a
+prompt state (:meth:`ContextParallel.prompt_state`: a :class:`~longstraw.distributed.cp_state.ShardedPromptState`,
+this rank's share with its own schedule), to check a group's inputs (every rank must pass the same: they run in
+lockstep) and to agree on sampled tokens (every rank decodes CP rank 0's samples). Everything else — the step
+exchanges of prefill and of the reverse pass, the replay's attention over the sharded state, the gradient sums —
+happens inside the sharded state and its segments, behind the interfaces the engine and the models already use.
+
+Replay, score and decoding need nothing here: the sharded state's ``prefix()`` hands the model sharded segments and
+every rank runs the same branches (their non-attention work is redundant, the attention over the prompt is split).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from longstraw.distributed.context import Comm, ParallelContext
+from longstraw.distributed.cp_state import ShardedPromptState, shard_layout, shard_states
+from longstraw.state import Placement
+
+__all__ = ["ContextParallel", "check_same_group", "all_reduce_data_parallel"]
+
+
+def _fingerprint(ids: Tensor) -> Tensor:
+    """``[3]`` int64 summary of a token sequence (length, sum, position-weighted sum), cheap to all-gather."""
+    x = ids.detach().to("cpu", torch.int64).flatten()
+    w = torch.arange(x.numel(), dtype=torch.int64) % 65521 + 1
+    return torch.stack([torch.tensor(x.numel()), x.sum(), (x * w).sum()])
+
+
+def _check_same(comm: Comm, what: str, fp: Tensor, device: torch.device) -> None:
+    got = comm.all_gather(fp.to(device)).cpu()
+    bad = [r for r in range(comm.size) if not torch.equal(got[r], got[0])]
+    if bad:
+        raise ValueError(f"the ranks of a context-parallel group must pass the same {what}, but CP rank(s) "
+                         f"{bad} pass different ones than CP rank 0 (the ranks of a group run it in lockstep)")
+
+
+def check_same_group(ctx: ParallelContext, prompt_ids: Tensor, responses: list[Tensor]) -> None:
+    """ValueError (on every rank alike) unless all CP ranks pass the same prompt and responses."""
+    fp = torch.cat([_fingerprint(prompt_ids), torch.tensor([len(responses)])] +
+                   [_fingerprint(r) for r in responses])
+    n = ctx.cp.all_gather(torch.tensor([fp.numel()], device=ctx.device)).cpu()
+    if not bool((n == n[0]).all()):
+        raise ValueError(f"the ranks of a context-parallel group must pass the same group, but they pass "
+                         f"{[(int(x) - 4) // 3 for x in n.flatten()]} responses (CP ranks 0..{ctx.cp.size - 1})")
+    _check_same(ctx.cp, "prompt and responses", fp, ctx.device)
+
+
+class ContextParallel(Placement):
+    """Prompt states split by position over ``ctx``'s CP group (block-cyclic steps: docs/DISTRIBUTED.md)."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    def prompt_state(self, model, ids: Tensor, chunk_size: int, exact: bool) -> ShardedPromptState:
+        """This rank's share of the state of ``ids [n]`` (the same on every CP rank). ValueError if ``n`` is smaller
+        than the CP size or the ranks' prompts differ, before anything is computed."""
+        comm = self.ctx.cp
+        layout = shard_layout(int(ids.shape[0]), comm.size, chunk_size)
+        _check_same(comm, "prompt", _fingerprint(ids), self.ctx.device)
+        states = shard_states(model.new_prompt_states(layout.local_size(comm.rank), exact), layout, comm)
+        return ShardedPromptState(states, ids, layout.pieces(comm.rank), layout=layout, comm=comm)
+
+    def check_group(self, prompt_ids: Tensor, responses: list[Tensor]) -> None:
+        check_same_group(self.ctx, prompt_ids, responses)
+
+    def agree(self, ids: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor]:
+        """CP rank 0's sampled ``ids [n]`` and their ``logprobs [n]`` on every rank (all ranks then decode the same
+        branches, whatever their generators did)."""
+        ids, logprobs = ids.contiguous(), logprobs.contiguous()
+        self.ctx.cp.broadcast(ids)
+        self.ctx.cp.broadcast(logprobs)
+        return ids, logprobs
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(cp={self.ctx.cp.size}, rank={self.ctx.cp.rank})"
+
+
+def all_reduce_data_parallel(model: torch.nn.Module, ctx: ParallelContext) -> None:
+    """Sum ``.grad`` over the data-parallel replicas (``dp > 1``): each replica's CP group holds the gradient of
+    its own groups; after this every rank holds the step's total. FSDP2 shards are summed shard-wise (every
+    replica shards alike)."""
+    if ctx.dp_size == 1:
+        return
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        ctx.dp.all_reduce(g)

@@ -1,0 +1,67 @@
+"""The dry-run seam: what ops do on the ``meta`` device, where tensors have shapes but no values.
+
+The memory planner (``longstraw.planner``) runs the engine's real GRPO step on a model built on the meta device and
+tracks the bytes of every tensor storage the ops create. Almost every op runs unchanged there. This module holds
+the only places where an op takes another path on meta, each because the real path cannot run without values or
+would repeat identical work thousands of times; each replacement allocates the same tensors (shapes, dtypes,
+lifetimes) as the real path, and a test holds every tracked byte equal with the shortcuts on and off
+(:data:`SHORTCUTS`):
+
+``experts_forward_shapes``
+    MoE routing is data (which expert gets how many tokens): the real dispatch needs the counts on the host.
+    On meta all ``N * k`` token slots go through one expert's weights, which allocates what the real dispatch
+    allocates in total.
+``skip_delta_rule_block``
+    The torch gated delta rule processes a long input in blocks of chunks; without autograd each block frees its
+    intermediates, so on meta the blocks between the first and the last only add their output (prefill dry runs of
+    a long prompt would otherwise run thousands of meta ops per layer).
+``value``
+    Where the engine turns a 0-d tensor into a Python number (the loss and statistics it reports), meta gives NaN.
+
+What the planner itself samples (one branch batch of the G, the reverse-pass chunks that can set its peak) is
+documented in ``longstraw.planner``: those are choices of what to run, not different op paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["SHORTCUTS", "is_meta", "value", "experts_forward_shapes", "skip_delta_rule_block"]
+
+SHORTCUTS = True  # tests switch this off to check that the shortcuts change no tracked byte
+
+
+def is_meta(t: Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+def value(t: Tensor) -> float:
+    """``float(t)`` of a 0-d tensor; NaN on the meta device (no values there)."""
+    return float("nan") if is_meta(t) else float(t)
+
+
+def experts_forward_shapes(x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                           act_fn: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """The routed experts on meta: the same tensors, shapes and dtypes as the real dispatch of
+    ``ops.moe.experts_forward`` (all ``N * k`` slots through expert 0), without data-dependent counts."""
+    n, k = weights.shape
+    token_idx = torch.arange(n * k, device=x.device) // k
+    xs = x[token_idx]
+    gate, up = F.linear(xs, gate_up_proj[0]).chunk(2, dim=-1)
+    ys = F.linear(act_fn(gate) * up, down_proj[0])
+    ys = (ys * weights.reshape(-1).unsqueeze(-1)).to(x.dtype)
+    return x.new_zeros(n, x.shape[1]).index_add(0, token_idx, ys)
+
+
+def skip_delta_rule_block(inputs: tuple[Tensor | None, ...], t0: int, last_start: int) -> bool:
+    """Whether the torch gated delta rule may replace the block starting at ``t0`` by an empty output of the same
+    shape: on meta, with the shortcuts on, without autograd on any input, and not the first or the last block
+    (``last_start``: where the last block starts)."""
+    x = inputs[0]
+    if not (SHORTCUTS and x is not None and is_meta(x)) or not 0 < t0 < last_start:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs))
