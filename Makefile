@@ -26,11 +26,13 @@ $(VENV)/.test: $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/longstraw demo $(ARGS)
 
+# the fast suite (the developer's loop); --dist loadgroup keeps each context-parallel job's tests on one worker
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q -n 2 --timeout 900 $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --timeout 900 $(ARGS)
 
+# subprocess and end-to-end checks (context-parallel launches, CLI runs, measured memory); CI runs both
 test-slow: $(VENV)/.test
-	$(BIN)/python -m pytest -q -m slow --timeout 3600 $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m slow --timeout 1800 $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_h200.py"
 
 
+@pytest.mark.slow  # a subprocess running the whole script
 def test_gpu_script_smoke(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--planner", "--max-step-s", "40",

@@ -16,7 +16,7 @@ scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 Every scenario of every job is one test (``test_scenario[job-scenario]``), so a failure names it. A job is launched
 once, by the first of its tests that runs, and its tests share the result: they carry the job's ``xdist_group``,
 and ``make test`` runs ``pytest -n 2 --dist loadgroup``, which keeps a group on one worker (a job never launches
-twice).
+twice). They launch subprocesses, so they carry the ``slow`` mark (``make test-slow``; CI runs both suites).
 """
 
 import pytest
@@ -255,12 +255,14 @@ def _check(job, name, ranks, single):
         check_state_bytes(ranks, single, job, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job,name", [pytest.param(j, n, id=f"{j}-{n}", marks=pytest.mark.xdist_group(j))
                                       for j, n in CASES])
 def test_scenario(job, name, launched, single):
     _check(job, name, launched(job), single)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(j)) for j in JOBS])
 def test_job_context(job, launched):
     """Each rank's place in the job: CP size and rank, data-parallel replicas (FSDP2 applied by load_model when

@@ -1,5 +1,7 @@
 """The memory planner: its predictions against peak memory measured in fresh processes, its CLI, bad input."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from longstraw import GRPOConfig
+from longstraw.cli import main
 from longstraw.planner import BREAKDOWN_KEYS, naive_step_bytes, plan
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -45,6 +48,7 @@ def _measure(cfg, mode, p, r, g, chunk):
 
 
 # prompts long enough that the state dominates the few MiB of resident-set noise of a CPU process
+@pytest.mark.slow  # fresh processes
 @pytest.mark.parametrize("mode,p,g,chunk", [("detached", 16384, 2, 2048), ("exact", 16384, 4, 2048),
                                             ("exact", 12000, 2, 1024)])
 def test_prediction_within_ten_percent_of_measured(mode, p, g, chunk):
@@ -99,9 +103,11 @@ def test_max_prompt_len_fits_the_memory():
 
 
 def _cli(*args):
-    env = {**os.environ, "PYTHONPATH": SRC}
-    return subprocess.run([sys.executable, "-m", "longstraw.cli", "plan", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    """``longstraw plan ARGS`` in this process: (returncode, stdout, stderr) as a CompletedProcess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", *map(str, args)])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_cli_json(tmp_path):
