@@ -60,11 +60,11 @@ def cmd_demo(args) -> int:
     cfg = demo_config(args)
     print(f"LongStraw demo: GRPO on a built-in {cfg.model.builtin} model, synthetic '{cfg.data.task}' task, "
           f"{cfg.data.prompt_len}-token prompts, G={cfg.rollout.group_size}, {cfg.train.steps} steps, "
-          f"prompt_grad={cfg.algorithm.prompt_grad} -> {cfg.train.out_dir}")
+          f"prompt_grad={cfg.algorithm.grpo.prompt_grad.value} -> {cfg.train.out_dir}")
     t0 = time.time()
     trainer = Trainer(cfg, resume=False)
     s = trainer.train()
-    naive = naive_step_bytes(trainer.model, s.prompt_len, cfg.rollout.max_new_tokens, cfg.rollout.group_size)
+    naive = naive_step_bytes(trainer.model, s.prompt_len, cfg.rollout.sampling.max_new_tokens, cfg.rollout.group_size)
     print("\n=== LongStraw demo summary ===")
     print(f"prompt length      {s.prompt_len} tokens")
     print(f"group size G       {s.group_size}")

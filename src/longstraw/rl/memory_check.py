@@ -52,23 +52,23 @@ def device_memory(device: torch.device) -> int | None:
 
 def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[str]:
     """What would shrink the largest terms, most effective first."""
-    a = cfg.algorithm
+    g = cfg.algorithm.grpo
     out = []
     transient = max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
     if b["prompt_state_grad"]:
         out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
                    "and the reverse pass; the gradient no longer flows through the prompt)")
     if b["prefill_chunk"] == transient:
-        if b["prompt_state_grad"] and not a.checkpoint_layers:
+        if b["prompt_state_grad"] and not g.checkpoint_layers:
             out.append(f"algorithm.checkpoint_layers = true (the reverse pass then keeps one layer's graph of a "
                        f"chunk, not all of them: the chunk transient is {_fmt(b['prefill_chunk'])})")
-        if a.prefill_chunk > 256:
-            out.append(f"a smaller algorithm.prefill_chunk (now {a.prefill_chunk}: one chunk's transient is "
+        if g.prefill_chunk > 256:
+            out.append(f"a smaller algorithm.prefill_chunk (now {g.prefill_chunk}: one chunk's transient is "
                        f"{_fmt(b['prefill_chunk'])})")
     if b["branch_graph"] + b["logits"] == transient:
-        if a.branch_batch > 1:
-            out.append(f"algorithm.branch_batch = 1 (now {a.branch_batch})")
-        if not a.checkpoint_layers:
+        if g.branch_batch > 1:
+            out.append(f"algorithm.branch_batch = 1 (now {g.branch_batch})")
+        if not g.checkpoint_layers:
             out.append(f"algorithm.checkpoint_layers = true (one branch's graph is {_fmt(b['branch_graph'])})")
     if extra.get("rollout_states"):
         out.append(f"algorithm.reuse_rollout_state = false (the other groups' rollout states, "
@@ -87,19 +87,19 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     "off". Raises ValueError when it is "error" and the run does not fit; echoes one verdict line otherwise (and
     the advice when it does not fit).
     """
-    t, a = cfg.train, cfg.algorithm
+    t, a, g = cfg.train, cfg.algorithm, cfg.algorithm.grpo
     if t.memory_check == "off":
         return None
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
-              prompt_grad=a.prompt_grad, dtype=cfg.model.dtype, prefill_chunk=a.prefill_chunk,
-              branch_batch=a.branch_batch, checkpoint_layers=a.checkpoint_layers)
+              prompt_grad=g.prompt_grad.value, dtype=cfg.model.dtype, prefill_chunk=g.prefill_chunk,
+              branch_batch=g.branch_batch, checkpoint_layers=g.checkpoint_layers)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}
-    if a.kl_coef > 0:
+    if g.kl_coef > 0:
         extra["reference_model"] = b["weights"]
     if a.reuse_rollout_state and a.prompts_per_step > 1:
         extra["rollout_states"] = (a.prompts_per_step - 1) * b["prompt_state"]
