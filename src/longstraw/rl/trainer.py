@@ -10,7 +10,8 @@ One step:
    and cosine decay. The first epoch reuses each group's rollout prompt state (``reuse_rollout_state``: the
    weights have not moved yet, so one prefill per group is saved); later epochs re-prefill under the updated
    weights, with the rollout's log-probs as ``old_logprobs`` (the PPO ratio);
-3. log ``metrics.jsonl`` (and TensorBoard if installed), update the progress bar, checkpoint atomically.
+3. log ``metrics.jsonl`` (and TensorBoard, W&B: :mod:`longstraw.rl.tracking`), update the progress bar,
+   checkpoint atomically.
 
 Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
 so a resumed run repeats exactly what an uninterrupted one does.
@@ -36,10 +37,12 @@ from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_confi
 from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
 from longstraw.rl.runlog import append_metrics, read_metrics, truncate_metrics, write_atomic
+from longstraw.rl.tracking import check_tracking, close_writers, log_metrics, make_writers
 
 # keys that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
-                     "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit")
+                     "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit",
+                     "train.wandb", "train.wandb_project", "train.wandb_mode")
 
 
 @dataclass
@@ -125,6 +128,7 @@ class Trainer:
         # everything that can reject the user's input runs before anything is written
         self.tokenizer = build_tokenizer(cfg)
         self.reward_fn = make_reward(cfg.reward.fn, **cfg.reward.options)
+        check_tracking(cfg)  # train.wandb without the wandb package
         self.source = PromptSource(cfg, self.tokenizer)
         self.source.check()
         self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
@@ -335,17 +339,14 @@ class Trainer:
 
     def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
         t = self.cfg.train
-        writer = _tensorboard(self.run_dir) if t.tensorboard else None
+        writers = make_writers(self.cfg, self.run_dir)  # TensorBoard, W&B (train.tensorboard, train.wandb)
         bar = _progress(t.steps, self.start_step, t.progress)
         last_ckpt = latest_checkpoint(self.run_dir)
         try:
             for step in range(self.start_step, t.steps):
                 m = self.step(step)
                 append_metrics(self.run_dir, m)
-                if writer is not None:
-                    for k, v in m.items():
-                        if isinstance(v, (int, float)):
-                            writer.add_scalar(k, v, m["step"])
+                log_metrics(writers, m)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", solved=f"{m['solved']:.2f}",
@@ -360,8 +361,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-            if writer is not None:
-                writer.close()
+            close_writers(writers)
         plots = []
         if t.plots:
             from longstraw.rl.plots import plot_run
@@ -382,14 +382,6 @@ class Trainer:
             peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0),
             peak_above_start_bytes=max((r.get("peak_above_start_bytes", 0) for r in rows), default=0), plots=plots,
             last_checkpoint=last_ckpt)
-
-
-def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard not installed: metrics.jsonl and the PNG plots still have everything
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
 
 
 def _progress(total: int, initial: int, enabled: bool):
