@@ -11,9 +11,10 @@ import pytest
 from longstraw.engine.config import GRPOConfig, PromptGrad, SamplingConfig
 from longstraw.losses import LossAggMode
 from longstraw.rl import config as config_module
-from longstraw.rl.config import (AlgorithmSection, MemoryCheck, RolloutSection, RunConfig, TrainSection,
-                                 apply_overrides, config_from_dict, config_keys, diff_configs, dump_config,
-                                 grpo_config, load_config, sampling_config)
+from longstraw.rl.config import (SECTIONS, AlgorithmSection, MemoryCheck, RolloutSection, RunConfig, TrainSection,
+                                 apply_overrides, config_from_dict, config_keys, config_reference,
+                                 default_config_toml, diff_configs, dump_config, grpo_config, load_config,
+                                 sampling_config)
 
 
 def test_defaults_round_trip_through_toml(tmp_path):
@@ -174,3 +175,31 @@ def test_pyproject_declares_tomli_for_python_3_10():
         project = config_module.tomllib.load(f)["project"]
     assert 'tomli>=1.1; python_version < "3.11"' in project["dependencies"]
     assert project["requires-python"] == ">=3.10" and "tomli>=1.1" in project["optional-dependencies"]["test"]
+
+
+def test_every_field_has_help_and_docs_config_md_is_the_generated_reference():
+    for cls in [*SECTIONS.values(), GRPOConfig, SamplingConfig]:
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help", "").strip(), f"{cls.__name__}.{f.name} has no help text"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md"
+    assert doc.read_text() == config_reference(), \
+        "docs/CONFIG.md is stale: regenerate it with `longstraw config --markdown > docs/CONFIG.md`"
+    for k in config_keys():
+        assert f"| `{k.name}` |" in doc.read_text()
+
+
+def test_the_commented_default_config_loads_unchanged_and_sets_every_key(tmp_path):
+    text = default_config_toml()
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    assert load_config(p) == RunConfig()
+    raw = config_module.tomllib.loads(text)
+    assert {f"{s}.{k}" for s in raw for k in raw[s]} == {k.path for k in config_keys()}
+    lines = text.splitlines()
+    for k in config_keys():  # each key is preceded by its help and type as a comment
+        i = next(i for i, x in enumerate(lines) if x.startswith(f"{k.name} = ") and i > lines.index(f"[{k.section}]"))
+        j = i
+        while lines[j - 1].startswith("# "):
+            j -= 1
+        comment = " ".join(x[2:] for x in lines[j:i])
+        assert comment.startswith(k.help.split()[0]) and "Type: " in comment
