@@ -65,6 +65,10 @@ def cmd_demo(args) -> int:
     trainer = Trainer(cfg, resume=False)
     s = trainer.train()
     naive = naive_step_bytes(trainer.model, s.prompt_len, cfg.rollout.sampling.max_new_tokens, cfg.rollout.group_size)
+    if cfg.train.plots:  # redrawn with the naive step's estimate in the memory panel (RUN/naive_estimate.json)
+        from longstraw.rl.plots import plot_run
+
+        s.plots = plot_run(s.run_dir, naive_bytes=naive)
     print("\n=== LongStraw demo summary ===")
     print(f"prompt length      {s.prompt_len} tokens")
     print(f"group size G       {s.group_size}")
