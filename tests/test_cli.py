@@ -34,6 +34,7 @@ def test_demo_prints_the_summary(demo_run):
                  "peak memory", "naive full-graph GRPO step", "plots"):
         assert line in stdout
     assert (out / "metrics.jsonl").exists() and (out / "plots" / "reward.png").exists()
+    assert json.loads((out / "naive_estimate.json").read_text())["bytes"] > 0  # drawn in plots/memory.png
     assert (out / "checkpoints" / "step-00000003" / "model" / "longstraw_tokenizer.json").exists()
 
 

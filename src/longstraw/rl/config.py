@@ -558,7 +558,7 @@ def validate(cfg: RunConfig) -> None:
     _require(not d.offline or bool(d.path), "data.offline = true needs data.path (a JSONL of rollouts)")
     _require(d.prompt_len >= 16, f"data.prompt_len={d.prompt_len} must be >= 16")
     _require(d.max_prompt_len >= 2, f"data.max_prompt_len={d.max_prompt_len} must be >= 2")
-    _require(d.prompt_len <= d.max_prompt_len,
+    _require(not d.task or d.prompt_len <= d.max_prompt_len,  # prompt_len sizes built-in task prompts only
              f"data.prompt_len={d.prompt_len} exceeds data.max_prompt_len={d.max_prompt_len}")
     _require(1 <= d.answer_digits <= 32, f"data.answer_digits={d.answer_digits} must be in [1, 32]")
     _require(d.num_prompts >= 0, f"data.num_prompts={d.num_prompts} must be >= 0")
