@@ -68,9 +68,11 @@ class _Section:
     def __post_init__(self):
         name = _SECTION_NAMES[type(self)]
         for f in fields(self):
-            typ = _hints(type(self))[f.name]
+            typ, value = _hints(type(self))[f.name], getattr(self, f.name)
             if not dataclasses.is_dataclass(typ):
-                object.__setattr__(self, f.name, _coerce(f"{name}.{f.name}", getattr(self, f.name), typ))
+                object.__setattr__(self, f.name, _coerce(f"{name}.{f.name}", value, typ))
+            elif not isinstance(value, typ):
+                raise ValueError(f"{name}.{f.name}={value!r} must be a {typ.__name__}")
 
 
 BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
