@@ -61,8 +61,8 @@ class GRPOConfig:
     entropy_coef: float = field(default=0.0, metadata={"help": (
         "weight of the entropy bonus (subtracted from the loss; > 0 computes the entropy of every token)")})
     loss_scale_factor: float | None = field(default=None, metadata={"help": (
-        "the divisor of seq-mean-token-sum-norm (used by that mode only); none: the longest response of the step;"
-        " a constant such as the max response length reproduces Dr. GRPO exactly")})
+        "the divisor of seq-mean-token-sum-norm (used by that mode only); none: the longest response (the "
+        "trainer's: of the step); a constant such as the max response length reproduces Dr. GRPO exactly")})
     prefill_chunk: int = field(default=4096, metadata={"help": (
         "prompt tokens per prefill chunk (memory: one chunk's activations; exact mode: one chunk's graph in the "
         "reverse pass)")})
