@@ -34,6 +34,7 @@ def test_demo_prints_the_summary(demo_run):
                  "peak memory", "naive full-graph GRPO step", "plots"):
         assert line in stdout
     assert (out / "metrics.jsonl").exists() and (out / "plots" / "reward.png").exists()
+    assert json.loads((out / "naive_estimate.json").read_text())["bytes"] > 0  # drawn in plots/memory.png
     assert (out / "checkpoints" / "step-00000003" / "model" / "longstraw_tokenizer.json").exists()
 
 
@@ -117,3 +118,20 @@ def test_resume_from_a_different_config_is_refused_and_nothing_is_touched(tmp_pa
     _one_error_line(cli("train", "--resume", tmp_path / "empty"), "has no config.toml")
     after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert before == after
+
+
+def test_config_prints_a_commented_default_config_that_train_accepts_unchanged(tmp_path):
+    r = cli("config")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# LongStraw run config") and "\n[algorithm]\n" in r.stdout
+    assert "\n# dual clip c (> 1)" in r.stdout and '\nclip_ratio_c = 3.0\n' in r.stdout
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(r.stdout)  # unchanged; the overrides only make the run tiny
+    t = cli("train", "--config", cfg, "--set", f'train.out_dir="{tmp_path / "run"}"',
+            "--set", 'model.builtin="tiny-dense"', "--set", "data.prompt_len=100", "--set", "data.max_prompt_len=128", "--set", "train.steps=1",
+            "--set", "train.progress=false", "--set", "train.plots=false", "--set", "algorithm.prefill_chunk=64",
+            "--set", "rollout.group_size=3", "--set", 'train.memory_check="off"')
+    assert t.returncode == 0, t.stderr
+    assert "done: 1 steps" in t.stdout
+    md = cli("config", "--markdown")
+    assert md.returncode == 0 and md.stdout == (Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md").read_text()

@@ -1,4 +1,4 @@
-"""``longstraw`` command line: demo, train, generate, score, plot, plan.
+"""``longstraw`` command line: demo, train, config, generate, score, plot, plan.
 
 Every user error (a bad value, a missing file, a config key that does not exist) is one line on stderr and exit
 code 2; nothing already written is touched.
@@ -60,11 +60,15 @@ def cmd_demo(args) -> int:
     cfg = demo_config(args)
     print(f"LongStraw demo: GRPO on a built-in {cfg.model.builtin} model, synthetic '{cfg.data.task}' task, "
           f"{cfg.data.prompt_len}-token prompts, G={cfg.rollout.group_size}, {cfg.train.steps} steps, "
-          f"prompt_grad={cfg.algorithm.prompt_grad} -> {cfg.train.out_dir}")
+          f"prompt_grad={cfg.algorithm.grpo.prompt_grad.value} -> {cfg.train.out_dir}")
     t0 = time.time()
     trainer = Trainer(cfg, resume=False)
     s = trainer.train()
-    naive = naive_step_bytes(trainer.model, s.prompt_len, cfg.rollout.max_new_tokens, cfg.rollout.group_size)
+    naive = naive_step_bytes(trainer.model, s.prompt_len, cfg.rollout.sampling.max_new_tokens, cfg.rollout.group_size)
+    if cfg.train.plots:  # redrawn with the naive step's estimate in the memory panel (RUN/naive_estimate.json)
+        from longstraw.rl.plots import plot_run
+
+        s.plots = plot_run(s.run_dir, naive_bytes=naive)
     print("\n=== LongStraw demo summary ===")
     print(f"prompt length      {s.prompt_len} tokens")
     print(f"group size G       {s.group_size}")
@@ -207,6 +211,24 @@ def cmd_plan(args) -> int:
     return plan_from_args(args)
 
 
+# ---------------------------------------------------------------------------------------------------- config
+
+
+def cmd_config(args) -> int:
+    from longstraw.rl.config import config_reference, default_config_toml
+
+    sys.stdout.write(config_reference() if args.markdown else default_config_toml())
+    return 0
+
+
+def add_config_parser(sub) -> None:
+    c = sub.add_parser("config", help="print the default run config as commented TOML: every key with its default "
+                                      "and meaning, a file to copy, edit and pass to `longstraw train --config`")
+    c.add_argument("--markdown", action="store_true",
+                   help="print the reference of every key as Markdown instead (docs/CONFIG.md) (default: off, TOML)")
+    c.set_defaults(fn=cmd_config)
+
+
 # ---------------------------------------------------------------------------------------------------- parser
 
 
@@ -231,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (default: train.out_dir) from its last complete checkpoint")
     t.set_defaults(fn=cmd_train)
+    add_config_parser(sub)
 
     for name, fn, helptext in (("generate", cmd_generate, "sample responses from a checkpoint"),
                                ("score", cmd_score, "log-probs of responses (a rollouts JSONL) under a checkpoint")):

@@ -64,7 +64,7 @@ def test_off_skips_the_plan(tmp_path):
 
 
 @pytest.mark.parametrize("override,msg", [
-    ("train.memory_check=\"maybe\"", r"train.memory_check='maybe'; allowed: 'warn', 'error', 'off'"),
+    ("train.memory_check=\"maybe\"", r"train.memory_check='maybe' is not supported; allowed: 'warn', 'error', 'off'"),
     ("train.memory_limit=\"lots\"", r"train.memory_limit='lots' must be a memory size like 80G"),
     ("train.memory_limit=\"-3G\"", r"train.memory_limit='-3G' must be a memory size like 80G"),
     ("train.memory_limit=\"inf\"", r"train.memory_limit='inf' must be a memory size like 80G"),

@@ -41,21 +41,45 @@ class GRPOConfig:
         parameters, which gives float32 gradient accumulation with low-precision compute.
     """
 
-    prompt_grad: PromptGrad = PromptGrad.EXACT
-    loss_agg_mode: LossAggMode = LossAggMode.TOKEN_MEAN
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    kl_coef: float = 0.0
-    kl_type: KLType = KLType.LOW_VAR_KL
-    entropy_coef: float = 0.0
-    loss_scale_factor: float | None = None
-    prefill_chunk: int = 4096
-    branch_batch: int = 1
-    checkpoint_layers: bool = False
-    logprob_chunk: int = 1024
-    temperature: float = 1.0
-    compute_dtype: str | None = None
+    prompt_grad: PromptGrad = field(default=PromptGrad.EXACT, metadata={"help": (
+        "exact: the gradient also flows back through the prompt state (a reverse pass over the prompt chunks, "
+        "about three more prefills of compute); detached: the prompt state is a constant, as in the published "
+        "system")})
+    loss_agg_mode: LossAggMode = field(default=LossAggMode.TOKEN_MEAN, metadata={"help": (
+        "how token losses are aggregated (verl's modes; seq-mean-token-sum-norm is Dr. GRPO's)")})
+    clip_ratio_low: float = field(default=0.2, metadata={"help": (
+        "PPO clip: the probability ratio is clipped below at 1 - clip_ratio_low (>= 0 and < 1)")})
+    clip_ratio_high: float = field(default=0.2, metadata={"help": (
+        "PPO clip: the probability ratio is clipped above at 1 + clip_ratio_high (>= 0)")})
+    clip_ratio_c: float | None = field(default=3.0, metadata={"help": (
+        "dual clip c (> 1): the loss of a negative-advantage token is at most -A * c; none disables the dual clip")})
+    kl_coef: float = field(default=0.0, metadata={"help": (
+        "weight of the KL penalty to a frozen reference model (the initial weights); > 0 keeps that copy and "
+        "scores every response with it")})
+    kl_type: KLType = field(default=KLType.LOW_VAR_KL, metadata={"help": (
+        "the KL estimator, as verl's kl_penalty (k1: logp - ref; k2: (logp - ref)^2 / 2; low_var_kl: clamped k3)")})
+    entropy_coef: float = field(default=0.0, metadata={"help": (
+        "weight of the entropy bonus (subtracted from the loss; > 0 computes the entropy of every token)")})
+    loss_scale_factor: float | None = field(default=None, metadata={"help": (
+        "the divisor of seq-mean-token-sum-norm (used by that mode only); none: the longest response (the "
+        "trainer's: of the step); a constant such as the max response length reproduces Dr. GRPO exactly")})
+    prefill_chunk: int = field(default=4096, metadata={"help": (
+        "prompt tokens per prefill chunk (memory: one chunk's activations; exact mode: one chunk's graph in the "
+        "reverse pass)")})
+    branch_batch: int = field(default=1, metadata={"help": (
+        "response branches replayed together, right-padded (faster; holds that many branch graphs at once)")})
+    checkpoint_layers: bool = field(default=False, metadata={"help": (
+        "recompute each layer in backward: less activation memory (one layer's graph, not all), about one more "
+        "forward of compute")})
+    logprob_chunk: int = field(default=1024, metadata={"help": (
+        "tokens per chunk of the LM head's float32 log-prob computation (bounds the tokens x vocab float32 logits"
+        " held at once)")})
+    temperature: float = field(default=1.0, metadata={"help": (
+        "logits are divided by it before the log-probs (the sampling temperature; the trainer takes it from "
+        "rollout.temperature)")})
+    compute_dtype: str | None = field(default=None, metadata={"help": (
+        "autocast compute dtype over float32 parameters, bfloat16 or float16 (float32 gradient accumulation, low-"
+        "precision compute); none: the parameters' dtype (the trainer takes it from model.compute_dtype)")})
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -114,13 +138,23 @@ class GRPOStats:
 class SamplingConfig:
     """How to sample: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), max_new_tokens, stops, seed."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
+    temperature: float = field(default=1.0, metadata={"help": (
+        "sampling temperature; 0 samples greedily (training rollouts need > 0)")})
+    top_k: int = field(default=0, metadata={"help": "sample among the top_k most likely tokens only; 0 disables it"})
+    top_p: float = field(default=1.0, metadata={"help": (
+        "nucleus sampling: sample among the smallest set of most likely tokens whose probability reaches top_p, "
+        "in (0, 1]; 1 disables it")})
+    max_new_tokens: int = field(default=256, metadata={"help": (
+        "the most tokens sampled per response (also capped by the model's max_position_embeddings)")})
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata={"help": (
+        "token ids that end a response (the stop token is kept in it); the trainer sets the tokenizer's EOS when "
+        "rollout.stop_at_eos is true")})
+    stop_strings: tuple[str, ...] = field(default=(), metadata={"help": (
+        "strings that end a response as soon as its decoded text contains one (the tokens that complete it are "
+        "kept)")})
+    seed: int | None = field(default=None, metadata={"help": (
+        "seed of the sampling generator; none: torch's global generator (the trainer derives a seed per step and "
+        "prompt from train.seed)")})
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

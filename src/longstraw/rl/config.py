@@ -1,114 +1,204 @@
 """The training run's configuration: typed sections, validated, read from TOML, written beside the run.
 
 A run config is a :class:`RunConfig` of sections (``model``, ``data``, ``rollout``, ``reward``, ``algorithm``,
-``optim``, ``train``), each a frozen dataclass. ``load_config`` reads TOML; ``apply_overrides`` applies
-``section.key=value`` strings (values parsed as TOML literals, else taken as strings). Unknown sections or keys are
-errors that suggest the nearest valid name; a value of the wrong type names the key, the value and the type.
-``dump_config`` writes the resolved config as TOML, so that ``longstraw train --config RUN/config.toml`` repeats
-the run.
+``optim``, ``train``), each a frozen dataclass. Two sections embed the engine's own settings instead of restating
+them: ``algorithm.grpo`` is a :class:`~longstraw.engine.config.GRPOConfig` and ``rollout.sampling`` a
+:class:`~longstraw.engine.config.SamplingConfig`, so those settings' defaults, types and range checks are defined
+once, in the engine. The TOML stays flat for users (``[algorithm] clip_ratio_low = 0.2``, ``[rollout]
+temperature = 1.0``): the loader routes each key to the embedded config and :func:`dump_config` writes it back flat.
+A few engine fields are not keys because the run derives them (:data:`DERIVED`).
+
+Values are coerced and checked by the fields' type hints, element types included: a field typed ``X | None`` is
+written ``"none"`` in TOML, tuples come from TOML lists, enums from their strings, floats must be finite. Unknown
+sections or keys are errors that suggest the nearest valid name; a bad value is one ``ValueError`` naming
+``section.key=value`` and what is allowed. A :class:`RunConfig` validates itself on construction (:func:`validate`).
+
+``load_config`` reads TOML; ``apply_overrides`` applies ``section.key=value`` strings (values parsed as TOML
+literals, else taken as strings); ``dump_config`` writes the resolved config, so that ``longstraw train --config
+RUN/config.toml`` repeats the run. Every field carries a help text (``field(metadata={"help": ...})``), from which
+:func:`default_config_toml` (``longstraw config``: every key, its default and its help, a file to copy) and
+:func:`config_reference` (``longstraw config --markdown``: docs/CONFIG.md) are generated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import json
 import math
-import tomllib
+import re
+import textwrap
 import types
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
+
+from longstraw.engine.config import GRPOConfig, SamplingConfig
 from longstraw.units import parse_bytes
 
 
-@dataclass(frozen=True)
-class ModelSection:
-    path: str = ""  # an HF checkpoint directory; empty: build the built-in model named by `builtin`
-    builtin: str = "tiny-hybrid"  # tiny-hybrid | tiny-dense: random models for demos and tests
-    dtype: str = "float32"
-    compute_dtype: str = ""  # "" (the parameters' dtype) | bfloat16 | float16: autocast compute
-    device: str = "cpu"
+def _key(default=MISSING, help: str = "", *, default_factory=MISSING):
+    """A config field with its help text (the generated reference and the commented default config show it)."""
+    return field(default=default, default_factory=default_factory, metadata={"help": help})
+
+
+class MemoryCheck(str, Enum):
+    WARN = "warn"
+    ERROR = "error"
+    OFF = "off"
+
+
+class WandbMode(str, Enum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class _Section:
+    """Base of the sections: construction coerces and checks each field by its type hint (an embedded engine
+    config checks itself), so a section built in Python holds the same types as one loaded from TOML."""
+
+    def __post_init__(self):
+        name = _SECTION_NAMES[type(self)]
+        for f in fields(self):
+            typ, value = _hints(type(self))[f.name], getattr(self, f.name)
+            if not dataclasses.is_dataclass(typ):
+                object.__setattr__(self, f.name, _coerce(f"{name}.{f.name}", value, typ))
+            elif not isinstance(value, typ):
+                raise ValueError(f"{name}.{f.name}={value!r} must be a {typ.__name__}")
+
+
+BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
+MODEL_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
-class DataSection:
-    task: str = "passkey"  # a built-in synthetic task, or "" to read prompts from `path`
-    path: str = ""  # JSONL/Parquet prompts, or offline rollouts with `offline = true`
-    offline: bool = False  # rows carry responses and rewards produced elsewhere (vLLM, SGLang)
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    prompt_len: int = 4096  # target prompt length in tokens for built-in tasks
-    max_prompt_len: int = 1_048_576  # longer prompts are an error
-    answer_digits: int = 2  # passkey length for built-in tasks
-    num_prompts: int = 0  # built-in tasks: distinct prompts in the epoch (0: a new prompt every time)
-    seed: int = 0
+class ModelSection(_Section):
+    """The policy model: an HF checkpoint directory, or a built-in random model for demos and tests."""
+
+    path: str = _key("", "an HF checkpoint directory (config.json, safetensors, tokenizer); empty: build the "
+                         "built-in random model named by model.builtin")
+    builtin: str = _key("tiny-hybrid", "the built-in random model used when model.path is empty: tiny-hybrid "
+                                       "(Gated DeltaNet + attention, Qwen3.5-style) or tiny-dense (Llama-style)")
+    dtype: str = _key("float32", "the parameters' dtype: float32, float64, bfloat16 or float16")
+    compute_dtype: str | None = _key(None, "autocast compute dtype over float32 parameters: bfloat16 or float16 "
+                                           "(float32 gradient accumulation, low-precision compute); none: the "
+                                           "parameters' dtype")
+    device: str = _key("cpu", "cpu, cuda, cuda:N or mps; checked against this machine when the config is loaded")
 
 
 @dataclass(frozen=True)
-class RolloutSection:
-    group_size: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-    stop_strings: list = field(default_factory=list)
-    stop_at_eos: bool = True
+class DataSection(_Section):
+    """Where prompts come from: a built-in synthetic task (``task``), a prompt file, or offline rollouts
+    (``path``); set exactly one of ``task`` and ``path``."""
+
+    task: str = _key("passkey", "a built-in synthetic long-context task (passkey, kv_retrieval, "
+                                "variable_tracking), or \"\" to read data.path")
+    path: str = _key("", "a JSONL or Parquet file of prompt rows {prompt, answer, ...} (prompt: a string or "
+                         "chat messages), or of rollouts with data.offline = true")
+    offline: bool = _key(False, "data.path holds rollouts produced elsewhere (vLLM, SGLang): rows {prompt, "
+                                "responses, rewards, old_logprobs?}; nothing is sampled")
+    prompt_key: str = _key("prompt", "the prompt's field in the rows of a prompt file (not offline rollouts)")
+    answer_key: str = _key("answer", "the answer's field in the rows of a prompt file (passed to the reward)")
+    prompt_len: int = _key(4096, "target prompt length in tokens of built-in task prompts (>= 16)")
+    max_prompt_len: int = _key(1_048_576, "the longest prompt in tokens; a longer one is an error naming its "
+                                          "index (built-in models: also their max_position_embeddings with "
+                                          "rollout.max_new_tokens)")
+    answer_digits: int = _key(2, "answer length in digits of built-in task prompts (1 to 32)")
+    num_prompts: int = _key(0, "built-in tasks: the number of distinct prompts cycled through; 0: a new prompt "
+                               "for every group")
+    seed: int = _key(0, "seed of the built-in task prompts (prompt i is built from data.seed and i)")
 
 
 @dataclass(frozen=True)
-class RewardSection:
-    fn: str = "digit_match"  # a built-in reward or "module:function" / "path.py:function"
-    timeout_s: float = 10.0
-    case_sensitive: bool = True
+class RolloutSection(_Section):
+    """How responses are sampled from each prompt's shared state: the engine's :class:`SamplingConfig` (its
+    fields are keys of ``[rollout]``) plus the group size and the stop at EOS."""
+
+    group_size: int = _key(8, "G: responses sampled per prompt (>= 2: GRPO compares them)")
+    # the trainer's default answers are short (the built-in tasks' answers are a few digits): 8 new tokens, not the
+    # engine's 256
+    sampling: SamplingConfig = _key(help="the engine's sampling settings, written flat in [rollout]",
+                                    default_factory=lambda: SamplingConfig(max_new_tokens=8))
+    stop_at_eos: bool = _key(True, "end a response at the tokenizer's EOS token (offline rollouts: append EOS to "
+                                   "each response)")
 
 
 @dataclass(frozen=True)
-class AlgorithmSection:
-    prompt_grad: str = "exact"
-    loss_agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual clip; 0 disables it
-    kl_coef: float = 0.0  # > 0 keeps a frozen reference model
-    kl_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    loss_scale_factor: float = 0.0  # seq-mean-token-sum-norm divisor; 0: the step's longest response
-    ppo_epochs: int = 1  # optimisation epochs over one rollout batch
-    prompts_per_step: int = 1
-    reuse_rollout_state: bool = True  # keep each group's rollout prompt state for the first update (memory:
-    # prompts_per_step states at once); false re-prefills each group in the update instead
-    prefill_chunk: int = 4096
-    branch_batch: int = 1
-    checkpoint_layers: bool = False
+class RewardSection(_Section):
+    """The reward of a response: a built-in reward by name with its options, or your own function."""
+
+    fn: str = _key("digit_match", "a built-in reward (exact_match, contains, regex, numeric, digit_match, "
+                                  "digits_shaped) or a user function \"module:function\" / \"path.py:function\"")
+    timeout_s: float = _key(10.0, "seconds one call of a user reward function may take (a call over it scores 0 "
+                                  "and is recorded as an error)")
+    options: dict[str, Any] = _key(help="keyword options of the reward, a TOML table such as { case_sensitive = "
+                                        "false }: built-ins check theirs (exact_match, contains: case_sensitive; "
+                                        "regex: pattern, mode, case_sensitive; numeric: rel_tol, abs_tol); a user "
+                                        "function gets them in every call", default_factory=dict)
 
 
 @dataclass(frozen=True)
-class OptimSection:
-    lr: float = 1e-3
-    betas: list = field(default_factory=lambda: [0.9, 0.99])
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    grad_clip: float = 1.0  # 0 disables clipping
+class AlgorithmSection(_Section):
+    """The GRPO update: the engine's :class:`GRPOConfig` (the loss, prompt gradient and memory settings; its
+    fields are keys of ``[algorithm]``) plus what the trainer does around it."""
+
+    grpo: GRPOConfig = _key(help="the engine's loss and memory settings, written flat in [algorithm]",
+                            default_factory=GRPOConfig)
+    norm_adv_by_std: bool = _key(True, "divide each group's advantages by its reward std (GRPO); false: "
+                                       "advantages are reward - group mean (Dr. GRPO)")
+    ppo_epochs: int = _key(1, "optimisation epochs over one step's rollouts (later epochs re-prefill under the "
+                              "updated weights)")
+    prompts_per_step: int = _key(1, "prompts (groups) per optimiser step, with one step-global loss normaliser")
+    reuse_rollout_state: bool = _key(True, "keep each group's rollout prompt state for the first epoch's update "
+                                           "(saves one prefill per group; memory: prompts_per_step states at "
+                                           "once); false: re-prefill each group in the update")
 
 
 @dataclass(frozen=True)
-class TrainSection:
-    steps: int = 100
-    seed: int = 0
-    out_dir: str = "runs/longstraw"
-    save_every: int = 50  # 0: only at the end
-    keep_last: int = 2
-    log_every: int = 1
-    progress: bool = True
-    tensorboard: bool = True  # used when the tensorboard package is installed
-    plots: bool = True
-    memory_check: str = "warn"  # warn | error | off: the planner's peak against memory_limit before the run
-    memory_limit: str = ""  # e.g. "80G"; "": the device's memory (CUDA: total; CPU: available now)
+class OptimSection(_Section):
+    """AdamW with linear warm-up then cosine decay, and global-norm gradient clipping."""
+
+    lr: float = _key(1e-3, "peak learning rate (> 0)")
+    betas: tuple[float, float] = _key((0.9, 0.99), "AdamW's beta1 and beta2, each in [0, 1)")
+    weight_decay: float = _key(0.0, "AdamW weight decay of matrices (norms and biases are not decayed)")
+    eps: float = _key(1e-8, "AdamW epsilon")
+    warmup_steps: int = _key(10, "optimiser steps of linear warm-up from lr / warmup_steps to lr")
+    min_lr_ratio: float = _key(0.1, "the cosine decays to lr * min_lr_ratio at the last optimiser step, in [0, 1]")
+    grad_clip: float = _key(1.0, "clip the global gradient norm to this; 0 disables clipping")
+
+
+@dataclass(frozen=True)
+class TrainSection(_Section):
+    """The loop: steps, seed, run directory, checkpoints, logging, and the memory check before the run."""
+
+    steps: int = _key(100, "training steps (each: prompts_per_step groups, ppo_epochs optimiser steps)")
+    seed: int = _key(0, "seed of the initial weights (built-in models) and of every step's sampling")
+    out_dir: str = _key("runs/longstraw", "the run directory (config.toml, metrics.jsonl, plots/, checkpoints/)")
+    save_every: int = _key(50, "checkpoint every this many steps; 0: only at the end (the last step is always "
+                               "saved)")
+    keep_last: int = _key(2, "complete checkpoints kept (older ones are deleted)")
+    log_every: int = _key(1, "print a log line every this many steps when train.progress is false")
+    progress: bool = _key(True, "a progress bar instead of log lines")
+    tensorboard: bool = _key(True, "write TensorBoard events to RUN/tensorboard when the tensorboard package is "
+                                   "installed")
+    wandb: bool = _key(False, "log each step's metrics to Weights & Biases (needs pip install wandb)")
+    wandb_project: str = _key("longstraw", "the W&B project of the run")
+    wandb_mode: WandbMode = _key(WandbMode.ONLINE, "online: sync to the W&B server as the run goes; offline: "
+                                                   "write RUN/wandb only (wandb sync uploads it later)")
+    plots: bool = _key(True, "write RUN/plots/*.png at the end (needs matplotlib)")
+    memory_check: MemoryCheck = _key(MemoryCheck.WARN, "before the run, the planner's peak memory against "
+                                                       "train.memory_limit: warn, error (refuse a run that does "
+                                                       "not fit) or off")
+    memory_limit: str = _key("", "memory per device for the check, e.g. \"80G\"; \"\": the device's (CUDA: total; "
+                                 "CPU: available now)")
 
 
 SECTIONS = {
@@ -121,9 +211,30 @@ SECTIONS = {
     "train": TrainSection,
 }
 
+_SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+# Fields of the embedded engine configs that are not keys of their section: where the run takes each from.
+DERIVED = {
+    ("algorithm", "temperature"): "taken from rollout.temperature",
+    ("algorithm", "compute_dtype"): "taken from model.compute_dtype",
+    ("rollout", "stop_token_ids"): "the tokenizer's EOS token when rollout.stop_at_eos = true",
+    ("rollout", "seed"): "derived per step and prompt from train.seed",
+}
+# the keys those derived from keys come from (an engine error about the field names the key)
+DERIVED_FROM = {("algorithm", "temperature"): "rollout.temperature",
+                 ("algorithm", "compute_dtype"): "model.compute_dtype"}
+
 
 @dataclass(frozen=True)
 class RunConfig:
+    """A whole run's settings; validated on construction (:func:`validate`)."""
+
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -132,8 +243,64 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
 
+    def __post_init__(self):
+        validate(self)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """``{section: {key: value}}`` as the TOML has it: flat, enums as their strings, tuples as lists."""
+        return {name: {k.name: _plain(k.value(self)) for k in section_keys(name)} for name in SECTIONS}
+
+
+# ---------------------------------------------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True)
+class Key:
+    """One TOML key ``[section] name``: its type hint, help text, and (``via``) the embedded engine config that
+    holds it (``grpo``, ``sampling``), or None for a field of the section itself."""
+
+    section: str
+    name: str
+    type: Any
+    help: str
+    via: str | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    def value(self, cfg: RunConfig):
+        obj = getattr(cfg, self.section)
+        return getattr(getattr(obj, self.via) if self.via else obj, self.name)
+
+
+def _embedded(cls) -> dict[str, type]:
+    """The section's fields that embed an engine config: ``{field name: config class}``."""
+    return {f.name: _hints(cls)[f.name] for f in fields(cls) if dataclasses.is_dataclass(_hints(cls)[f.name])}
+
+
+@functools.cache
+def section_keys(section: str) -> tuple[Key, ...]:
+    """The keys of ``[section]`` in order (an embedded engine config's fields in its place, less :data:`DERIVED`)."""
+    cls = SECTIONS[section]
+    hints, emb = _hints(cls), _embedded(cls)
+    out = []
+    for f in fields(cls):
+        if f.name in emb:
+            sub = _hints(emb[f.name])
+            out += [Key(section, g.name, sub[g.name], g.metadata.get("help", ""), f.name) for g in fields(emb[f.name])
+                    if (section, g.name) not in DERIVED]
+        else:
+            out.append(Key(section, f.name, hints[f.name], f.metadata.get("help", "")))
+    return tuple(out)
+
+
+def config_keys() -> list[Key]:
+    """Every key of every section, in order."""
+    return [k for name in SECTIONS for k in section_keys(name)]
+
+
+# ---------------------------------------------------------------------------------------------------- values
 
 
 def _suggest(name: str, options) -> str:
@@ -141,60 +308,142 @@ def _suggest(name: str, options) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(options))}"
 
 
-def _field_type(cls, name):
-    hints = typing.get_type_hints(cls)
-    return hints[name]
+def _optional(typ):
+    """``X`` for a type hint ``X | None``, else None."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(inner) == 1 and len(typing.get_args(typ)) == 2:
+            return inner[0]
+    return None
+
+
+_SINGULAR = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+_PLURAL = {bool: "booleans", int: "integers", float: "finite numbers", str: "strings"}
+
+
+def _describe(typ) -> str:
+    """What a value of type hint ``typ`` must be, for error messages."""
+    if (inner := _optional(typ)) is not None:
+        return f'{_describe(inner)}, or "none" to disable it'
+    if isinstance(typ, type) and issubclass(typ, Enum):
+        return "one of " + ", ".join(repr(m.value) for m in typ)
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (tuple, list):
+        elem = args[0] if args else Any
+        what = _PLURAL.get(elem, "values")
+        fixed = origin is tuple and args and args[-1] is not Ellipsis
+        return f"a list of {len(args)} {what}" if fixed else f"a list of {what}"
+    if typ is dict or origin is dict:
+        return "a table (e.g. { key = value })"
+    return _SINGULAR[typ]
 
 
 def _coerce(where: str, value: Any, typ) -> Any:
-    origin = typing.get_origin(typ)
+    """``value`` (from TOML or Python) as type hint ``typ``; ValueError ``where=value must be ...`` otherwise."""
+    bad = ValueError(f"{where}={value!r} must be {_describe(typ)}")
+    if typ is Any:
+        return value
+    if (inner := _optional(typ)) is not None:
+        if value is None or value == "none":
+            return None
+        try:
+            return _coerce(where, value, inner)
+        except ValueError:
+            raise bad from None
+    if isinstance(typ, type) and issubclass(typ, Enum):
+        if isinstance(value, typ):
+            return value
+        allowed = ", ".join(repr(m.value) for m in typ)
+        try:
+            return typ(value)
+        except ValueError:
+            raise ValueError(f"{where}={value!r} is not supported; allowed: {allowed}") from None
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        fixed = origin is tuple and args and args[-1] is not Ellipsis
+        if fixed and len(value) != len(args):
+            raise bad
+        elems = args if fixed else [args[0] if args else Any] * len(value)
+        try:
+            out = [_coerce(where, v, t) for v, t in zip(value, elems)]
+        except ValueError:
+            raise bad from None
+        return tuple(out) if origin is tuple else out
+    if typ is dict or origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise bad
+        return dict(value)
     if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}={value!r} must be a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{where}={value!r} must be finite")
-        return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}={value!r} must be an integer")
-        return value
-    if typ is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}={value!r} must be true or false")
-        return value
-    if typ is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where}={value!r} must be a string")
-        return value
-    if typ is list or origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{where}={value!r} must be a list")
-        return list(value)
-    if origin in (typing.Union, types.UnionType):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad
+        return float(value)
+    if typ in (int, bool, str):
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise bad
         return value
     raise AssertionError(f"unhandled config type {typ} for {where}")
 
 
-def _section(name: str, cls, values: dict):
+def _plain(v: Any) -> Any:
+    """A value as TOML holds it: enums as their strings, tuples as lists (None stays None)."""
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _engine_error(section: str, e: ValueError) -> ValueError:
+    """An engine config's message (``name=value ...``) in the run config's terms: ``section.name=value ...`` (or the
+    key a derived field comes from), with TOML's ``"none"`` for Python's None."""
+    msg = str(e)
+    m = re.match(r"\w+", msg)
+    name = m.group(0) if m else ""
+    path = DERIVED_FROM.get((section, name), f"{section}.{name}")
+    msg = path + msg[len(name):]
+    return ValueError(msg.replace("or None", 'or "none"').replace("allowed: None", 'allowed: "none"'))
+
+
+def _section(name: str, values: Any, derived: dict):
+    """Build section ``name`` from its TOML table (``derived``: values of the embedded configs' derived fields)."""
+    cls = SECTIONS[name]
     if not isinstance(values, dict):
         raise ValueError(f"[{name}] must be a table of keys, got {values!r}")
-    valid = {f.name: f for f in fields(cls)}
-    kwargs = {}
+    keys = {k.name: k for k in section_keys(name)}
+    own, emb = {}, {f: {} for f in _embedded(cls)}
     for k, v in values.items():
-        if k not in valid:
-            raise ValueError(f"unknown key {name}.{k}{_suggest(k, valid)}")
-        kwargs[k] = _coerce(f"{name}.{k}", v, _field_type(cls, k))
-    return cls(**kwargs)
+        if k not in keys:
+            if (name, k) in DERIVED:
+                raise ValueError(f"{name}.{k} is not a key: it is {DERIVED[(name, k)]}")
+            raise ValueError(f"unknown key {name}.{k}{_suggest(k, keys)}")
+        key = keys[k]
+        (emb[key.via] if key.via else own)[k] = _coerce(key.path, v, key.type)
+    defaults = {f.name: f.default_factory() for f in fields(cls) if f.name in emb}
+    for attr, given in emb.items():
+        try:  # the embedded config checks its own values on construction
+            own[attr] = dataclasses.replace(defaults[attr], **given, **derived)
+        except ValueError as e:
+            raise _engine_error(name, e) from None
+    return cls(**own)
 
 
 def config_from_dict(d: dict) -> RunConfig:
+    """A validated RunConfig from ``{section: {key: value}}`` (TOML's shape; missing keys take their defaults)."""
     for name in d:
         if name not in SECTIONS:
             raise ValueError(f"unknown section [{name}]{_suggest(name, SECTIONS)}")
-    cfg = RunConfig(**{name: _section(name, cls, d.get(name, {})) for name, cls in SECTIONS.items()})
-    validate(cfg)
-    return cfg
+    built: dict = {}
+    for name in SECTIONS:
+        derived = {}
+        if name == "algorithm":  # the loss's temperature is the sampling temperature; autocast is the model's
+            derived = {"temperature": built["rollout"].sampling.temperature,
+                       "compute_dtype": built["model"].compute_dtype}
+        built[name] = _section(name, d.get(name, {}), derived)
+    return RunConfig(**built)
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -229,7 +478,13 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return config_from_dict(d)
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _toml_value(v: Any) -> str:
+    v = _plain(v)
+    if v is None:
+        return '"none"'
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -238,14 +493,17 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        items = [f"{k if _BARE_KEY.fullmatch(k) else json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()]
+        return "{ " + ", ".join(items) + " }" if items else "{}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
 def dump_config(cfg: RunConfig) -> str:
     lines = []
-    for name, values in cfg.to_dict().items():
+    for name in SECTIONS:
         lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines += [f"{k.name} = {_toml_value(k.value(cfg))}" for k in section_keys(name)]
         lines.append("")
     return "\n".join(lines)
 
@@ -263,42 +521,68 @@ def diff_configs(a: RunConfig, b: RunConfig, ignore: tuple[str, ...] = ()) -> li
     return out
 
 
+# ---------------------------------------------------------------------------------------------------- checks
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
 
 
+def _check_reward(r: RewardSection) -> None:
+    """Built-in rewards and their options are checked now; a user function is imported by the trainer (not here:
+    importing it runs the user's code)."""
+    from longstraw.rl.rewards import BUILTINS, make_reward
+
+    if ":" in r.fn:
+        return
+    _require(r.fn in BUILTINS, f"reward.fn={r.fn!r} is not a built-in reward; built-ins: {', '.join(BUILTINS)}; or a "
+                               "user function 'module:function' or 'path/to/file.py:function'")
+    try:
+        make_reward(r.fn, **r.options)
+    except ValueError as e:
+        raise ValueError(f"reward.options={_toml_value(r.options)}: {e}") from None
+
+
 def validate(cfg: RunConfig) -> None:
-    """Range checks that the types alone do not express. Engine-level values are re-checked by GRPOConfig."""
+    """Range checks that the types alone do not express (the embedded engine configs check their own fields on
+    construction), and that the derived engine fields agree with the keys they come from."""
+    from longstraw.devices import resolve_device
+
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
-    _require(bool(m.path) or m.builtin in ("tiny-hybrid", "tiny-dense"),
+    g, s = a.grpo, r.sampling
+    _require(bool(m.path) or m.builtin in BUILTIN_MODELS,
              f"model.builtin={m.builtin!r} is not a built-in model; allowed: 'tiny-hybrid', 'tiny-dense' "
              "(or set model.path to a checkpoint directory)")
-    _require(m.dtype in ("float32", "float64", "bfloat16", "float16"),
-             f"model.dtype={m.dtype!r}; allowed: 'float32', 'float64', 'bfloat16', 'float16'")
-    _require(m.compute_dtype in ("", "bfloat16", "float16"),
-             f"model.compute_dtype={m.compute_dtype!r}; allowed: '', 'bfloat16', 'float16'")
+    _require(m.dtype in MODEL_DTYPES, f"model.dtype={m.dtype!r}; allowed: 'float32', 'float64', 'bfloat16', 'float16'")
+    resolve_device(m.device, "model.device")
     _require(bool(d.task) != bool(d.path), "set exactly one of data.task (a built-in task) and data.path (a file)")
     _require(not d.offline or bool(d.path), "data.offline = true needs data.path (a JSONL of rollouts)")
     _require(d.prompt_len >= 16, f"data.prompt_len={d.prompt_len} must be >= 16")
     _require(d.max_prompt_len >= 2, f"data.max_prompt_len={d.max_prompt_len} must be >= 2")
-    _require(d.prompt_len <= d.max_prompt_len,
+    _require(not d.task or d.prompt_len <= d.max_prompt_len,  # prompt_len sizes built-in task prompts only
              f"data.prompt_len={d.prompt_len} exceeds data.max_prompt_len={d.max_prompt_len}")
     _require(1 <= d.answer_digits <= 32, f"data.answer_digits={d.answer_digits} must be in [1, 32]")
     _require(d.num_prompts >= 0, f"data.num_prompts={d.num_prompts} must be >= 0")
     _require(r.group_size >= 2, f"rollout.group_size={r.group_size} must be >= 2 (GRPO compares responses)")
-    _require(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 for training rollouts")
-    _require(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    _require(r.top_k >= 0 and 0 < r.top_p <= 1, f"rollout.top_k={r.top_k} must be >= 0 and rollout.top_p={r.top_p} "
-             "in (0, 1]")
+    _require(s.temperature > 0, f"rollout.temperature={s.temperature} must be > 0 for training rollouts")
+    _require(s.stop_token_ids == (), f"rollout's sampling.stop_token_ids={s.stop_token_ids} must be empty: it is "
+                                     f"{DERIVED[('rollout', 'stop_token_ids')]}")
+    _require(s.seed is None, f"rollout's sampling.seed={s.seed} must be None: it is {DERIVED[('rollout', 'seed')]}")
+    _require(g.temperature == s.temperature, f"algorithm's grpo.temperature={g.temperature} differs from "
+                                             f"rollout.temperature={s.temperature}: it is taken from "
+                                             "rollout.temperature")
+    _require(g.compute_dtype == m.compute_dtype, f"algorithm's grpo.compute_dtype={g.compute_dtype!r} differs from "
+                                                 f"model.compute_dtype={m.compute_dtype!r}: it is taken from "
+                                                 "model.compute_dtype")
     _require(cfg.reward.timeout_s > 0, f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
+    _check_reward(cfg.reward)
     _require(a.ppo_epochs >= 1, f"algorithm.ppo_epochs={a.ppo_epochs} must be >= 1")
     _require(a.prompts_per_step >= 1, f"algorithm.prompts_per_step={a.prompts_per_step} must be >= 1")
-    _require(a.clip_ratio_c == 0 or a.clip_ratio_c > 1,
-             f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1, or 0 to disable the dual clip")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
-    _require(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
-             f"optim.betas={o.betas} must be two numbers in [0, 1)")
+    _require(all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    _require(o.eps > 0, f"optim.eps={o.eps} must be > 0")
+    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
@@ -306,25 +590,103 @@ def validate(cfg: RunConfig) -> None:
     _require(t.save_every >= 0, f"train.save_every={t.save_every} must be >= 0")
     _require(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1")
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
-    _require(t.memory_check in ("warn", "error", "off"),
-             f"train.memory_check={t.memory_check!r}; allowed: 'warn', 'error', 'off'")
+    _require(bool(t.wandb_project), "train.wandb_project must not be empty")
     if t.memory_limit:
         parse_bytes(t.memory_limit, "train.memory_limit")
-    try:
-        grpo_config(cfg)  # engine-level checks (prompt_grad, loss_agg_mode, kl_type, chunk sizes, ...)
-    except ValueError as e:
-        raise ValueError(f"algorithm.{e}") from None
 
 
-def grpo_config(cfg: RunConfig):
-    from longstraw.engine.grpo import GRPOConfig
+def grpo_config(cfg: RunConfig) -> GRPOConfig:
+    """The engine's settings of the run's GRPO backward: ``algorithm``'s embedded GRPOConfig, whose temperature and
+    compute dtype the loader took from ``rollout.temperature`` and ``model.compute_dtype``."""
+    return cfg.algorithm.grpo
 
-    a = cfg.algorithm
-    return GRPOConfig(
-        prompt_grad=a.prompt_grad, loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c or None, kl_coef=a.kl_coef,
-        kl_type=a.kl_type, entropy_coef=a.entropy_coef, loss_scale_factor=a.loss_scale_factor or None,
-        prefill_chunk=a.prefill_chunk, branch_batch=a.branch_batch, checkpoint_layers=a.checkpoint_layers,
-        temperature=cfg.rollout.temperature, compute_dtype=cfg.model.compute_dtype or None,
-    )
 
+def sampling_config(cfg: RunConfig, stop_token_ids=()) -> SamplingConfig:
+    """The run's rollout sampling settings with the tokenizer's stop ids (the seed is set per step by the trainer)."""
+    return dataclasses.replace(cfg.rollout.sampling, stop_token_ids=tuple(stop_token_ids))
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+
+def type_text(typ) -> str:
+    """A key's type as the reference shows it (``float or "none"``, ``list of str``, ``"warn" | "error"``)."""
+    if (inner := _optional(typ)) is not None:
+        return f'{type_text(inner)} or "none"'
+    if isinstance(typ, type) and issubclass(typ, Enum):
+        return " | ".join(json.dumps(m.value) for m in typ)
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (tuple, list):
+        if args and args[-1] is not Ellipsis and origin is tuple:
+            return f"list of {len(args)} {type_text(args[0])}"
+        return f"list of {type_text(args[0]) if args else 'values'}"
+    if typ is dict or origin is dict:
+        return "table"
+    return typ.__name__
+
+
+def _default_note(k: Key) -> str:
+    """Where the trainer's default of an embedded key differs from the engine class's, say so."""
+    if k.via is None:
+        return ""
+    cls = _embedded(SECTIONS[k.section])[k.via]
+    engine = {f.name: f.default for f in fields(cls)}[k.name]
+    mine = k.value(_defaults())
+    return "" if engine == mine else f" (the trainer's default; {cls.__name__}'s is {_toml_value(engine)})"
+
+
+@functools.cache
+def _defaults() -> RunConfig:
+    return RunConfig()
+
+
+def _doc(cls) -> str:
+    return " ".join(textwrap.dedent(cls.__doc__ or "").split()).replace("``", "`").replace(":class:", "")
+
+
+def default_config_toml() -> str:
+    """The default run config as commented TOML: every key with its default and help (``longstraw config``)."""
+    cfg = _defaults()
+    lines = ["# LongStraw run config: every key with its default value. Copy it, edit what you need, then",
+             "#   longstraw train --config run.toml",
+             '# Values: "none" leaves an optional setting unset; lists for tuples; strings for choices.',
+             "# Reference: docs/CONFIG.md (longstraw config --markdown). Generated from longstraw.rl.config."]
+    for name, cls in SECTIONS.items():
+        lines += ["", *("# " + x for x in textwrap.wrap(_doc(cls), 114)), f"[{name}]"]
+        for k in section_keys(name):
+            text = f"{k.help}{_default_note(k)}. Type: {type_text(k.type)}."
+            lines += ["# " + x for x in textwrap.wrap(text, 114)]
+            lines.append(f"{k.name} = {_toml_value(k.value(cfg))}")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def config_reference() -> str:
+    """docs/CONFIG.md: a table per section of every key, its type, default and meaning (``longstraw config
+    --markdown``)."""
+    cfg = _defaults()
+    intro = [
+        "Generated from the config classes (`longstraw.rl.config.config_reference`, printed by `longstraw config "
+        "--markdown`); a test keeps this file equal to it, so edit the help texts in the code, not this file.",
+        "A run config is a TOML file with the sections below; every key is optional (a missing key takes its "
+        "default). `longstraw config` prints all of them with their defaults as a commented file to copy; "
+        "`longstraw train --config run.toml --set section.key=value` trains from it. The run directory's "
+        "`config.toml` is the resolved config in the same form. An unknown key or a value of the wrong type is an "
+        "error naming it. Writing values: `\"none\"` leaves a setting typed `... or \"none\"` unset; lists for lists; "
+        "the strings shown for choices. Examples: [examples/](../examples/).",
+        "`[algorithm]` holds the engine's `GRPOConfig` and `[rollout]` its `SamplingConfig` (the same fields, "
+        "defaults and checks as in Python), plus the trainer's own keys. Not keys, derived by the run: "
+        + "; ".join(f"{s}'s `{n}` ({src})" for (s, n), src in DERIVED.items()) + ".",
+    ]
+    out = ["# Run configuration reference"]
+    for para in intro:
+        out += ["", *textwrap.wrap(para, 118, break_on_hyphens=False)]
+    for name, cls in SECTIONS.items():
+        out += ["", f"## [{name}]", "", _doc(cls), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for k in section_keys(name):
+            out.append(f"| `{k.name}` | {_cell(type_text(k.type))} | `{_cell(_toml_value(k.value(cfg)))}` | "
+                       f"{_cell(k.help + _default_note(k))} |")
+    return "\n".join(out) + "\n"

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.planner import plan
+from longstraw.rl.config import RunConfig, grpo_config
 from longstraw.units import format_bytes as _fmt
 from longstraw.units import parse_bytes
-from longstraw.rl.config import RunConfig, grpo_config
 
 
 @dataclass
@@ -52,23 +52,23 @@ def device_memory(device: torch.device) -> int | None:
 
 def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[str]:
     """What would shrink the largest terms, most effective first."""
-    a = grpo_config(cfg)
+    g = grpo_config(cfg)
     out = []
     transient = max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
     if b["prompt_state_grad"]:
         out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
                    "and the reverse pass; the gradient no longer flows through the prompt)")
     if b["prefill_chunk"] == transient:
-        if b["prompt_state_grad"] and not a.checkpoint_layers:
+        if b["prompt_state_grad"] and not g.checkpoint_layers:
             out.append(f"algorithm.checkpoint_layers = true (the reverse pass then keeps one layer's graph of a "
                        f"chunk, not all of them: the chunk transient is {_fmt(b['prefill_chunk'])})")
-        if a.prefill_chunk > 256:
-            out.append(f"a smaller algorithm.prefill_chunk (now {a.prefill_chunk}: one chunk's transient is "
+        if g.prefill_chunk > 256:
+            out.append(f"a smaller algorithm.prefill_chunk (now {g.prefill_chunk}: one chunk's transient is "
                        f"{_fmt(b['prefill_chunk'])})")
     if b["branch_graph"] + b["logits"] == transient:
-        if a.branch_batch > 1:
-            out.append(f"algorithm.branch_batch = 1 (now {a.branch_batch})")
-        if not a.checkpoint_layers:
+        if g.branch_batch > 1:
+            out.append(f"algorithm.branch_batch = 1 (now {g.branch_batch})")
+        if not g.checkpoint_layers:
             out.append(f"algorithm.checkpoint_layers = true (one branch's graph is {_fmt(b['branch_graph'])})")
     if extra.get("rollout_states"):
         out.append(f"algorithm.reuse_rollout_state = false (the other groups' rollout states, "

@@ -1,18 +1,47 @@
-"""PNG plots of a run from its ``metrics.jsonl``: reward, loss, KL and peak memory against the step."""
+"""PNG plots of a run from its ``metrics.jsonl``: reward, loss, KL and peak memory against the step.
+
+Every panel labels both axes (x: the training step; y: the quantity and its unit) and draws each series raw (faint)
+and smoothed. Two panels read more than the metrics:
+
+- KL: ``kl`` (the KL to the frozen reference model, a term of the loss) is drawn only when the run's loss had it
+  (``algorithm.kl_coef > 0`` in ``RUN/config.toml``); ``ppo_kl`` (how far one update moved the policy from the one
+  that sampled) is a diagnostic and labelled as one.
+- memory: starts at 0; when the run recorded an estimate of a naive full-graph GRPO step
+  (``RUN/naive_estimate.json``, written by ``longstraw demo`` through ``plot_run(..., naive_bytes=)``), it is a dashed
+  horizontal line beside the measured peaks.
+"""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 from longstraw.rl.runlog import read_metrics
 
-PANELS = (
-    ("reward", ("reward_mean", "solved"), "reward (mean) / solved fraction"),
-    ("loss", ("loss",), "loss"),
-    ("kl", ("kl", "ppo_kl"), "KL to reference / PPO KL (old -> new)"),
-    ("memory", ("peak_memory_bytes",), "peak memory (MiB)"),
-)
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+NAIVE_ESTIMATE = "naive_estimate.json"
+NAIVE_LABEL = "naive full-graph GRPO step (estimate)"
+NAIVE_WHAT = ("peak bytes above the weights of one naive full-graph GRPO step: G x (P + R) tokens through autograd "
+              "with logits at every position, at the run's longest prompt (planner dry run)")
+
+# name -> (title, y label, [(metric key, legend label)])
+PANELS = {
+    "reward": ("reward", "reward / fraction solved (unitless)",
+               [("reward_mean", "reward_mean: mean reward of the step's responses"),
+                ("solved", "solved: fraction of responses with reward >= 1")]),
+    "loss": ("loss", "loss (unitless; aggregated by loss_agg_mode)", [("loss", "loss: the step's GRPO loss")]),
+    "kl": ("KL", "KL (nats per token)",
+           [("kl", "kl: KL to the reference model (in the loss, kl_coef > 0)"),
+            ("ppo_kl", "ppo_kl: KL(sampling policy -> updated policy), diagnostic only")]),
+    "memory": ("peak memory", "peak memory (MiB)",
+               [("peak_memory_bytes", "process peak, measured"),
+                ("peak_above_start_bytes", "peak above the post-load baseline, measured")]),
+}
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -25,12 +54,43 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write ``RUN/plots/{reward,loss,kl,memory}.png``; returns the paths (empty if matplotlib is missing)."""
+def _kl_in_loss(run_dir: Path) -> bool | None:
+    """Whether the run's loss had a KL term (``algorithm.kl_coef > 0`` in its config.toml); None without one. Read
+    as plain TOML, not validated: a run from another machine (e.g. ``model.device = "cuda"``) still plots here."""
+    p = run_dir / "config.toml"
+    if not p.is_file():
+        return None
+    try:
+        kl_coef = tomllib.loads(p.read_text()).get("algorithm", {}).get("kl_coef", 0.0)
+    except tomllib.TOMLDecodeError:
+        return None
+    return isinstance(kl_coef, (int, float)) and kl_coef > 0
+
+
+def read_naive_estimate(run_dir: str | Path) -> int | None:
+    p = Path(run_dir) / NAIVE_ESTIMATE
+    if not p.is_file():
+        return None
+    return int(json.loads(p.read_text())["bytes"])
+
+
+def write_naive_estimate(run_dir: str | Path, nbytes: int) -> None:
+    (Path(run_dir) / NAIVE_ESTIMATE).write_text(json.dumps({"bytes": int(nbytes), "what": NAIVE_WHAT}) + "\n")
+
+
+def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
+    """Write ``RUN/plots/{reward,loss,kl,memory}.png``; returns the paths (empty if matplotlib is missing).
+
+    naive_bytes: an estimate of a naive full-graph GRPO step's peak, recorded in ``RUN/naive_estimate.json`` and
+    drawn in the memory panel (a recorded one is drawn without it)."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{str(run_dir)!r} has no metrics.jsonl rows to plot")
+    if naive_bytes is not None:
+        write_naive_estimate(run_dir, naive_bytes)
+    naive = read_naive_estimate(run_dir)
+    kl_in_loss = _kl_in_loss(run_dir)
     try:
         import matplotlib
 
@@ -44,23 +104,33 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     steps = [r["step"] for r in rows]
     paths = []
     window = max(1, len(rows) // 20)
-    for name, keys, title in PANELS:
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for name, (title, ylabel, series) in PANELS.items():
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         drawn = False
-        for key in keys:
+        for key, label in series:
+            if key == "kl" and kl_in_loss is False:
+                continue  # the loss had no KL term
             ys = [r.get(key) for r in rows]
             if all(y is None for y in ys):
                 continue
             ys = [float("nan") if y is None else float(y) for y in ys]
             if key.endswith("_bytes"):
                 ys = [y / 2**20 for y in ys]
-            ax.plot(steps, ys, alpha=0.35, lw=1)
-            ax.plot(steps, _smooth(ys, window), lw=2, label=f"{key} (smoothed over {window})")
+            (line,) = ax.plot(steps, _smooth(ys, window), lw=2,
+                              label=label + (f" (smoothed over {window} steps)" if window > 1 else ""))
+            if window > 1:
+                ax.plot(steps, ys, alpha=0.3, lw=1, color=line.get_color())
             drawn = True
         if not drawn:
             plt.close(fig)
             continue
+        if name == "memory":
+            if naive is not None:
+                ax.axhline(naive / 2**20, ls="--", color="tab:red", lw=1.5, label=f"{NAIVE_LABEL}: "
+                           f"{naive / 2**20:,.0f} MiB")
+            ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.05)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -10,7 +10,8 @@ One step:
    and cosine decay. The first epoch reuses each group's rollout prompt state (``reuse_rollout_state``: the
    weights have not moved yet, so one prefill per group is saved); later epochs re-prefill under the updated
    weights, with the rollout's log-probs as ``old_logprobs`` (the PPO ratio);
-3. log ``metrics.jsonl`` (and TensorBoard if installed), update the progress bar, checkpoint atomically.
+3. log ``metrics.jsonl`` (and TensorBoard, W&B: :mod:`longstraw.rl.tracking`), update the progress bar,
+   checkpoint atomically.
 
 Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
 so a resumed run repeats exactly what an uninterrupted one does.
@@ -32,14 +33,16 @@ from longstraw.checkpoint.training import latest_checkpoint, load_trainer_state,
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
 from longstraw.profiling import PhaseMeter, current_bytes
-from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config
+from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config, sampling_config
 from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
 from longstraw.rl.runlog import append_metrics, read_metrics, truncate_metrics, write_atomic
+from longstraw.rl.tracking import check_tracking, close_writers, log_metrics, make_writers
 
 # keys that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
-                     "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit")
+                     "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit",
+                     "train.wandb", "train.wandb_project", "train.wandb_mode")
 
 
 @dataclass
@@ -124,7 +127,8 @@ class Trainer:
         self._check_run_dir(resume)
         # everything that can reject the user's input runs before anything is written
         self.tokenizer = build_tokenizer(cfg)
-        self.reward_fn = make_reward(cfg.reward.fn)
+        self.reward_fn = make_reward(cfg.reward.fn, **cfg.reward.options)
+        check_tracking(cfg)  # train.wandb without the wandb package
         self.source = PromptSource(cfg, self.tokenizer)
         self.source.check()
         self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
@@ -134,7 +138,7 @@ class Trainer:
             self.tokenizer.save(self.run_dir / "tokenizer")
         ckpt = latest_checkpoint(self.run_dir) if resume else None
         self.model = self._build_model(ckpt)
-        self.ref_model = self._reference_model() if cfg.algorithm.kl_coef > 0 else None
+        self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 else None
         o = cfg.optim
         self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
         if ckpt is not None:
@@ -172,14 +176,14 @@ class Trainer:
 
             return read_config(m.path)
         return builtin_model_config(m.builtin, self.tokenizer.vocab_size,
-                                    self.cfg.data.max_prompt_len + self.cfg.rollout.max_new_tokens + 1)
+                                    self.cfg.data.max_prompt_len + self.cfg.rollout.sampling.max_new_tokens + 1)
 
     def _check_memory(self):
         from longstraw.rl.memory_check import check_run_memory
 
         d = self.cfg.data
         prompt_len = max(self.source.longest_prompt, d.prompt_len if d.task else 0)
-        response_len = self.source.longest_response if d.offline else self.cfg.rollout.max_new_tokens
+        response_len = self.source.longest_response if d.offline else self.cfg.rollout.sampling.max_new_tokens
         return check_run_memory(self.cfg, self._model_hf_config(), prompt_len, response_len, self.device,
                                 echo=self.echo)
 
@@ -213,10 +217,8 @@ class Trainer:
         return ref.eval()
 
     def _sampling(self) -> SamplingConfig:
-        r = self.cfg.rollout
-        stops = (self.tokenizer.eos_token_id,) if r.stop_at_eos and self.tokenizer.eos_token_id is not None else ()
-        return SamplingConfig(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=stops, stop_strings=tuple(r.stop_strings))
+        eos = self.tokenizer.eos_token_id
+        return sampling_config(self.cfg, (eos,) if self.cfg.rollout.stop_at_eos and eos is not None else ())
 
     # ------------------------------------------------------------------ one step
     def _text_of(self, ids: Tensor) -> str:
@@ -253,7 +255,7 @@ class Trainer:
         a = self.cfg.algorithm
         lens = [r.numel() for g in groups for r in g.responses]
         denom = loss_denominator(lens, self.gcfg.loss_agg_mode, self.gcfg.loss_scale_factor)
-        needs_all = a.kl_coef > 0 or a.entropy_coef > 0
+        needs_all = self.gcfg.kl_coef > 0 or self.gcfg.entropy_coef > 0
         out: dict = {}
         params = [p for p in self.model.parameters() if p.requires_grad]
         for epoch in range(a.ppo_epochs):
@@ -288,9 +290,9 @@ class Trainer:
                 n = max(1, sum(lens))
                 out = {"loss": loss, "pg_clipfrac": clip / n, "ppo_kl": ppo_kl / n, "grad_norm": gnorm, "lr": lr,
                        "prompt_state_bytes": st_bytes, "train_peak_bytes": peak, "active_groups": n_active}
-                if a.kl_coef > 0:
+                if self.gcfg.kl_coef > 0:
                     out["kl"] = kl / n
-                if a.entropy_coef > 0:
+                if self.gcfg.entropy_coef > 0:
                     out["entropy"] = ent / n
         return out
 
@@ -337,17 +339,14 @@ class Trainer:
 
     def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
         t = self.cfg.train
-        writer = _tensorboard(self.run_dir) if t.tensorboard else None
+        writers = make_writers(self.cfg, self.run_dir)  # TensorBoard, W&B (train.tensorboard, train.wandb)
         bar = _progress(t.steps, self.start_step, t.progress)
         last_ckpt = latest_checkpoint(self.run_dir)
         try:
             for step in range(self.start_step, t.steps):
                 m = self.step(step)
                 append_metrics(self.run_dir, m)
-                if writer is not None:
-                    for k, v in m.items():
-                        if isinstance(v, (int, float)):
-                            writer.add_scalar(k, v, m["step"])
+                log_metrics(writers, m)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", solved=f"{m['solved']:.2f}",
@@ -362,8 +361,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-            if writer is not None:
-                writer.close()
+            close_writers(writers)
         plots = []
         if t.plots:
             from longstraw.rl.plots import plot_run
@@ -384,14 +382,6 @@ class Trainer:
             peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0),
             peak_above_start_bytes=max((r.get("peak_above_start_bytes", 0) for r in rows), default=0), plots=plots,
             last_checkpoint=last_ckpt)
-
-
-def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard not installed: metrics.jsonl and the PNG plots still have everything
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
 
 
 def _progress(total: int, initial: int, enabled: bool):
