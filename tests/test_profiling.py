@@ -18,3 +18,61 @@ def test_inner_window_does_not_hide_outer_peak():
             assert inner() < high - 32 * 2**20  # the inner window started after the big tensor was freed
             del small
         assert outer() >= high - 2**20  # ... but the outer one still reports it (to the kernel's page accounting)
+
+
+_ALLOCATOR_PROBE = r"""
+import sys
+import torch
+from longstraw.profiling import cpu_current_bytes, tune_allocator
+
+tuned = tune_allocator() if sys.argv[1] == "tune" else False
+# freeing an mmapped block raises glibc's dynamic mmap threshold to its size; glibc does that only for blocks up
+# to 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so a 64 MiB tensor would not, and 16 MiB is used
+big = torch.ones(16 * 2**20, dtype=torch.uint8)
+del big
+base = cpu_current_bytes()
+blocks, small = [], []
+for _ in range(100):
+    blocks.append(torch.ones(2**20, dtype=torch.uint8))  # 1 MiB: heap when the threshold is 16 MiB, else mmap
+    # survivors between them pin the freed heap below them; 32 KiB (under both thresholds) is larger than the
+    # holes the imports left, so they land above the blocks instead of filling those holes
+    small.append(torch.ones(32 * 2**10, dtype=torch.uint8))
+del blocks
+print(tuned, cpu_current_bytes() - base)
+"""
+
+
+def _rss_left(mode: str) -> tuple[bool, int]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    r = subprocess.run([sys.executable, "-c", _ALLOCATOR_PROBE, mode], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    tuned, left = r.stdout.split()
+    return tuned == "True", int(left)
+
+
+def test_tune_allocator_returns_freed_blocks_to_the_os():
+    import platform
+
+    import pytest
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("tune_allocator tunes glibc's malloc only")
+    tuned, left_tuned = _rss_left("tune")
+    plain, left_plain = _rss_left("plain")
+    assert tuned and not plain
+    # 100 MiB were allocated and freed: glibc's dynamic threshold keeps them resident, the fixed one does not
+    assert left_plain - left_tuned > 64 * 2**20, (left_plain, left_tuned)
+
+
+def test_tune_allocator_leaves_a_user_setting_alone(monkeypatch):
+    from longstraw.profiling import tune_allocator
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert tune_allocator() is False
