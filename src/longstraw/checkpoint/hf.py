@@ -121,6 +121,10 @@ def _weight_files(p: Path, allow_pickle: bool) -> tuple[str, list[Path], dict[st
                      f"allow_pickle=True) {PICKLED_WEIGHTS}")
 
 
+class ModelTooLargeError(ValueError):
+    """The model's parameters do not fit the target device (checked before allocating, or the allocation failed)."""
+
+
 def _memory_of(device: torch.device) -> tuple[int | None, str]:
     """Bytes the parameters may take on ``device`` and what that figure is (CPU: MemAvailable; CUDA: total)."""
     if device.type == "cuda":
@@ -137,20 +141,21 @@ def _memory_of(device: torch.device) -> tuple[int | None, str]:
 
 
 def _materialise(model: CausalLM, device: torch.device, where: Path) -> CausalLM:
-    """``model`` (on meta) allocated on ``device``, after checking that it fits; ValueError with both sizes."""
+    """``model`` (on meta) allocated on ``device``, after checking that it fits; ModelTooLargeError (a ValueError)
+    with both sizes."""
     tensors = list(model.parameters()) + list(model.buffers())
     need = sum(t.numel() * t.element_size() for t in tensors)
     have, what = _memory_of(device)
     n = sum(t.numel() for t in model.parameters())
     if have is not None and need > have:
-        raise ValueError(f"{str(where)!r}: the model's {n:,} parameters need {format_bytes(need)} on {device}, more "
-                         f"than its {what} of {format_bytes(have)} (check config.json's sizes)")
+        raise ModelTooLargeError(f"{str(where)!r}: the model's {n:,} parameters need {format_bytes(need)} on "
+                                 f"{device}, more than its {what} of {format_bytes(have)} (check config.json's sizes)")
     try:
         return model.to_empty(device=device)
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{str(where)!r}: cannot allocate the model's {format_bytes(need)} on {device}: "
-                         f"{first}") from None
+        raise ModelTooLargeError(f"{str(where)!r}: cannot allocate the model's {format_bytes(need)} on "
+                                 f"{device}: {first}") from None
 
 
 def _damaged(f: Path, e: BaseException) -> ValueError:

@@ -12,6 +12,13 @@ One step:
    weights, with the rollout's log-probs as ``old_logprobs`` (the PPO ratio);
 3. log ``metrics.jsonl`` (and TensorBoard if installed), update the progress bar, checkpoint atomically.
 
+Nothing is written before everything the user gave has been checked: the config, the tokenizer, the reward (its
+import, in its worker), every data row, the memory plan and, on resume, the checkpoint (its ``trainer.pt`` and
+weights are read first; a damaged one is refused with the earlier checkpoint to resume from; a run that has done
+all its steps says so). Then the run directory is created, probed for writing and locked (one trainer per
+directory; see :class:`longstraw.checkpoint.training.RunDirLock`). A write that fails later (a full disk) is one
+``ValueError`` naming what was being written and the last complete checkpoint.
+
 Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
 so a resumed run repeats exactly what an uninterrupted one does.
 """
@@ -20,18 +27,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from longstraw.checkpoint.hf import load_model, parse_dtype, save_model
-from longstraw.checkpoint.training import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, \
-    set_rng_state
+from longstraw.checkpoint.hf import ModelTooLargeError, load_model, parse_dtype, save_model, tokenizer_files
+from longstraw.checkpoint.training import RunDirLock, check_writable, damaged_checkpoint, latest_checkpoint, \
+    load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from longstraw.devices import resolve_device
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
-from longstraw.profiling import PhaseMeter, current_bytes
+from longstraw.profiling import PhaseMeter, current_bytes, tune_allocator
 from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config
 from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
@@ -114,13 +123,16 @@ class Trainer:
         from longstraw.rl.sources import PromptSource, build_tokenizer
         from longstraw.rl.rewards import make_reward
 
+        tune_allocator()  # glibc: freed tensors leave the resident set (see longstraw.profiling.tune_allocator)
         self.cfg = cfg
         self.echo = echo
         self.run_dir = Path(run_dir or cfg.train.out_dir)
         self.gcfg = grpo_config(cfg)
-        self.device = torch.device(cfg.model.device)
+        self.device = resolve_device(cfg.model.device, "model.device")
         self.start_step = 0
         self.opt_step = 0
+        self._lock = RunDirLock(self.run_dir)
+        self._lock.check()  # another trainer writing this directory: refused, naming its pid (nothing written)
         self._check_run_dir(resume)
         # everything that can reject the user's input runs before anything is written
         self.tokenizer = build_tokenizer(cfg)
@@ -128,21 +140,27 @@ class Trainer:
         self.source = PromptSource(cfg, self.tokenizer)
         self.source.check()
         self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: records e.g. a longer train.steps
-        if not resume and not cfg.model.path:
-            self.tokenizer.save(self.run_dir / "tokenizer")
         ckpt = latest_checkpoint(self.run_dir) if resume else None
-        self.model = self._build_model(ckpt)
-        self.ref_model = self._reference_model() if cfg.algorithm.kl_coef > 0 else None
-        o = cfg.optim
-        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
-        if ckpt is not None:
-            st = load_trainer_state(ckpt)
-            self.opt.load_state_dict(st["optimizer"])
-            set_rng_state(st["rng"])
-            self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
-            truncate_metrics(self.run_dir, self.start_step)
+        st = self._resume_state(ckpt) if ckpt is not None else None  # damaged or finished: refused here
+        if ckpt is not None or cfg.model.path:  # weights to read: read (and so checked) before anything is written
+            self._load_models(ckpt, st)
+        self._open_run_dir(resume, ckpt)  # created, probed for writing, locked
+        try:
+            with self._writing("config.toml"):
+                write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: e.g. a longer train.steps
+            if not resume and not cfg.model.path:
+                with self._writing("the tokenizer"):
+                    self.tokenizer.save(self.run_dir / "tokenizer")
+            if ckpt is None and not cfg.model.path:
+                with self._writing("the initial model"):
+                    self._load_models(None, None)  # a built-in model: written into the run once, then loaded
+            if st is not None:
+                with self._writing("metrics.jsonl"):
+                    truncate_metrics(self.run_dir, self.start_step)
+        except BaseException:
+            self.close()
+            raise
+        if st is not None:
             echo(f"resuming {self.run_dir} from {ckpt.name} (step {self.start_step})")
         else:
             torch.manual_seed(cfg.train.seed)
@@ -150,6 +168,67 @@ class Trainer:
         self.baseline_bytes = current_bytes(self.device)  # after loading: weights, tokenizer, framework
 
     # ------------------------------------------------------------------ setup
+    def close(self) -> None:
+        """Release the run directory's lock and stop the reward worker (``train`` does this when it ends)."""
+        self._lock.release()
+        self.reward_fn.close()
+
+    def _open_run_dir(self, resume: bool, ckpt: Path | None) -> None:
+        """Create the run directory, check that it can be written, lock it; the first write comes after this."""
+        check_writable(self.run_dir)
+        self._lock.acquire()
+        try:  # again, under the lock: another trainer may have started (and ended) since the first look
+            self._check_run_dir(resume)
+            if resume and latest_checkpoint(self.run_dir) != ckpt:
+                raise ValueError(f"run directory {str(self.run_dir)!r} changed while this trainer was starting (its "
+                                 f"latest checkpoint is now {latest_checkpoint(self.run_dir)}); start it again")
+        except BaseException:
+            self._lock.release()
+            raise
+
+    @contextmanager
+    def _writing(self, what: str):
+        """A failed write (full disk, read-only remount) as one ValueError naming it and the last checkpoint."""
+        try:
+            yield
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            last = latest_checkpoint(self.run_dir)
+            then = (f"; the last complete checkpoint, {last.name}, is intact: fix the cause and continue with "
+                    f"--resume" if last is not None else "")
+            raise ValueError(f"cannot write {what} in run directory {str(self.run_dir)!r}: {e.strerror or e}"
+                             f"{where}{then}") from None
+
+    def _resume_state(self, ckpt: Path) -> dict:
+        """The checkpoint's ``trainer.pt`` (a damaged one is refused); a run that has done its steps is refused."""
+        st = load_trainer_state(ckpt)
+        done = int(st["step"])
+        if done >= self.cfg.train.steps:
+            raise ValueError(f"run {str(self.run_dir)!r} finished its {done} steps; raise train.steps (e.g. --set "
+                             f"train.steps={2 * done}) to continue")
+        return st
+
+    def _load_models(self, ckpt: Path | None, st: dict | None) -> None:
+        """Model, reference model and optimiser; with a checkpoint, its weights, optimiser and RNG state."""
+        try:
+            self.model = self._build_model(ckpt)
+        except ModelTooLargeError:
+            raise
+        except ValueError as e:
+            if ckpt is None:
+                raise
+            raise damaged_checkpoint(ckpt, f"model/: {e}") from None
+        self.ref_model = self._reference_model() if self.cfg.algorithm.kl_coef > 0 else None
+        o = self.cfg.optim
+        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
+        if st is not None:
+            try:
+                self.opt.load_state_dict(st["optimizer"])
+                set_rng_state(st["rng"])
+                self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+                raise damaged_checkpoint(ckpt, f"trainer.pt does not fit this run: {type(e).__name__}: {e}") from None
+
     def _check_run_dir(self, resume: bool) -> None:
         if resume:
             saved = self.run_dir / "config.toml"
@@ -332,10 +411,32 @@ class Trainer:
         tok_dir = self.run_dir / "tokenizer"
         if tok_dir.is_dir():
             extra = {f.name: f for f in tok_dir.iterdir() if f.is_file()}
-        return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
-                               extra_files=extra)
+        elif self.cfg.model.path:  # the checkpoint's own tokenizer: each saved model directory is servable
+            extra = tokenizer_files(self.cfg.model.path)
+        with self._writing(f"checkpoint {step_done}"):
+            return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
+                                   extra_files=extra)
+
+    def _log(self, m: dict) -> None:
+        with self._writing("metrics.jsonl"):
+            append_metrics(self.run_dir, m)
+
+    def _plots(self) -> list[Path]:
+        from longstraw.rl.plots import plot_run
+
+        with self._writing("the plots"):
+            return plot_run(self.run_dir)
 
     def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
+        """Run the steps from the start (or the resumed checkpoint) to ``train.steps``; the run directory's lock is
+        held throughout and released at the end (see :meth:`close`)."""
+        self._lock.acquire()  # held since __init__; taken again if an earlier train() released it
+        try:
+            return self._train(on_step)
+        finally:
+            self.close()
+
+    def _train(self, on_step: Callable[[dict], None] | None) -> RunSummary:
         t = self.cfg.train
         writer = _tensorboard(self.run_dir) if t.tensorboard else None
         bar = _progress(t.steps, self.start_step, t.progress)
@@ -343,7 +444,7 @@ class Trainer:
         try:
             for step in range(self.start_step, t.steps):
                 m = self.step(step)
-                append_metrics(self.run_dir, m)
+                self._log(m)
                 if writer is not None:
                     for k, v in m.items():
                         if isinstance(v, (int, float)):
@@ -364,11 +465,7 @@ class Trainer:
                 bar.close()
             if writer is not None:
                 writer.close()
-        plots = []
-        if t.plots:
-            from longstraw.rl.plots import plot_run
-
-            plots = plot_run(self.run_dir)
+        plots = self._plots() if t.plots else []
         return self.summary(plots, last_ckpt)
 
     def summary(self, plots: list[Path], last_ckpt: Path | None) -> RunSummary:
