@@ -118,7 +118,7 @@ def test_a_failed_write_during_the_run_is_one_value_error(tmp_path, monkeypatch)
         real(run_dir, row)
 
     monkeypatch.setattr(trainer_mod, "append_metrics", full_after_two)
-    with pytest.raises(ValueError, match=r"cannot write metrics.jsonl in run directory '.*run': No space left on "
+    with pytest.raises(ValueError, match=r"cannot write in run directory '.*run': No space left on "
                                          r"device \(.*metrics.jsonl\); the last complete checkpoint, step-00000002, "
                                          r"is intact: fix the cause and continue with --resume"):
         t.train()

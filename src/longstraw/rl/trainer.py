@@ -186,18 +186,20 @@ class Trainer:
             self._lock.release()
             raise
 
+    def _write_error(self, what: str, e: OSError) -> ValueError:
+        """A failed write (full disk, read-only remount) as one ValueError naming it and the last checkpoint."""
+        where = f" ({e.filename})" if e.filename else ""
+        last = latest_checkpoint(self.run_dir)
+        then = (f"; the last complete checkpoint, {last.name}, is intact: fix the cause and continue with --resume"
+                if last is not None else "")
+        return ValueError(f"cannot write {what}in run directory {str(self.run_dir)!r}: {e.strerror or e}{where}{then}")
+
     @contextmanager
     def _writing(self, what: str):
-        """A failed write (full disk, read-only remount) as one ValueError naming it and the last checkpoint."""
         try:
             yield
         except OSError as e:
-            where = f" ({e.filename})" if e.filename else ""
-            last = latest_checkpoint(self.run_dir)
-            then = (f"; the last complete checkpoint, {last.name}, is intact: fix the cause and continue with "
-                    f"--resume" if last is not None else "")
-            raise ValueError(f"cannot write {what} in run directory {str(self.run_dir)!r}: {e.strerror or e}"
-                             f"{where}{then}") from None
+            raise self._write_error(what + " ", e) from None
 
     def _resume_state(self, ckpt: Path) -> dict:
         """The checkpoint's ``trainer.pt`` (a damaged one is refused); a run that has done its steps is refused."""
@@ -417,22 +419,16 @@ class Trainer:
             return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
                                    extra_files=extra)
 
-    def _log(self, m: dict) -> None:
-        with self._writing("metrics.jsonl"):
-            append_metrics(self.run_dir, m)
-
-    def _plots(self) -> list[Path]:
-        from longstraw.rl.plots import plot_run
-
-        with self._writing("the plots"):
-            return plot_run(self.run_dir)
-
     def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
         """Run the steps from the start (or the resumed checkpoint) to ``train.steps``; the run directory's lock is
         held throughout and released at the end (see :meth:`close`)."""
         self._lock.acquire()  # held since __init__; taken again if an earlier train() released it
         try:
             return self._train(on_step)
+        except OSError as e:  # metrics.jsonl, plots, TensorBoard: a full disk is one line, not a traceback
+            if e.filename is None:  # not a file (a closed pipe on stdout): left to the caller
+                raise
+            raise self._write_error("", e) from None
         finally:
             self.close()
 
@@ -444,7 +440,7 @@ class Trainer:
         try:
             for step in range(self.start_step, t.steps):
                 m = self.step(step)
-                self._log(m)
+                append_metrics(self.run_dir, m)
                 if writer is not None:
                     for k, v in m.items():
                         if isinstance(v, (int, float)):
@@ -465,7 +461,11 @@ class Trainer:
                 bar.close()
             if writer is not None:
                 writer.close()
-        plots = self._plots() if t.plots else []
+        plots = []
+        if t.plots:
+            from longstraw.rl.plots import plot_run
+
+            plots = plot_run(self.run_dir)
         return self.summary(plots, last_ckpt)
 
     def summary(self, plots: list[Path], last_ckpt: Path | None) -> RunSummary:
