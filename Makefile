@@ -1,27 +1,36 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.
 # Each creates .venv on first use and installs what it needs; later runs reuse it.
 # TORCH_SPEC pins the CPU build that CI uses; GPU users: make TORCH_SPEC=torch  (or install torch themselves).
+# Each install step says what it does; pip shows its own progress for the large download (torch; progress bars on a
+# terminal) and stays quiet otherwise (errors still print). PIP_FLAGS=-q quiets torch too; PIP_FLAGS=-v shows more.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 ARGS ?=
+PIP_FLAGS ?=
+PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIP_FLAGS)
 
 .PHONY: demo test test-slow bench clean-venv
 
 $(BIN)/python:
+	@echo "==> creating $(VENV) with $(PYTHON) and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	@$(PIP) -q --upgrade pip
+	@echo "==> installing $(TORCH_SPEC) (the largest download: minutes on a slow link)"
+	$(PIP) "$(TORCH_SPEC)"
 
 $(VENV)/.base: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e ".[plot]"
-	touch $@
+	@echo "==> installing longstraw (editable) with safetensors, numpy, tqdm, matplotlib"
+	$(PIP) -q -e ".[plot]"
+	@touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(BIN)/python -m pip install -q -e ".[test,plot]"
-	touch $@
+	@echo "==> installing the test extras: transformers, pytest, pytest-xdist, pytest-timeout, pyarrow"
+	$(PIP) -q -e ".[test,plot]"
+	@touch $@
+	@echo "==> $(VENV) is ready; running the tests"
 
 demo: $(VENV)/.base
 	$(BIN)/longstraw demo $(ARGS)

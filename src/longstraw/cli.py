@@ -1,13 +1,16 @@
 """``longstraw`` command line: demo, train, config, generate, score, plot, plan.
 
-Every user error (a bad value, a missing file, a config key that does not exist) is one line on stderr and exit
-code 2; nothing already written is touched.
+Every user error (a bad value, a missing file, a config key that does not exist, an option the subcommand does not
+have) is one line on stderr and exit code 2 (argparse's own errors add the subcommand's usage line); everything is
+checked before anything is written, so nothing already written is touched. An ``OSError`` that reaches ``main``
+(a full disk, a read-only directory) is reported the same way, as ``<file>: <reason>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,7 +124,13 @@ def _read_prompt(args) -> str | list:
         p = Path(args.prompt_file)
         if not p.is_file():
             raise ValueError(f"prompt file {str(p)!r} does not exist")
-        text = p.read_text()
+        data = p.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"prompt file {str(p)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} on line "
+                             f"{line}); save it as UTF-8") from None
     elif args.prompt is not None:
         text = args.prompt
     else:
@@ -133,16 +142,20 @@ def _read_prompt(args) -> str | list:
 
 def cmd_generate(args) -> int:
     import longstraw
+    from longstraw.devices import resolve_device
     from longstraw.tokenizer import load_tokenizer, render_prompt
 
-    model = longstraw.load_model(args.model, dtype=args.dtype, device=args.device)
+    prompt = _read_prompt(args)
+    device = resolve_device(args.device, "--device")
+    model = longstraw.load_model(args.model, dtype=args.dtype, device=device)
     tok = load_tokenizer(args.model)
-    ids = _encode(tok, render_prompt(tok, _read_prompt(args)))
+    ids = _encode(tok, render_prompt(tok, prompt))
     stops = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     sp = longstraw.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed, stop_token_ids=stops,
                                   stop_strings=tuple(args.stop or ()))
-    ro = longstraw.generate(model, ids, args.n, sp, decode=tok.decode, prefill_chunk=args.prefill_chunk)
+    ro = longstraw.generate(model, ids, args.n, sp, decode=tok.decode, prefill_chunk=args.prefill_chunk,
+                            meter=_meter(device))
     for i, (r, lp, why) in enumerate(zip(ro.responses, ro.logprobs, ro.finish_reasons)):
         text = tok.decode([t for t in r.tolist() if t != tok.eos_token_id])
         if args.json:
@@ -153,40 +166,87 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _encode(tok, rendered):
+def _meter(device):
+    """A phase that runs longer than a few seconds (a long prompt's prefill, decoding) shows a progress bar on
+    stderr (stdout stays the results)."""
+    from longstraw.profiling import PhaseMeter, delayed_bar
+
+    return PhaseMeter(device, progress=delayed_bar())
+
+
+def _encode(tok, rendered, where: str = ""):
     import torch
 
     ids = rendered if isinstance(rendered, list) else tok.encode(rendered)
     if not ids:
-        raise ValueError("the prompt is empty after tokenisation")
+        raise ValueError(f"{where}the prompt is empty after tokenisation")
     return torch.tensor(ids, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------------------- score
 
 
+def _out_path(out: str) -> Path:
+    p = Path(out)
+    if p.is_dir():
+        raise ValueError(f"--out {out!r} is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise ValueError(f"--out {out!r}: directory {str(p.parent)!r} does not exist")
+    return p
+
+
 def cmd_score(args) -> int:
+    """Everything is read and tokenised before the first line is written; ``--out`` is written to a temporary file
+    beside it and renamed into place when complete, so an existing file is replaced whole or not at all."""
     import torch
 
     import longstraw
+    from longstraw.devices import resolve_device
     from longstraw.rl.data import load_rollouts
     from longstraw.tokenizer import load_tokenizer, render_prompt
 
-    model = longstraw.load_model(args.model, dtype=args.dtype, device=args.device)
+    out = _out_path(args.out) if args.out else None
+    device = resolve_device(args.device, "--device")
+    groups = load_rollouts(args.data)
+    model = longstraw.load_model(args.model, dtype=args.dtype, device=device)
     tok = load_tokenizer(args.model)
     cfg = longstraw.GRPOConfig(prefill_chunk=args.prefill_chunk, temperature=args.temperature)
-    out = open(args.out, "w") if args.out else sys.stdout
-    try:
-        for gi, group in enumerate(load_rollouts(args.data)):
-            ids = _encode(tok, render_prompt(tok, group.prompt))
-            responses = [torch.tensor(tok.encode(r) or [tok.eos_token_id], dtype=torch.long) for r in group.responses]
-            logps = longstraw.score(model, ids, responses, cfg)
+    work = []
+    for g in groups:
+        ids = _encode(tok, render_prompt(tok, g.prompt), f"{g.where}: ")
+        responses = []
+        for ri, r in enumerate(g.responses):
+            rids = tok.encode(r) or ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+            if not rids:
+                raise ValueError(f"{g.where}: response {ri} is empty after tokenisation (and the tokenizer has no "
+                                 "EOS token to stand for it)")
+            responses.append(torch.tensor(rids, dtype=torch.long))
+        work.append((ids, responses))
+
+    def write_all(f) -> None:
+        for gi, (ids, responses) in enumerate(work):
+            logps = longstraw.score(model, ids, responses, cfg, meter=_meter(device))
             for ri, lp in enumerate(logps):
-                out.write(json.dumps({"group": gi, "response": ri, "tokens": lp.numel(), "logprob": lp.sum().item(),
-                                      "mean_logprob": lp.mean().item(), "token_logprobs": lp.tolist()}) + "\n")
+                f.write(json.dumps({"group": gi, "response": ri, "tokens": lp.numel(), "logprob": lp.sum().item(),
+                                    "mean_logprob": lp.mean().item(), "token_logprobs": lp.tolist()}) + "\n")
+
+    if out is None:
+        write_all(sys.stdout)
+        return 0
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            write_all(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ValueError(f"--out {args.out!r}: cannot write: {e.strerror or e}") from None
     finally:
-        if args.out:
-            out.close()
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return 0
 
 
@@ -232,26 +292,52 @@ def add_config_parser(sub) -> None:
 # ---------------------------------------------------------------------------------------------------- parser
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text states it already (``--help`` is a newcomer's
+    map: what each option does and what happens without it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.required or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        shown = "none" if action.default is None else "off" if action.default is False else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser and (through ``add_subparsers``) every subcommand's: one help format for all."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="longstraw", description="GRPO post-training on million-token prompts.")
+    ap = _Parser(prog="longstraw", description="GRPO post-training on million-token prompts.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train a built-in tiny hybrid model with GRPO on a synthetic long-context task")
-    d.add_argument("--prompt-len", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    d.add_argument("--steps", type=int, default=None, help="default 300 (fewer above 8K-token prompts)")
-    d.add_argument("--group-size", type=int, default=8)
-    d.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"])
-    d.add_argument("--model", default="tiny-hybrid", choices=["tiny-hybrid", "tiny-dense"])
-    d.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
-    d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override any config value")
+    d.add_argument("--prompt-len", type=int, default=4096, help="prompt length in tokens")
+    d.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: 300, fewer above 8K-token prompts)")
+    d.add_argument("--group-size", type=int, default=8, help="G, responses sampled per prompt")
+    d.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"],
+                   help="exact: the gradient flows back through the prompt; detached: it stops at the prompt state")
+    d.add_argument("--model", default="tiny-hybrid", choices=["tiny-hybrid", "tiny-dense"],
+                   help="the built-in random model")
+    d.add_argument("--out", default=None, help="run directory (default: runs/demo-<date>-<time>)")
+    d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override any config value (repeatable; default: the demo's settings)")
     d.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     d.set_defaults(fn=cmd_demo)
 
     t = sub.add_parser("train", help="train from a TOML config")
     t.add_argument("--config", default=None, help="run.toml (default: the built-in defaults)")
-    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=100 (repeatable; default: none)")
     t.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR (default: train.out_dir) from its last complete checkpoint")
+                   help="continue the run in RUN_DIR (without RUN_DIR: train.out_dir) from its last complete "
+                        "checkpoint (default: start a new run)")
     t.set_defaults(fn=cmd_train)
     add_config_parser(sub)
 
@@ -259,44 +345,66 @@ def build_parser() -> argparse.ArgumentParser:
                                ("score", cmd_score, "log-probs of responses (a rollouts JSONL) under a checkpoint")):
         g = sub.add_parser(name, help=helptext)
         g.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors + tokenizer)")
-        g.add_argument("--dtype", default=None)
-        g.add_argument("--device", default=None)
-        g.add_argument("--prefill-chunk", type=int, default=4096)
-        g.add_argument("--temperature", type=float, default=1.0)
+        g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                       help="parameter dtype (default: the checkpoint's dtype, else float32)")
+        g.add_argument("--device", default="cpu", help="where to run: cpu, cuda, cuda:N or mps")
+        g.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
+        g.add_argument("--temperature", type=float, default=1.0,
+                       help="sampling temperature" if name == "generate" else
+                       "the temperature the responses were sampled at (log-probs of logits / T)")
         g.set_defaults(fn=fn)
         if name == "generate":
-            g.add_argument("--prompt", default=None)
-            g.add_argument("--prompt-file", default=None)
+            g.add_argument("--prompt", default=None, help="the prompt text (give --prompt or --prompt-file)")
+            g.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
             g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
             g.add_argument("-n", type=int, default=1, help="number of responses")
-            g.add_argument("--max-new-tokens", type=int, default=64)
-            g.add_argument("--top-k", type=int, default=0)
-            g.add_argument("--top-p", type=float, default=1.0)
-            g.add_argument("--seed", type=int, default=None)
-            g.add_argument("--stop", action="append", help="stop string (repeatable)")
+            g.add_argument("--max-new-tokens", type=int, default=64, help="most tokens per response")
+            g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all")
+            g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass; 1.0: off")
+            g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+            g.add_argument("--stop", action="append",
+                           help="stop string, repeatable (default: none; the tokenizer's EOS token always stops)")
             g.add_argument("--json", action="store_true", help="one JSON object per response")
         else:
             g.add_argument("--data", required=True, help="JSONL rows {prompt, responses, rewards}")
-            g.add_argument("--out", default=None, help="write JSONL here instead of stdout")
+            g.add_argument("--out", default=None,
+                           help="write JSONL to this file, replaced whole when complete (default: stdout)")
 
     p = sub.add_parser("plot", help="PNG plots of a run's metrics")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="the run directory (its metrics.jsonl; the plots go to RUN_DIR/plots/)")
     p.set_defaults(fn=cmd_plot)
 
     from longstraw.planner import add_plan_arguments
 
-    add_plan_arguments(sub.add_parser("plan", help="predict peak memory of a run before starting it"))
-    sub.choices["plan"].set_defaults(fn=cmd_plan)
+    plan = sub.add_parser("plan", help="predict peak memory of a run before starting it")
+    add_plan_arguments(plan)
+    plan.set_defaults(fn=cmd_plan)
+    return ap
+
+
+def _subparser(ap: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for a in ap._actions:
+        if isinstance(a, argparse._SubParsersAction) and command in a.choices:
+            return a.choices[command]
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from longstraw.profiling import tune_allocator
+
+    tune_allocator()  # glibc: freed tensors leave the resident set (see longstraw.profiling.tune_allocator)
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # an option the subcommand does not have: its usage, not the top-level one
+        hint = " (config values are set with --set SECTION.KEY=VALUE)" if args.command == "train" else ""
+        _subparser(ap, args.command).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
         return args.fn(args)
     except ValueError as e:
         return _fail(str(e))
+    except OSError as e:  # last resort: a write that failed where no caller turned it into a ValueError
+        what = e.filename if e.filename else type(e).__name__
+        return _fail(f"{what}: {e.strerror or e}")
     except KeyboardInterrupt:
         print("\ninterrupted; the last complete checkpoint is intact", file=sys.stderr)
         return 130

@@ -354,24 +354,21 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or config.json (nothing is loaded)")
     p.add_argument("--prompt-len", required=True,
                    help="prompt tokens: 4096, 512K, 1M, 2.1M (K, M = 1024, 1024^2)")
-    p.add_argument("--response-len", default="1024", help="response tokens (default: %(default)s)")
-    p.add_argument("--group", type=int, default=8, help="G, responses per prompt (default: %(default)s)")
+    p.add_argument("--response-len", default="1024", help="response tokens")
+    p.add_argument("--group", type=int, default=8, help="G, responses per prompt")
     p.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"],
-                   help="gradient through the prompt (exact) or not (detached) (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default: %(default)s)")
+                   help="gradient through the prompt (exact) or not (detached)")
+    p.add_argument("--dtype", default="bfloat16", help="parameter dtype")
     p.add_argument("--gpus", type=int, default=1,
-                   help="devices; > 1: parameters, gradients and optimizer state sharded over them (default: "
-                        "%(default)s)")
+                   help="devices; > 1: parameters, gradients and optimizer state sharded over them")
     p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel ranks sharing one prompt state (default: %(default)s)")
+                   help="context-parallel ranks sharing one prompt state")
     p.add_argument("--gpu-mem", default=None,
-                   help="memory per device, e.g. 80G, 141G: gives the verdict and the longest prompt that fits "
-                        "(default: none)")
-    p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk (default: "
-                                                                   "%(default)s)")
-    p.add_argument("--branch-batch", type=int, default=1, help="branches replayed together (default: %(default)s)")
+                   help="memory per device, e.g. 80G, 141G: gives the verdict and the longest prompt that fits")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
+    p.add_argument("--branch-batch", type=int, default=1, help="branches replayed together")
     p.add_argument("--checkpoint-layers", action="store_true",
-                   help="recompute each layer in backward (smaller branch and reverse-pass graphs; default: off)")
+                   help="recompute each layer in backward (smaller branch and reverse-pass graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -11,6 +11,7 @@ hides an outer window's peak.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -166,6 +167,36 @@ def delayed_bar(delay_s: float = 3.0, stream=None) -> Callable[[str], ProgressSi
     return lambda name: _DelayedBar(name, delay_s, stream if stream is not None else sys.stderr)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+MMAP_THRESHOLD_BYTES = 65536
+
+
+def tune_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Make glibc serve allocations of ``threshold`` bytes and more with ``mmap`` (returned to the OS when freed),
+    as ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment does; True if it was set.
+
+    Why: glibc raises its mmap threshold each time a freed mmapped block of up to 32 MiB is larger than the current
+    threshold (its "dynamic threshold"); after that, tensors below the new threshold come from the heap, and freed
+    heap memory stays resident as long as any small block above it lives. A run's resident set then drifts well
+    above its live tensors (``longstraw demo --steps 6``: 56 MiB planned, 85 MiB above the baseline with glibc's
+    defaults, 67 MiB with the fixed threshold; see docs/DESIGN.md, Numbers).
+    Setting the threshold explicitly also switches the dynamic adjustment off. A no-op returning False where the C
+    library is not glibc, or when ``MALLOC_MMAP_THRESHOLD_`` is already set (the user's value wins)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (present in glibc only)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1
+
+
 def trim_heap() -> None:
     """Return freed heap memory to the OS (glibc), so the next phase's peak RSS is its own."""
     import ctypes
@@ -183,8 +214,9 @@ def measure_step(step, params, device: torch.device, warmup=None) -> tuple[int, 
 
     ``warmup`` (a small step) runs first to initialise thread pools and lazy state; gradients are then allocated as
     zeros (as in a step that accumulates several groups) and count in the peak, the heap is trimmed, the baseline
-    taken. For faithful CPU numbers run the process with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then returns large
-    freed blocks to the OS at once, and the resident set follows the live tensors).
+    taken. For faithful CPU numbers call :func:`tune_allocator` first (or run the process with
+    ``MALLOC_MMAP_THRESHOLD_=65536``): glibc then returns large freed blocks to the OS at once, and the resident set
+    follows the live tensors.
     """
     params = list(params)
     if warmup is not None:

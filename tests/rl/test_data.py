@@ -140,3 +140,25 @@ def test_load_rollouts_bad_rows(tmp_path, row, match):
     f = write_jsonl(tmp_path / "r.jsonl", [OK, row])
     with pytest.raises(ValueError, match=match):
         load_rollouts(f)
+
+
+@pytest.mark.parametrize("loader", [load_prompts, load_rollouts])
+def test_non_utf8_names_the_file_and_line(tmp_path, loader):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(json.dumps(OK).encode() + b"\n" + '{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\); save the "
+                                         r"file as UTF-8"):
+        loader(f)
+
+
+def test_a_row_without_the_answer_key_names_file_line_key_and_the_row_keys(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q1", "answer": "1"}, {"prompt": "q2", "target": "2"}])
+    assert load_prompts(f)[1].answer is None  # optional unless required
+    with pytest.raises(ValueError, match=r"p.jsonl:2: the answer 'answer' is missing \(the answer key, set by "
+                                         r"data.answer_key; .*\); the row has: 'prompt', 'target'"):
+        load_prompts(f, require_answer=True)
+    g = write_jsonl(tmp_path / "null.jsonl", [{"prompt": "q", "gold": None}])
+    with pytest.raises(ValueError, match=r"null.jsonl:1: the answer 'gold' is null"):
+        load_prompts(g, answer_key="gold", require_answer=True)
+    h = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q2", "target": "2"}])
+    assert load_prompts(h, answer_key="target", require_answer=True)[0].answer == "2"

@@ -289,3 +289,59 @@ def test_digits_shaped_rewards_format_then_correctness():
     assert digits_shaped("13", "73") == 0.75  # one digit right
     assert digits_shaped("7345", "73") == 0.5 * 0.5 + 0.5 * 0.5  # extra characters dilute both terms
     assert digits_shaped("7", "73") == 0.5 * 0.5 + 0.5 * 0.5
+
+
+# ------------------------------------------------------------------------ user functions live in the worker only
+
+
+def test_make_reward_never_imports_the_user_module_here(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "side_effect_mod.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with make_reward("side_effect_mod:good") as r:
+        assert "side_effect_mod" not in sys.modules
+        assert r("x", "x") == 1.0  # a direct call goes to the worker too
+        assert "side_effect_mod" not in sys.modules
+    f = tmp_path / "by_path.py"
+    f.write_text(USER_CODE)
+    with make_reward(f"{f}:bad") as r:
+        assert not [m for m in sys.modules if m.startswith("_longstraw_reward_")]
+        with pytest.raises(RuntimeError, match=r"reward '.*by_path.py:bad': RuntimeError: boom"):
+            r("raise", "1")
+
+
+@pytest.mark.timeout(60)
+def test_an_import_that_hangs_is_a_value_error_after_the_startup_timeout(tmp_path, monkeypatch):
+    import longstraw.rl.rewards as rewards
+
+    f = tmp_path / "hangs.py"
+    f.write_text("import time\ntime.sleep(600)\ndef fn(r, a, **m):\n    return 1.0\n")
+    monkeypatch.setattr(rewards, "_STARTUP_TIMEOUT_S", 1.0)
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"reward '.*hangs.py:fn': the reward worker did not import the function "
+                                         r"within 1 s"):
+        make_reward(f"{f}:fn")
+    assert time.perf_counter() - t < 10
+
+
+def test_an_import_that_kills_the_process_is_a_value_error(tmp_path):
+    f = tmp_path / "dies.py"
+    f.write_text("import os\nos._exit(5)\n")
+    with pytest.raises(ValueError, match=r"the reward worker exited with code 5 while importing the function"):
+        make_reward(f"{f}:fn")
+
+
+def test_the_worker_is_a_stdlib_script_that_imports_neither_torch_nor_longstraw(tmp_path):
+    from pathlib import Path
+
+    from longstraw.rl.rewards import WORKER_PATH
+
+    src = Path(WORKER_PATH).read_text()
+    assert "import torch" not in src and "longstraw" not in src.split('"""')[2]  # code after the module doc
+    f = tmp_path / "probe.py"
+    f.write_text("import sys\ndef heavy(r, a, **m):\n"
+                 "    return float(sum(n == 'torch' or n.split('.')[0] == 'longstraw' for n in sys.modules))\n")
+    with make_reward(f"{f}:heavy") as r:
+        assert score_rewards(r, ["x"], ["x"], None, timeout_s=5) == [RewardResult(0.0, None)]
+        assert r._worker.proc.args[:2] == [__import__("sys").executable, "-I"]

@@ -101,3 +101,28 @@ def test_offline_rollouts(tmp_path):
     Trainer(cfg, resume=False, echo=lambda *_: None).train()
     m = read_metrics(tmp_path / "run")
     assert len(m) == 2 and m[0]["reward_mean"] == pytest.approx(0.375)
+
+
+def test_a_failed_write_during_the_run_is_one_value_error(tmp_path, monkeypatch):
+    import errno
+
+    import longstraw.rl.trainer as trainer_mod
+
+    cfg = _cfg(tmp_path / "run", "train.steps=3", "train.save_every=1")
+    t = Trainer(cfg, resume=False, echo=lambda *_: None)
+    real = trainer_mod.append_metrics
+
+    def full_after_two(run_dir, row):
+        if row["step"] > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir / "metrics.jsonl"))
+        real(run_dir, row)
+
+    monkeypatch.setattr(trainer_mod, "append_metrics", full_after_two)
+    with pytest.raises(ValueError, match=r"cannot write in run directory '.*run': No space left on "
+                                         r"device \(.*metrics.jsonl\); the last complete checkpoint, step-00000002, "
+                                         r"is intact: fix the cause and continue with --resume"):
+        t.train()
+    assert not t._lock.held  # released: resuming in this process works
+    monkeypatch.setattr(trainer_mod, "append_metrics", real)
+    Trainer(cfg, resume=True, echo=lambda *_: None).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]

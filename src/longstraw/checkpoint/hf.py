@@ -1,16 +1,23 @@
 """HF checkpoint directories in and out: ``load_model``, ``save_model``, ``hf_grads``.
 
-A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or shards listed by
-``model.safetensors.index.json``). Loading builds the model on the meta device (no random init of billions of
-parameters), materialises it on the target device and copies each tensor in as it is read, so peak host memory is
-about one model plus one tensor. Pickled weights (``pytorch_model.bin``) are refused unless the caller passes
-``allow_pickle=True``; even then they are read with ``torch.load(weights_only=True)``.
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or the shards listed by
+``model.safetensors.index.json``), and usually the tokenizer's files. Only those weight files are read, as
+transformers does: another ``*.safetensors`` beside them (gradients, an adapter) is never taken for weights.
+Loading builds the model on the meta device (no random init of billions of parameters), checks that its
+parameters fit the target device's memory, materialises it there and copies each tensor in as it is read, so peak
+host memory is about one model plus one tensor. Pickled weights (``pytorch_model.bin``) are refused unless the
+caller passes ``allow_pickle=True``; even then they are read with ``torch.load(weights_only=True)``.
+
+The loaded model remembers its directory (``model.source_dir``); :func:`save_model` copies the tokenizer files
+from there, so a saved directory is a complete checkpoint that ``longstraw generate --model`` reads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,9 +25,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from longstraw import distributed
+from longstraw.devices import resolve_device
 from longstraw.models import registry
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
+from longstraw.tokenizer import BYTE_TOKENIZER_FILE
+from longstraw.units import format_bytes
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLED_WEIGHTS = "pytorch_model.bin"
+PICKLED_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
+# what a tokenizer leaves in a checkpoint directory (HF tokenizers, their chat templates, LongStraw's byte tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "chat_template.jinja", "chat_template.json", BYTE_TOKENIZER_FILE)
+TOKENIZER_DIRS = ("additional_chat_templates",)
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,26 +79,89 @@ def read_config(path: str | os.PathLike) -> dict:
     return cfg
 
 
-def _weight_files(p: Path, allow_pickle: bool) -> tuple[str, list[Path]]:
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        wm = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({p / f for f in wm.values()})
-        missing = [str(f.name) for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{index.name} lists shards that are missing: {missing}")
-        return "safetensors", files
-    files = sorted(p.glob("*.safetensors"))
-    if files:
-        return "safetensors", files
-    pickled = sorted(list(p.glob("pytorch_model*.bin")) + list(p.glob("*.pt")) + list(p.glob("*.pth")))
+def _index_files(p: Path, index: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shard files an index lists (and its tensor -> file map); ValueError for a broken or incomplete index."""
+    try:
+        wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a valid index ({type(e).__name__}: {e})") from None
+    if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file name")
+    bad = sorted({f for f in wm.values() if Path(f).name != f})
+    if bad:
+        raise ValueError(f"{index}: shard names must be file names in the same directory, got {bad[:3]}")
+    files = sorted({p / f for f in wm.values()})
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{index.name} lists shards that are missing: {missing}")
+    return files, wm
+
+
+def _weight_files(p: Path, allow_pickle: bool) -> tuple[str, list[Path], dict[str, str] | None]:
+    """``(kind, files, weight_map)``: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists
+    (weight_map: which tensor to take from which shard); the same for pickles with ``allow_pickle``."""
+    if (p / WEIGHTS_INDEX).is_file():
+        return "safetensors", *_index_files(p, p / WEIGHTS_INDEX)
+    if (p / WEIGHTS).is_file():
+        return "safetensors", [p / WEIGHTS], None
+    others = sorted(f.name for f in p.glob("*.safetensors"))
+    if others:
+        raise ValueError(f"{str(p)!r} has no {WEIGHTS} and no {WEIGHTS_INDEX}; it holds only "
+                         f"{_list(others, 5)}, which are not read as the model's weights (a checkpoint is "
+                         f"{WEIGHTS}, or model-00001-of-0000N.safetensors shards listed by {WEIGHTS_INDEX})")
+    pickled = (p / PICKLED_WEIGHTS_INDEX).is_file() or (p / PICKLED_WEIGHTS).is_file()
     if pickled:
         if not allow_pickle:
-            raise ValueError(f"{str(p)!r} holds only pickled weights ({pickled[0].name}); pickles can run code, so "
+            name = PICKLED_WEIGHTS_INDEX if (p / PICKLED_WEIGHTS_INDEX).is_file() else PICKLED_WEIGHTS
+            raise ValueError(f"{str(p)!r} holds only pickled weights ({name}); pickles can run code, so "
                              "they are not loaded unless you pass allow_pickle=True (or convert to safetensors)")
-        return "pickle", pickled
-    raise ValueError(f"{str(p)!r} has no weights: expected model.safetensors, sharded *.safetensors with "
-                     "model.safetensors.index.json, or (with allow_pickle=True) pytorch_model.bin")
+        if (p / PICKLED_WEIGHTS_INDEX).is_file():
+            return "pickle", *_index_files(p, p / PICKLED_WEIGHTS_INDEX)
+        return "pickle", [p / PICKLED_WEIGHTS], None
+    raise ValueError(f"{str(p)!r} has no weights: expected {WEIGHTS}, shards listed by {WEIGHTS_INDEX}, or (with "
+                     f"allow_pickle=True) {PICKLED_WEIGHTS}")
+
+
+class ModelTooLargeError(ValueError):
+    """The model's parameters do not fit the target device (checked before allocating, or the allocation failed)."""
+
+
+def _memory_of(device: torch.device) -> tuple[int | None, str]:
+    """Bytes the parameters may take on ``device`` and what that figure is (CPU: MemAvailable; CUDA: total)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory), "total memory"
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "available memory (MemAvailable)"
+        except OSError:
+            pass
+    return None, ""
+
+
+def _materialise(model: CausalLM, device: torch.device, where: Path) -> CausalLM:
+    """``model`` (on meta) allocated on ``device``, after checking that it fits; ModelTooLargeError (a ValueError)
+    with both sizes."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    have, what = _memory_of(device)
+    n = sum(t.numel() for t in model.parameters())
+    if have is not None and need > have:
+        raise ModelTooLargeError(f"{str(where)!r}: the model's {n:,} parameters need {format_bytes(need)} on "
+                                 f"{device}, more than its {what} of {format_bytes(have)} (check config.json's sizes)")
+    try:
+        return model.to_empty(device=device)
+    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelTooLargeError(f"{str(where)!r}: cannot allocate the model's {format_bytes(need)} on "
+                                 f"{device}: {first}") from None
+
+
+def _damaged(f: Path, e: BaseException) -> ValueError:
+    return ValueError(f"{f}: cannot read the weights, the file is damaged or truncated ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r})")
 
 
 def _config_dtype(cfg: dict) -> torch.dtype | None:
@@ -96,18 +180,19 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     """Load an HF checkpoint directory into a LongStraw model.
 
     dtype: parameter dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
-    device: where to put the parameters (default CPU).
+    device: where to put the parameters (default CPU); a device this machine lacks is a ValueError.
+    The model's ``source_dir`` is ``path`` (:func:`save_model` copies the tokenizer files from it).
     """
     p = Path(path)
     cfg = read_config(p)
     family = family_for(cfg.get("model_type"))
-    kind, files = _weight_files(p, allow_pickle)
+    kind, files, weight_map = _weight_files(p, allow_pickle)
     dtype = parse_dtype(dtype) or _config_dtype(cfg) or torch.float32
-    device = torch.device(device or "cpu")
+    device = resolve_device(device if device is not None else "cpu", "device")
 
     with torch.device("meta"):
         model = family.build(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = _materialise(model.to(dtype), device, p)
     model.tie_weights()
     params = dict(model.named_parameters())
 
@@ -115,15 +200,35 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     try:
         if kind == "safetensors":
             for f in files:
-                h = handles[f] = safe_open(str(f), framework="pt", device="cpu")
-                for n in h.keys():
-                    tensors[n] = h
-            read = lambda n: tensors[n].get_tensor(n)  # noqa: E731
+                try:
+                    h = handles[f] = safe_open(str(f), framework="pt", device="cpu")
+                    names = list(h.keys())
+                except Exception as e:  # SafetensorError: a truncated file, garbage bytes
+                    raise _damaged(f, e) from None
+                for n in names:
+                    if weight_map is None or weight_map.get(n) == f.name:
+                        tensors[n] = (f, h)
+
+            def read(n):
+                f, h = tensors[n]
+                try:
+                    return h.get_tensor(n)
+                except Exception as e:
+                    raise _damaged(f, e) from None
         else:
             for f in files:
-                sd = torch.load(f, map_location="cpu", weights_only=True)
-                tensors.update(sd)
+                try:
+                    sd = torch.load(f, map_location="cpu", weights_only=True)
+                except Exception as e:  # truncated zip, not a pickle, a refused type
+                    raise _damaged(f, e) from None
+                if not isinstance(sd, dict):
+                    raise ValueError(f"{f}: expected a state dict, got {type(sd).__name__}")
+                tensors.update((n, t) for n, t in sd.items() if weight_map is None or weight_map.get(n) == f.name)
             read = tensors.__getitem__
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(tensors))
+            if absent:
+                raise ValueError(f"{str(p)!r}: the index lists tensors its shards do not hold: {_list(absent)}")
         names = sorted(tensors)
         if model.spec.tie_word_embeddings:
             names = [n for n in names if n != "lm_head.weight"]
@@ -150,6 +255,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     finally:
         handles.clear()
     model.eval()
+    model.source_dir = p
     return distributed.parallelize(model)  # FSDP2 over the CP group after init_distributed(fsdp=True), else as is
 
 
@@ -175,8 +281,36 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def tokenizer_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """The tokenizer files in a checkpoint directory (name -> path; empty if it has none)."""
+    d = Path(directory)
+    return {n: d / n for n in TOKENIZER_FILES if (d / n).is_file()}
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy the tokenizer files of checkpoint ``src`` into ``dst`` (best effort: ``src`` may be gone by now, e.g. a
+    checkpoint the trainer rotated out; then nothing is copied)."""
+    try:
+        if not src.is_dir() or src.resolve() == dst.resolve():
+            return
+    except OSError:
+        return
+    for name, f in tokenizer_files(src).items():
+        tmp = dst / (name + ".tmp")
+        try:
+            shutil.copyfile(f, tmp)
+        except FileNotFoundError:  # removed since it was listed
+            continue
+        os.replace(tmp, dst / name)
+    for name in TOKENIZER_DIRS:
+        if (src / name).is_dir():
+            shutil.rmtree(dst / name, ignore_errors=True)
+            shutil.copytree(src / name, dst / name)
+
+
 def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
-    """Write ``model`` as an HF checkpoint directory (config.json + safetensors, sharded above max_shard_size)."""
+    """Write ``model`` as an HF checkpoint directory (config.json + safetensors, sharded above max_shard_size),
+    with the tokenizer files of the directory the model was loaded from (``model.source_dir``), if any."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     limit = _parse_size(max_shard_size)
@@ -196,11 +330,12 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
             size = 0
         shards[-1][n] = t
         size += nb
-    for old in list(p.glob("model*.safetensors")) + [p / "model.safetensors.index.json"]:
+    # the weights this function writes, from an earlier save (other files, e.g. saved gradients, are left alone)
+    for old in [f for f in p.glob("model-*.safetensors") if _SHARD.match(f.name)] + [p / WEIGHTS, p / WEIGHTS_INDEX]:
         if old.exists():
             old.unlink()
     if len(shards) == 1:
-        _save_shard(shards[0], p / "model.safetensors")
+        _save_shard(shards[0], p / WEIGHTS)
     else:
         weight_map = {}
         for i, sh in enumerate(shards):
@@ -208,12 +343,15 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
             _save_shard(sh, p / fname)
             weight_map.update({n: fname for n in sh})
         total = sum(t.numel() * t.element_size() for _, t in out)
-        _atomic_write_text(p / "model.safetensors.index.json",
+        _atomic_write_text(p / WEIGHTS_INDEX,
                            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg = dict(model.hf_config)
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = _dtype_name(next(model.parameters()).dtype)
     _atomic_write_text(p / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    source = getattr(model, "source_dir", None)
+    if source is not None:
+        _copy_tokenizer(Path(source), p)
 
 
 def _save_shard(tensors: dict, path: Path) -> None:

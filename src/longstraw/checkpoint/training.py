@@ -7,10 +7,20 @@ fsynced: a run killed mid-save leaves the previous complete checkpoint untouched
 that the next save removes. Only the last ``keep_last`` checkpoints are kept.
 
 ``trainer.pt`` is our own file, read with ``torch.load(weights_only=True)``: plain containers of tensors and numbers.
+A checkpoint that cannot be read (a disk that filled up, a copy cut short) is one ``ValueError`` naming it and the
+checkpoint before it, which ``--resume`` takes once the damaged one is deleted.
+
+One trainer at a time per run directory: :class:`RunDirLock` holds an exclusive ``flock`` on ``RUN/.lock`` while a
+trainer writes there. The kernel drops the lock when the process ends in any way (SIGKILL included), so a crashed
+run never leaves a stale lock behind; a second trainer is refused with the pid holding it. Before taking the lock,
+:func:`check_writable` creates the directory and writes, fsyncs and removes a probe file, so a directory that
+cannot be written is refused before anything lands in it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import re
 import shutil
@@ -22,6 +32,7 @@ import torch
 from longstraw.checkpoint.hf import save_model
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+LOCK_FILE = ".lock"
 FAULT_ENV = "LONGSTRAW_FAULT"  # "kill-during-save:STEP": SIGKILL this process mid-save (crash-safety tests)
 
 
@@ -93,11 +104,125 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict, 
     return final
 
 
+def damaged_checkpoint(ckpt_dir: str | Path, detail: str) -> ValueError:
+    """The error for a checkpoint that cannot be read: names it, and the earlier one ``--resume`` would take once
+    this one is deleted (or says there is none)."""
+    ckpt = Path(ckpt_dir)
+    earlier = [d for d in checkpoint_dirs(ckpt.parent.parent) if d.name < ckpt.name]
+    then = (f"delete it to resume from the earlier {earlier[-1].name}" if earlier else
+            "there is no earlier checkpoint: delete it and start the run again")
+    return ValueError(f"checkpoint {str(ckpt)!r} is damaged ({detail}); {then}")
+
+
+TRAINER_STATE_KEYS = ("step", "opt_step", "optimizer", "rng")
+
+
 def load_trainer_state(ckpt_dir: str | Path) -> dict:
     p = Path(ckpt_dir) / "trainer.pt"
     if not p.is_file():
         raise ValueError(f"{str(ckpt_dir)!r} is not a LongStraw checkpoint (no trainer.pt)")
-    return torch.load(p, map_location="cpu", weights_only=True)
+    try:
+        st = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, garbage, a type weights_only refuses
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise damaged_checkpoint(ckpt_dir, f"trainer.pt cannot be read: {type(e).__name__}: {msg}") from None
+    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise damaged_checkpoint(ckpt_dir, f"trainer.pt lacks {', '.join(missing)}")
+    return st
+
+
+# ---------------------------------------------------------------------------------------------- the run directory
+
+
+def check_writable(run_dir: str | Path) -> None:
+    """Create ``run_dir`` (and its parents) and write, fsync and remove a probe file in it; a ValueError naming the
+    directory and the reason if any of that fails (read-only file system, a path under a regular file, a full
+    disk, no permission)."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"run directory {str(p)!r} is a file, not a directory")
+    probe = p / f".write-probe-{os.getpid()}"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in (str(p), str(probe)) else ""
+        raise ValueError(f"run directory {str(p)!r} cannot be written: {e.strerror or e}{where}") from None
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``RUN/.lock``, held by the one trainer writing ``RUN`` (see the module doc).
+
+    :meth:`check` tells, without creating or writing anything, whether another process holds it; :meth:`acquire`
+    takes it (creating the lock file; the directory must exist) and records this pid in it; :meth:`release` lets
+    go (the file stays: removing a lock file races with a process that has just opened it).
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _busy(self) -> ValueError:
+        try:
+            pid = self.path.read_text().strip() or "unknown"
+        except OSError:
+            pid = "unknown"
+        return ValueError(f"run directory {str(self.run_dir)!r} is in use by another trainer (pid {pid} holds "
+                          f"{LOCK_FILE}); wait for it to finish or stop it, or choose another train.out_dir")
+
+    def check(self) -> None:
+        """ValueError naming the holder's pid if another trainer holds the lock; nothing is written."""
+        if self.held:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file (or unreadable): nobody to wait for
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._busy() from None
+            raise
+        finally:
+            os.close(fd)  # closing the descriptor also drops a lock this check took
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._busy() from None
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # drops the flock
+
+    def __del__(self):
+        self.release()
 
 
 def rng_state() -> dict:

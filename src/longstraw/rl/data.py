@@ -5,14 +5,16 @@ load time with the file, the line (JSONL) or row (Parquet, 1-based) and the fiel
 trainer.
 
 ``load_prompts(path)`` reads rows ``{"prompt": str | [{"role", "content"}, ...], "answer": ..., <anything else>}``
-into :class:`PromptRow` (``answer`` optional: a string, or a number turned into its string; every other key goes to
-``meta`` and reaches the reward as keyword arguments).
+into :class:`PromptRow` (``answer``: a string, or a number turned into its string; optional unless
+``require_answer``, which the trainer sets: a row keyed ``target`` where the answer key is ``answer`` would
+otherwise train at reward 0 without a word; every other key goes to ``meta`` and reaches the reward as keyword
+arguments).
 
 ``load_rollouts(path)`` reads rollouts sampled elsewhere (vLLM, SGLang): rows ``{"prompt", "responses": [str],
 "rewards": [float], "old_logprobs"?: [[float]], "answer"?}`` into :class:`RolloutGroup`; one ``old_logprobs`` list
 per response (its per-token log-probabilities under the sampling policy), all numbers finite.
 
-Format by suffix: ``.jsonl``/``.json``/``.ndjson`` (one JSON object per line; blank lines skipped) or
+Format by suffix: ``.jsonl``/``.json``/``.ndjson`` (one JSON object per line, UTF-8; blank lines skipped) or
 ``.parquet``/``.pq`` (pyarrow, imported only then). Nothing here tokenises: rendering and encoding belong to
 :func:`longstraw.tokenizer.render_prompt` and the trainer.
 """
@@ -55,8 +57,13 @@ def _read_rows(path: str | Path) -> Iterator[tuple[str, object]]:
         raise ValueError(f"data file {str(p)!r} does not exist")
     suffix = p.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        with open(p, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
+        with open(p, "rb") as f:
+            for i, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{p}:{i}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                     "save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -119,13 +126,20 @@ def _non_empty(rows: list, path) -> list:
     return rows
 
 
-def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[PromptRow]:
-    """Prompt rows from JSONL or Parquet (see the module doc)."""
+def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer", *,
+                 require_answer: bool = False) -> list[PromptRow]:
+    """Prompt rows from JSONL or Parquet (see the module doc). ``require_answer``: a row without ``answer_key`` (or
+    with a null answer) is an error naming the file, the line, the key and the keys the row has."""
     rows = []
     for where, row in _read_rows(path):
         row = _object(where, row)
         prompt = _prompt(where, row, prompt_key)
         answer = _answer(where, row, answer_key)
+        if answer is None and require_answer:
+            what = "is null" if answer_key in row else "is missing"
+            raise ValueError(f"{where}: the answer {answer_key!r} {what} (the answer key, set by data.answer_key; "
+                             f"data.answer_key = \"\" for rows without answers); the row has: "
+                             f"{', '.join(map(repr, row))}")
         meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
         rows.append(PromptRow(prompt, answer, meta, where))
     return _non_empty(rows, path)

@@ -20,7 +20,10 @@ A reward maps ``(response, answer, **meta) -> float``. ``make_reward(spec, **opt
                   always 0 for every response and gives GRPO no signal); only the exact answer scores 1.0.
 ``"module:function"`` or ``"path/to/file.py:function"``
                   a user function ``fn(response: str, answer: str, **meta) -> float``; ``options`` are passed to
-                  every call as extra keyword arguments (they override meta keys of the same name).
+                  every call as extra keyword arguments (they override meta keys of the same name). It is imported
+                  in the worker process only, never in this one (see below): ``make_reward`` starts the worker and
+                  waits for the import, so a bad spec, an import that raises or one that hangs past the start-up
+                  timeout is a ``ValueError`` there.
 
 :func:`score_rewards` scores a batch and never raises for a bad reward: an exception, a non-number, a non-finite
 number or (user functions) a call running past ``timeout_s`` becomes ``RewardResult(0.0, error)``. A number is any
@@ -29,22 +32,22 @@ number or (user functions) a call running past ``timeout_s`` becomes ``RewardRes
 Timeout mechanism (user functions only; built-ins are plain in-process calls with no timeout machinery). A thread
 with a deadline cannot stop arbitrary Python code: a ``while True: pass`` keeps running (and holding the GIL share)
 forever, and ``signal.alarm`` works only in the main thread on POSIX and not inside C code. So user functions run in
-a persistent worker PROCESS, which can always be killed. The worker is a fresh interpreter started with
-``subprocess`` (``python -c <worker source>``), not a ``multiprocessing`` child: spawning through multiprocessing
-would import this package (and torch) in the child and re-import the parent's ``__main__`` script, which is slow
-and, for a script without a ``__main__`` guard, wrong. The worker imports the user function once (from the same spec
-string, so nothing is pickled but the arguments), then serves length-prefixed pickle frames over its stdin/stdout
-(the user's own prints go to stderr). The parent waits for each result with a deadline (a reader thread feeding a
-queue); on a timeout it kills the worker, records the error, and starts a new worker for the next call. Per-call
-overhead is one pipe round trip (~0.1 ms); the start-up (~50 ms plus the user module's imports) is not counted
-against the timeout.
+a persistent worker PROCESS, which can always be killed: :mod:`longstraw.rl.reward_worker`, a standard-library-only
+script run by path as ``python -I reward_worker.py`` (isolated mode: it imports neither torch nor this package, and
+it is not a ``multiprocessing`` child, which would import this package and torch in the child and re-import the
+parent's ``__main__`` script: slow and, for a script without a ``__main__`` guard, wrong). The worker takes the
+parent's ``sys.path``, imports the user function once (from the spec string, so nothing is pickled but the
+arguments), then serves length-prefixed pickle frames over its stdin/stdout (the user's own prints go to stderr).
+The import runs under a start-up timeout (``_STARTUP_TIMEOUT_S``); the parent waits for each result with a deadline
+(a reader thread feeding a queue); on a timeout it kills the worker, records the error, and starts a new worker for
+the next call. Per-call overhead is one pipe round trip (~0.1 ms); the start-up (~30 ms plus the user module's
+imports) is not counted against the per-call timeout. The user module is never imported in the calling process, so
+an import that hangs or crashes cannot take the trainer with it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import math
 import numbers
 import os
@@ -190,11 +193,12 @@ class RewardResult:
 
 
 class RewardFn:
-    """A reward function made by :func:`make_reward`. Call it directly (in-process, no timeout) or score batches
-    with :func:`score_rewards`. User functions keep a worker process (started lazily; see the module doc); close it
-    with :meth:`close` or by using the object as a context manager (it is also closed at exit)."""
+    """A reward function made by :func:`make_reward`. Call it directly or score batches with :func:`score_rewards`.
+    Built-ins run in this process. User functions run in their worker process (see the module doc), also when
+    called directly (no timeout; an error in the function raises ``RuntimeError`` with its message); close the
+    worker with :meth:`close` or by using the object as a context manager (it is also closed at exit)."""
 
-    def __init__(self, spec: str, fn: Callable[..., float], options: dict, *, builtin: bool,
+    def __init__(self, spec: str, fn: Callable[..., float] | None, options: dict, *, builtin: bool,
                  target: tuple[str, str, str] | None = None):
         self.spec = spec
         self.fn = fn
@@ -206,7 +210,10 @@ class RewardFn:
     def __call__(self, response: str, answer: str, **meta) -> float:
         if self.builtin:  # built-ins take only their own options (bound in fn), never meta
             return self.fn(response, answer)
-        return self.fn(response, answer, **{**meta, **self.options})
+        res = self._get_worker().call(response, answer, meta, None)
+        if res.error is not None:
+            raise RuntimeError(f"reward {self.spec!r}: {res.error}")
+        return res.value
 
     def close(self) -> None:
         if self._worker is not None:
@@ -230,7 +237,8 @@ class RewardFn:
         return self._worker
 
 
-def _load_user_function(spec: str) -> tuple[Callable, tuple[str, str, str]]:
+def _user_target(spec: str) -> tuple[str, str, str]:
+    """``(kind, name, function)`` of a user spec, checked without importing anything."""
     where, _, fname = spec.rpartition(":")
     if not where or not fname.isidentifier():
         raise ValueError(f"reward {spec!r}: a user function is given as 'module:function' or "
@@ -239,39 +247,14 @@ def _load_user_function(spec: str) -> tuple[Callable, tuple[str, str, str]]:
         path = Path(where).resolve()
         if not path.is_file():
             raise ValueError(f"reward {spec!r}: file {where!r} does not exist (looking for function {fname!r})")
-        kind, name = "file", str(path)
-    else:
-        kind, name = "module", where
-    try:
-        fn = _import_target(kind, name, fname)
-    except ValueError:
-        raise
-    except BaseException as e:  # the user's module may raise anything while importing
-        raise ValueError(f"reward {spec!r}: cannot import {kind} {name!r} for function {fname!r}: "
-                         f"{type(e).__name__}: {e}") from None
-    return fn, (kind, name, fname)
-
-
-def _import_target(kind: str, name: str, fname: str):
-    if kind == "file":
-        mod_name = "_longstraw_reward_" + re.sub(r"\W", "_", name)
-        spec = importlib.util.spec_from_file_location(mod_name, name)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod  # dataclasses and pickling look their module up here
-        spec.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(name)
-    fn = getattr(mod, fname, None)
-    if fn is None:
-        raise ValueError(f"{kind} {name!r} has no function {fname!r}")
-    if not callable(fn):
-        raise ValueError(f"{kind} {name!r}: {fname!r} is not callable ({type(fn).__name__})")
-    return fn
+        return "file", str(path), fname
+    return "module", where, fname
 
 
 def make_reward(spec: str, **options) -> RewardFn:
     """A built-in reward by name (options validated) or a user function ``"module:function"`` /
-    ``"path/to/file.py:function"`` (imported now, so a bad spec fails here)."""
+    ``"path/to/file.py:function"``: its worker is started now and imports it, so a bad spec, an import error or an
+    import that hangs past the start-up timeout fails here (a one-line ``ValueError``)."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"reward spec {spec!r} must be a non-empty string")
     if spec in BUILTINS:
@@ -292,8 +275,12 @@ def make_reward(spec: str, **options) -> RewardFn:
     if ":" not in spec:
         raise ValueError(f"unknown reward {spec!r}; built-ins: {', '.join(BUILTINS)}; or a user function as "
                          "'module:function' or 'path/to/file.py:function'")
-    fn, target = _load_user_function(spec)
-    return RewardFn(spec, fn, dict(options), builtin=False, target=target)
+    reward = RewardFn(spec, None, dict(options), builtin=False, target=_user_target(spec))
+    err = reward._get_worker().start()
+    if err is not None:
+        reward.close()
+        raise ValueError(f"reward {spec!r}: {err}")
+    return reward
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -332,7 +319,7 @@ def score_rewards(reward_fn: RewardFn, responses: Sequence[str], answers: Sequen
     """Score each ``(response, answer, meta)``; failures are recorded, never raised (see the module doc).
 
     Built-ins run in-process. User functions run in the worker process with ``timeout_s`` seconds per call
-    (``timeout_s=None``: in-process, no timeout).
+    (``timeout_s=None``: no timeout; a crash of the worker is still recorded).
     """
     n = len(responses)
     if len(answers) != n or (metas is not None and len(metas) != n):
@@ -342,7 +329,7 @@ def score_rewards(reward_fn: RewardFn, responses: Sequence[str], answers: Sequen
                                   or not timeout_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0 (or None for no timeout)")
     metas = metas if metas is not None else [{}] * n
-    if reward_fn.builtin or timeout_s is None:
+    if reward_fn.builtin:
         return [_call_in_process(reward_fn, r, a, m) for r, a, m in zip(responses, answers, metas)]
     worker = reward_fn._get_worker()
     return [worker.call(r, a, m, timeout_s) for r, a, m in zip(responses, answers, metas)]
@@ -350,74 +337,7 @@ def score_rewards(reward_fn: RewardFn, responses: Sequence[str], answers: Sequen
 
 # ---------------------------------------------------------------------------------------------- worker
 
-_WORKER_SOURCE = r'''
-import importlib, importlib.util, numbers, os, pickle, re, struct, sys, threading, time
-
-def watchdog(parent):
-    # an orphaned worker (parent killed) exits even while the user function spins; Python switches threads
-    # every few milliseconds, so this runs during a `while True: pass`
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-def main():
-    threading.Thread(target=watchdog, args=(os.getppid(),), daemon=True).start()
-    rin = sys.stdin.buffer
-    rout = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the user's prints go to stderr, not into the protocol
-    sys.stdout = sys.stderr
-    sys.stdin = open(os.devnull)
-
-    def read():
-        head = rin.read(8)
-        if len(head) < 8:
-            return None
-        (n,) = struct.unpack(">Q", head)
-        return pickle.loads(rin.read(n))
-
-    def write(obj):
-        b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        rout.write(struct.pack(">Q", len(b)) + b)
-        rout.flush()
-
-    init = read()
-    sys.path[:] = init["sys_path"]
-    try:
-        kind, name, fname = init["target"]
-        if kind == "file":
-            mod_name = "_longstraw_reward_" + re.sub(r"\W", "_", name)
-            spec = importlib.util.spec_from_file_location(mod_name, name)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = mod
-            spec.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(name)
-        fn = getattr(mod, fname)
-    except BaseException as e:
-        write(("err", "cannot import the reward function in the worker: %s: %s" % (type(e).__name__, e)))
-        return
-    options = init["options"]
-    write(("ready", None))
-    while True:
-        req = read()
-        if req is None:
-            return
-        response, answer, meta = req
-        try:
-            v = fn(response, answer, **{**meta, **options})
-            if not isinstance(v, numbers.Real) and getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
-                v = v.item()  # a 0-d array or tensor
-            if isinstance(v, numbers.Real):
-                write(("ok", float(v)))
-            else:
-                write(("err", "reward is not a number: %s %.80r" % (type(v).__name__, v)))
-        except BaseException as e:
-            write(("err", "%s: %s" % (type(e).__name__, e)))
-
-main()
-'''
-
+WORKER_PATH = str(Path(__file__).with_name("reward_worker.py"))  # a script: run by path, never imported here
 _STARTUP_TIMEOUT_S = 60.0
 
 
@@ -442,9 +362,12 @@ class _Worker:
         self.results: queue.Queue | None = None
         self._finalizer = None
 
-    def _start(self) -> str | None:
-        """Start the worker and wait until it has imported the function; the error text if that failed."""
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SOURCE], stdin=subprocess.PIPE,
+    def start(self) -> str | None:
+        """Start the worker and wait until it has imported the function; the error text if that failed (or took
+        longer than ``_STARTUP_TIMEOUT_S``; the worker is then killed)."""
+        if self.proc is not None:
+            return None
+        self.proc = subprocess.Popen([sys.executable, "-I", WORKER_PATH], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
         self._finalizer = weakref.finalize(self, _terminate, self.proc)  # also runs at interpreter exit
         self.results = queue.Queue()
@@ -457,11 +380,14 @@ class _Worker:
         try:
             kind, payload = self.results.get(timeout=_STARTUP_TIMEOUT_S)
         except queue.Empty:
-            kind, payload = "err", f"the reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s"
+            kind, payload = "err", (f"the reward worker did not import the function within {_STARTUP_TIMEOUT_S:g} s "
+                                    "(does the module hang while importing?)")
         if kind == "ready":
             return None
+        if kind == "eof":
+            payload = f"the reward worker exited with code {self.proc.wait()} while importing the function"
         self._kill()
-        return payload if kind == "err" else "the reward worker exited while starting"
+        return payload
 
     def _send(self, obj) -> None:
         b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # raises before anything is written
@@ -474,9 +400,9 @@ class _Worker:
         self.proc = None
         self._finalizer = None
 
-    def call(self, response, answer, meta, timeout_s: float) -> RewardResult:
+    def call(self, response, answer, meta, timeout_s: float | None) -> RewardResult:
         if self.proc is None:
-            err = self._start()
+            err = self.start()
             if err is not None:
                 return RewardResult(0.0, err)
         try:

@@ -10,6 +10,8 @@ longer than ``data.max_prompt_len`` is an error naming its index and length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
@@ -27,11 +29,27 @@ class PromptItem:
     old_logprobs: list[Tensor] | None = None
 
 
+def check_model_path(cfg: RunConfig) -> None:
+    """``model.path`` names a checkpoint directory with a readable config.json (checked before its tokenizer, so a
+    wrong path is reported as ``model.path``, not as a missing tokenizer)."""
+    from longstraw.checkpoint.hf import read_config
+
+    path = cfg.model.path
+    if not Path(path).is_dir():
+        raise ValueError(f"model.path={path!r} is not a directory (it must be an HF checkpoint directory: "
+                         "config.json, model.safetensors, tokenizer files)")
+    try:
+        read_config(path)
+    except ValueError as e:
+        raise ValueError(f"model.path={path!r}: {e}") from None
+
+
 def build_tokenizer(cfg: RunConfig):
     """The checkpoint's tokenizer, or the built-in byte tokenizer for built-in models."""
     from longstraw.tokenizer import ByteTokenizer, load_tokenizer
 
     if cfg.model.path:
+        check_model_path(cfg)
         return load_tokenizer(cfg.model.path)
     return ByteTokenizer()
 
@@ -51,7 +69,8 @@ class PromptSource:
         elif d.path:
             from longstraw.rl.data import load_prompts
 
-            self.rows = load_prompts(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key)
+            self.rows = load_prompts(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                     require_answer=bool(d.answer_key))
             if not self.rows:
                 raise ValueError(f"data.path={d.path!r} holds no prompt rows")
         else:

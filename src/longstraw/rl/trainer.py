@@ -13,6 +13,13 @@ One step:
 3. log ``metrics.jsonl`` (and TensorBoard, W&B: :mod:`longstraw.rl.tracking`), update the progress bar,
    checkpoint atomically.
 
+Nothing is written before everything the user gave has been checked: the config, the tokenizer, the reward (its
+import, in its worker), every data row, the memory plan and, on resume, the checkpoint (its ``trainer.pt`` and
+weights are read first; a damaged one is refused with the earlier checkpoint to resume from; a run that has done
+all its steps says so). Then the run directory is created, probed for writing and locked (one trainer per
+directory; see :class:`longstraw.checkpoint.training.RunDirLock`). A write that fails later (a full disk) is one
+``ValueError`` naming what was being written and the last complete checkpoint.
+
 Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
 so a resumed run repeats exactly what an uninterrupted one does.
 """
@@ -21,18 +28,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from longstraw.checkpoint.hf import load_model, parse_dtype, save_model
-from longstraw.checkpoint.training import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, \
-    set_rng_state
+from longstraw.checkpoint.hf import ModelTooLargeError, load_model, parse_dtype, save_model, tokenizer_files
+from longstraw.checkpoint.training import RunDirLock, check_writable, damaged_checkpoint, latest_checkpoint, \
+    load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from longstraw.devices import resolve_device
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
-from longstraw.profiling import PhaseMeter, current_bytes
+from longstraw.profiling import PhaseMeter, current_bytes, delayed_bar, tune_allocator
 from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config, sampling_config
 from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
@@ -117,13 +126,16 @@ class Trainer:
         from longstraw.rl.sources import PromptSource, build_tokenizer
         from longstraw.rl.rewards import make_reward
 
+        tune_allocator()  # glibc: freed tensors leave the resident set (see longstraw.profiling.tune_allocator)
         self.cfg = cfg
         self.echo = echo
         self.run_dir = Path(run_dir or cfg.train.out_dir)
         self.gcfg = grpo_config(cfg)
-        self.device = torch.device(cfg.model.device)
+        self.device = resolve_device(cfg.model.device, "model.device")
         self.start_step = 0
         self.opt_step = 0
+        self._lock = RunDirLock(self.run_dir)
+        self._lock.check()  # another trainer writing this directory: refused, naming its pid (nothing written)
         self._check_run_dir(resume)
         # everything that can reject the user's input runs before anything is written
         self.tokenizer = build_tokenizer(cfg)
@@ -132,21 +144,27 @@ class Trainer:
         self.source = PromptSource(cfg, self.tokenizer)
         self.source.check()
         self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: records e.g. a longer train.steps
-        if not resume and not cfg.model.path:
-            self.tokenizer.save(self.run_dir / "tokenizer")
         ckpt = latest_checkpoint(self.run_dir) if resume else None
-        self.model = self._build_model(ckpt)
-        self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 else None
-        o = cfg.optim
-        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
-        if ckpt is not None:
-            st = load_trainer_state(ckpt)
-            self.opt.load_state_dict(st["optimizer"])
-            set_rng_state(st["rng"])
-            self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
-            truncate_metrics(self.run_dir, self.start_step)
+        st = self._resume_state(ckpt) if ckpt is not None else None  # damaged or finished: refused here
+        if ckpt is not None or cfg.model.path:  # weights to read: read (and so checked) before anything is written
+            self._load_models(ckpt, st)
+        self._open_run_dir(resume, ckpt)  # created, probed for writing, locked
+        try:
+            with self._writing("config.toml"):
+                write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: e.g. a longer train.steps
+            if not resume and not cfg.model.path:
+                with self._writing("the tokenizer"):
+                    self.tokenizer.save(self.run_dir / "tokenizer")
+            if ckpt is None and not cfg.model.path:
+                with self._writing("the initial model"):
+                    self._load_models(None, None)  # a built-in model: written into the run once, then loaded
+            if st is not None:
+                with self._writing("metrics.jsonl"):
+                    truncate_metrics(self.run_dir, self.start_step)
+        except BaseException:
+            self.close()
+            raise
+        if st is not None:
             echo(f"resuming {self.run_dir} from {ckpt.name} (step {self.start_step})")
         else:
             torch.manual_seed(cfg.train.seed)
@@ -154,6 +172,69 @@ class Trainer:
         self.baseline_bytes = current_bytes(self.device)  # after loading: weights, tokenizer, framework
 
     # ------------------------------------------------------------------ setup
+    def close(self) -> None:
+        """Release the run directory's lock and stop the reward worker (``train`` does this when it ends)."""
+        self._lock.release()
+        self.reward_fn.close()
+
+    def _open_run_dir(self, resume: bool, ckpt: Path | None) -> None:
+        """Create the run directory, check that it can be written, lock it; the first write comes after this."""
+        check_writable(self.run_dir)
+        self._lock.acquire()
+        try:  # again, under the lock: another trainer may have started (and ended) since the first look
+            self._check_run_dir(resume)
+            if resume and latest_checkpoint(self.run_dir) != ckpt:
+                raise ValueError(f"run directory {str(self.run_dir)!r} changed while this trainer was starting (its "
+                                 f"latest checkpoint is now {latest_checkpoint(self.run_dir)}); start it again")
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _write_error(self, what: str, e: OSError) -> ValueError:
+        """A failed write (full disk, read-only remount) as one ValueError naming it and the last checkpoint."""
+        where = f" ({e.filename})" if e.filename else ""
+        last = latest_checkpoint(self.run_dir)
+        then = (f"; the last complete checkpoint, {last.name}, is intact: fix the cause and continue with --resume"
+                if last is not None else "")
+        return ValueError(f"cannot write {what}in run directory {str(self.run_dir)!r}: {e.strerror or e}{where}{then}")
+
+    @contextmanager
+    def _writing(self, what: str):
+        try:
+            yield
+        except OSError as e:
+            raise self._write_error(what + " ", e) from None
+
+    def _resume_state(self, ckpt: Path) -> dict:
+        """The checkpoint's ``trainer.pt`` (a damaged one is refused); a run that has done its steps is refused."""
+        st = load_trainer_state(ckpt)
+        done = int(st["step"])
+        if done >= self.cfg.train.steps:
+            raise ValueError(f"run {str(self.run_dir)!r} finished its {done} steps; raise train.steps (e.g. --set "
+                             f"train.steps={2 * done}) to continue")
+        return st
+
+    def _load_models(self, ckpt: Path | None, st: dict | None) -> None:
+        """Model, reference model and optimiser; with a checkpoint, its weights, optimiser and RNG state."""
+        try:
+            self.model = self._build_model(ckpt)
+        except ModelTooLargeError:
+            raise
+        except ValueError as e:
+            if ckpt is None:
+                raise
+            raise damaged_checkpoint(ckpt, f"model/: {e}") from None
+        self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 else None
+        o = self.cfg.optim
+        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
+        if st is not None:
+            try:
+                self.opt.load_state_dict(st["optimizer"])
+                set_rng_state(st["rng"])
+                self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+                raise damaged_checkpoint(ckpt, f"trainer.pt does not fit this run: {type(e).__name__}: {e}") from None
+
     def _check_run_dir(self, resume: bool) -> None:
         if resume:
             saved = self.run_dir / "config.toml"
@@ -220,6 +301,11 @@ class Trainer:
         eos = self.tokenizer.eos_token_id
         return sampling_config(self.cfg, (eos,) if self.cfg.rollout.stop_at_eos and eos is not None else ())
 
+    def _meter(self) -> PhaseMeter:
+        """A fresh meter for one engine call: with train.progress, a phase (a long prompt's prefill, the reverse
+        pass, decoding) that runs longer than a few seconds shows a progress bar under the step bar."""
+        return PhaseMeter(self.device, progress=delayed_bar() if self.cfg.train.progress else None)
+
     # ------------------------------------------------------------------ one step
     def _text_of(self, ids: Tensor) -> str:
         ids = ids.tolist()
@@ -240,7 +326,8 @@ class Trainer:
             sp = SamplingConfig(**{**self.sampling.__dict__, "seed": _derive_seed(self.cfg.train.seed, step, k)})
             ro = generate(self.model, item.prompt_ids, self.cfg.rollout.group_size, sp, keep_state=keep,
                           exact_state=self.gcfg.exact, prefill_chunk=self.gcfg.prefill_chunk,
-                          decode=self.tokenizer.decode)
+                          decode=self.tokenizer.decode, compute_dtype=self.gcfg.compute_dtype,
+                          meter=self._meter())
             responses, old, state, reasons = ro.responses, ro.logprobs, ro.prompt_state, ro.finish_reasons
             texts = [self._text_of(r) for r in responses]
             results = score_rewards(self.reward_fn, texts, [item.answer] * len(texts), [item.meta] * len(texts),
@@ -248,7 +335,8 @@ class Trainer:
             rewards = [r.value for r in results]
             errors = sum(r.error is not None for r in results)
         adv = group_advantages(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
-        ref = score(self.ref_model, item.prompt_ids, responses, self.gcfg) if self.ref_model is not None else None
+        ref = (score(self.ref_model, item.prompt_ids, responses, self.gcfg, meter=self._meter())
+               if self.ref_model is not None else None)
         return Group(item.prompt_ids, responses, texts, rewards, adv, old, ref, state, errors, reasons)
 
     def _update(self, groups: list[Group]) -> dict:
@@ -267,7 +355,7 @@ class Trainer:
                     continue  # contributes exactly zero gradient
                 st = grpo_backward(self.model, g.prompt_ids, g.responses, g.advantages, self.gcfg,
                                    old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=denom,
-                                   prompt_state=g.prompt_state if epoch == 0 else None)
+                                   prompt_state=g.prompt_state if epoch == 0 else None, meter=self._meter())
                 g.prompt_state = None
                 n_active += 1
                 w = st.num_tokens
@@ -334,10 +422,26 @@ class Trainer:
         tok_dir = self.run_dir / "tokenizer"
         if tok_dir.is_dir():
             extra = {f.name: f for f in tok_dir.iterdir() if f.is_file()}
-        return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
-                               extra_files=extra)
+        elif self.cfg.model.path:  # the checkpoint's own tokenizer: each saved model directory is servable
+            extra = tokenizer_files(self.cfg.model.path)
+        with self._writing(f"checkpoint {step_done}"):
+            return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
+                                   extra_files=extra)
 
     def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
+        """Run the steps from the start (or the resumed checkpoint) to ``train.steps``; the run directory's lock is
+        held throughout and released at the end (see :meth:`close`)."""
+        self._lock.acquire()  # held since __init__; taken again if an earlier train() released it
+        try:
+            return self._train(on_step)
+        except OSError as e:  # metrics.jsonl, plots, TensorBoard: a full disk is one line, not a traceback
+            if e.filename is None:  # not a file (a closed pipe on stdout): left to the caller
+                raise
+            raise self._write_error("", e) from None
+        finally:
+            self.close()
+
+    def _train(self, on_step: Callable[[dict], None] | None) -> RunSummary:
         t = self.cfg.train
         writers = make_writers(self.cfg, self.run_dir)  # TensorBoard, W&B (train.tensorboard, train.wandb)
         bar = _progress(t.steps, self.start_step, t.progress)
