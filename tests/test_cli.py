@@ -28,6 +28,7 @@ def demo_run(tmp_path_factory):
     return out, r.stdout
 
 
+@pytest.mark.slow  # runs the demo in a subprocess
 def test_demo_prints_the_summary(demo_run):
     out, stdout = demo_run
     for line in ("prompt length      200 tokens", "group size G       4", "steps              3", "reward ",
@@ -38,6 +39,7 @@ def test_demo_prints_the_summary(demo_run):
     assert (out / "checkpoints" / "step-00000003" / "model" / "longstraw_tokenizer.json").exists()
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_train_with_config_and_overrides_then_plot(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[model]\nbuiltin = "tiny-dense"\n[data]\nprompt_len = 120\nmax_prompt_len = 256\n'
@@ -51,6 +53,7 @@ def test_train_with_config_and_overrides_then_plot(tmp_path):
     assert p.returncode == 0 and "reward.png" in p.stdout
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_generate_and_score_from_a_checkpoint(demo_run, tmp_path):
     out, _ = demo_run
     model = out / "checkpoints" / "step-00000003" / "model"
@@ -67,6 +70,7 @@ def test_generate_and_score_from_a_checkpoint(demo_run, tmp_path):
     assert [x["response"] for x in scored] == [0, 1] and all(x["logprob"] < 0 for x in scored)
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_plan_json(demo_run, tmp_path):
     out, _ = demo_run
     over = cli("plan", "--model", out / "initial_model", "--prompt-len", "64K", "--response-len", 16)
@@ -86,6 +90,7 @@ def _one_error_line(r, text):
     assert len(lines) == 1 and lines[0].startswith("longstraw: error: ") and text in lines[0], r.stderr
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_bad_inputs_exit_2_with_one_line(tmp_path):
     base = ["train", "--set", f'train.out_dir="{tmp_path / "r"}"', "--set", "train.progress=false",
             "--set", 'model.builtin="tiny-dense"', "--set", "train.steps=1", "--set", "train.plots=false"]
@@ -105,6 +110,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     _one_error_line(cli("generate", "--model", tmp_path / "nowhere", "--prompt", "x"), "does not exist")
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_resume_from_a_different_config_is_refused_and_nothing_is_touched(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--set", f'train.out_dir="{run}"', "--set", "train.progress=false", "--set", "train.steps=2",
@@ -120,6 +126,7 @@ def test_resume_from_a_different_config_is_refused_and_nothing_is_touched(tmp_pa
     assert before == after
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_config_prints_a_commented_default_config_that_train_accepts_unchanged(tmp_path):
     r = cli("config")
     assert r.returncode == 0, r.stderr
@@ -163,6 +170,7 @@ def _copy_run(run, tmp_path):
     return Path(shutil.copytree(run, tmp_path / "copy"))
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_an_unknown_option_prints_the_subcommands_usage():
     r = cli("train", "--steps", 5)
     assert r.returncode == 2
@@ -190,6 +198,7 @@ def test_every_option_has_help_that_states_its_default():
         sp.format_help()  # every help string formats
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_resuming_a_finished_run_says_so(dense_run):
     before = _files(dense_run)
     _one_error_line(cli("train", "--resume", dense_run),
@@ -197,6 +206,7 @@ def test_resuming_a_finished_run_says_so(dense_run):
     assert _files(dense_run) == before
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_damaged_checkpoint_names_it_and_the_earlier_one(dense_run, tmp_path):
     run = _copy_run(dense_run, tmp_path)
     state = run / "checkpoints" / "step-00000002" / "trainer.pt"
@@ -219,6 +229,7 @@ def test_a_damaged_checkpoint_names_it_and_the_earlier_one(dense_run, tmp_path):
     assert "resuming" in r.stdout and "from step-00000001 (step 1)" in r.stdout
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_second_trainer_on_a_run_directory_is_refused_and_a_killed_ones_lock_is_not_stale(tmp_path):
     import signal
     import time
@@ -249,6 +260,7 @@ def test_a_second_trainer_on_a_run_directory_is_refused_and_a_killed_ones_lock_i
     assert f"done: {last + 1} steps" in r.stdout
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_run_directory_that_cannot_be_written_is_refused_before_anything_is_written(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a regular file")
@@ -257,6 +269,7 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_anything_is_wr
     assert blocker.read_text() == "a regular file"
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_read_only_run_directory_is_refused():
     # tests run as root here, where chmod does not stop writes; sysfs refuses new files even to root
     ro = Path("/sys/kernel")
@@ -272,6 +285,7 @@ def test_a_read_only_run_directory_is_refused():
     _one_error_line(cli("train", *DENSE, "--set", f'train.out_dir="{ro}"'), f"run directory '{ro}' cannot be written: ")
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_missing_model_path_is_blamed_on_model_path(tmp_path):
     _one_error_line(cli("train", *DENSE, "--set", f'train.out_dir="{tmp_path / "r"}"',
                         "--set", f'model.path="{tmp_path / "nonexistent"}"'),
@@ -279,6 +293,7 @@ def test_a_missing_model_path_is_blamed_on_model_path(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_rows_without_the_answer_key_are_refused(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "What is 2+2? ", "target": "4"}) + "\n")
@@ -289,6 +304,7 @@ def test_rows_without_the_answer_key_are_refused(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_devices_damaged_and_absurd_checkpoints_in_generate_and_score(dense_run, tmp_path):
     import shutil
 
@@ -316,6 +332,7 @@ def test_devices_damaged_and_absurd_checkpoints_in_generate_and_score(dense_run,
     _one_error_line(cli("generate", "--model", huge, "--prompt", "x"), "parameters need ")
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_score_out_validates_first_and_replaces_the_file_whole(dense_run, tmp_path):
     model = dense_run / "checkpoints" / "step-00000002" / "model"
     out = tmp_path / "scores.jsonl"
@@ -335,6 +352,7 @@ def test_score_out_validates_first_and_replaces_the_file_whole(dense_run, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "scores.jsonl"]
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_non_utf8_prompt_file_is_named(tmp_path):
     f = tmp_path / "prompt.txt"
     f.write_bytes(b"line one\ncaf\xe9\n")
@@ -342,6 +360,7 @@ def test_a_non_utf8_prompt_file_is_named(tmp_path):
                     f"prompt file '{f}' is not UTF-8 text (byte 0xe9 on line 2)")
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_save_model_then_generate_from_the_saved_directory(dense_run, tmp_path):
     out = tmp_path / "out"
     code = ("import sys, longstraw; m = longstraw.load_model(sys.argv[1]); longstraw.save_model(m, sys.argv[2])")

@@ -90,6 +90,7 @@ def test_my_reward_function():
     assert score("41", "42", partial=1.0, task="passkey") == 0.5
 
 
+@pytest.mark.slow  # runs the script in a subprocess
 def test_python_api_example_runs_to_completion(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run([sys.executable, str(EXAMPLES / "python_api.py"), str(tmp_path / "model")], capture_output=True,

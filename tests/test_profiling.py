@@ -1,5 +1,6 @@
 """Peak-memory windows nest: an inner reset (a phase of a step) never hides the peak an outer window saw."""
 
+import pytest
 import torch
 
 from longstraw.profiling import peak_window, trim_heap
@@ -22,6 +23,7 @@ def test_inner_window_does_not_hide_outer_peak():
 
 _ALLOCATOR_PROBE = r"""
 import sys
+import pytest
 import torch
 from longstraw.profiling import cpu_current_bytes, tune_allocator
 
@@ -57,6 +59,7 @@ def _rss_left(mode: str) -> tuple[bool, int]:
     return tuned == "True", int(left)
 
 
+@pytest.mark.slow  # fresh processes
 def test_tune_allocator_returns_freed_blocks_to_the_os():
     import platform
 

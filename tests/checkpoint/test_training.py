@@ -17,6 +17,7 @@ HOLD = ("import sys, time\nfrom longstraw.checkpoint.training import RunDirLock\
         "lock = RunDirLock(sys.argv[1])\nlock.acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n")
 
 
+@pytest.mark.slow  # a subprocess holds the lock
 def test_a_lock_held_by_another_process_names_its_pid_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": SRC})

@@ -59,6 +59,7 @@ def _train_cli(args, env=None):
                           env=e, timeout=600)
 
 
+@pytest.mark.slow  # kills a subprocess
 def test_sigkill_during_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     sets = [x for t in TINY + ["train.steps=6", "train.save_every=2", "train.keep_last=3"] for x in ("--set", t)]
     ref = _train_cli(sets + ["--set", f"train.out_dir=\"{tmp_path / 'ref'}\""])
