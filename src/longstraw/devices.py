@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device", "available_devices"]
+__all__ = ["resolve_device", "available_devices", "device_memory"]
 
 
 def available_devices() -> list[str]:
@@ -56,3 +56,19 @@ def resolve_device(spec, name: str = "device") -> torch.device:
         raise ValueError(f"{name}={spec!r}: the meta device holds no data (the planner uses it); available here: "
                          f"{here}")
     raise ValueError(f"{name}={spec!r}: device type {dev.type!r} is not supported; available here: {here}")
+
+
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """``(bytes, what that figure is)`` a run may use on ``device``: a GPU's total memory; on CPU what the OS
+    reports as available now (``MemAvailable``); ``(None, "")`` where neither is known."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory), "total memory"
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "available memory (MemAvailable)"
+        except OSError:
+            pass
+    return None, ""

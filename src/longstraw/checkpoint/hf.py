@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from longstraw import distributed
-from longstraw.devices import resolve_device
+from longstraw.devices import device_memory, resolve_device
 from longstraw.models import registry
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
@@ -126,27 +126,12 @@ class ModelTooLargeError(ValueError):
     """The model's parameters do not fit the target device (checked before allocating, or the allocation failed)."""
 
 
-def _memory_of(device: torch.device) -> tuple[int | None, str]:
-    """Bytes the parameters may take on ``device`` and what that figure is (CPU: MemAvailable; CUDA: total)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory), "total memory"
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024, "available memory (MemAvailable)"
-        except OSError:
-            pass
-    return None, ""
-
-
 def _materialise(model: CausalLM, device: torch.device, where: Path) -> CausalLM:
     """``model`` (on meta) allocated on ``device``, after checking that it fits; ModelTooLargeError (a ValueError)
     with both sizes."""
     tensors = list(model.parameters()) + list(model.buffers())
     need = sum(t.numel() * t.element_size() for t in tensors)
-    have, what = _memory_of(device)
+    have, what = device_memory(device)
     n = sum(t.numel() for t in model.parameters())
     if have is not None and need > have:
         raise ModelTooLargeError(f"{str(where)!r}: the model's {n:,} parameters need {format_bytes(need)} on "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.devices import device_memory
 from longstraw.planner import plan
 from longstraw.rl.config import RunConfig, grpo_config
 from longstraw.units import format_bytes as _fmt
@@ -32,22 +33,6 @@ class MemoryVerdict:
     breakdown: dict[str, int]
     max_prompt_len: int | None  # longest prompt that fits the limit with the other settings unchanged
     message: str
-
-
-def device_memory(device: torch.device) -> int | None:
-    """Bytes a run on ``device`` may use: a GPU's total memory; on CPU what the OS reports as available now
-    (``MemAvailable``); None where neither is known."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
 
 
 def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[str]:
@@ -90,7 +75,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
     if t.memory_check == "off":
         return None
-    limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)
+    limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)[0]
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
