@@ -240,10 +240,8 @@ def test_a_second_trainer_on_a_run_directory_is_refused_and_a_killed_ones_lock_i
                               "--set", "train.steps=100000", "--set", "train.save_every=1"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 300
-        while not list((run / "checkpoints").glob("step-*")):
+        while not list((run / "checkpoints").glob("step-*")):  # the test's timeout bounds this wait
             assert first.poll() is None, first.stderr.read()
-            assert time.time() < deadline
             time.sleep(0.2)
         for args in (["--resume", run], [*DENSE, "--set", f'train.out_dir="{run}"']):
             r = cli("train", *args)

