@@ -258,5 +258,11 @@ class Placement:
         one process: these)."""
         return ids, logprobs
 
+    def lockstep(self, steps: int) -> int:
+        """How many steps to run in a phase whose own work is ``steps`` steps: processes whose layers run
+        collectives together (parameters sharded over processes that take different prompts) must all run the
+        largest count, the extra ones idle (``engine/lockstep.py``). In one process: ``steps``."""
+        return steps
+
 
 LOCAL = Placement()

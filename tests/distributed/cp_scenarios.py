@@ -23,11 +23,13 @@ def group(seed: int, p: int, lens: list[int]):
     return prompt, responses, adv
 
 
-def _load(path: str, fsdp: bool):
-    model = longstraw.load_model(path)
-    ctx = distributed.cp_active()
+def _load(path: str, fsdp: bool, dtype=None):
+    """The model as the job loads it (FSDP2 over every rank after init_distributed(fsdp=True)); ``fsdp``: shard it
+    over every rank also in a job initialised without (single process: the plain model)."""
+    model = longstraw.load_model(path, dtype=dtype)
+    ctx = distributed.get_context()
     if fsdp and ctx is not None and not ctx.fsdp:
-        distributed.apply_fsdp(model, ctx)
+        distributed.parallelize(model, ctx, fsdp=True)
     return model
 
 
@@ -45,10 +47,11 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
-                    checkpoint_layers=False, mla_mode=None):
+                    checkpoint_layers=False, mla_mode=None, dtype=None):
     """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
-    ``mla_mode``: force an MLA form (one process runs it; under CP MLA layers always attend absorbed)."""
-    model = _load(paths[family], fsdp)
+    ``mla_mode``: force an MLA form (one process runs it; under CP MLA layers always attend absorbed). Every rank
+    passes the same groups: with the mean over data-parallel replicas, the gradients are the single process's."""
+    model = _load(paths[family], fsdp, dtype)
     if mla_mode is not None:
         from longstraw.models.mla import set_mla_mode
 
@@ -69,6 +72,9 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
         out["metrics"] = st.metrics
     out["grads"] = _grads(model)
     out["sharded_params"] = sum(hasattr(p, "full_tensor") for p in model.parameters())
+    out["whole_params"] = sum(not hasattr(p, "full_tensor") for p in model.parameters())
+    if dtype is not None:
+        out["grads"] = {n: g.double() for n, g in out["grads"].items()}
     return out
 
 
@@ -147,17 +153,23 @@ def low_precision(paths):
     return out
 
 
-def dp_sum(paths, *, family="llama", prompt_grad="exact"):
-    """Data parallel x context parallel: replica d back-propagates group d, then the replicas sum their gradients
-    (single process: both groups into one .grad)."""
-    model = _load(paths[family], False)
+def dp_sum(paths, *, family="llama", prompt_grad="exact", fsdp=False):
+    """Data parallel x context parallel: replica d back-propagates its own groups (prompts of different lengths, so
+    different numbers of prefill and reverse-pass steps; different G, so different numbers of replay batches; they
+    also generate rollouts that stop at different steps), with the step-global normaliser over the replicas
+    (``loss_scale = D / replicas``: the gradients are averaged over replicas); the result is one process's gradient
+    of all the groups. Under FSDP over every rank the replicas' phases run in lockstep (idle steps)."""
+    model = _load(paths[family], fsdp)
     ctx = distributed.get_context()
-    groups = [group(20, 15, [3, 4]), group(21, 17, [5, 2])]
+    groups = [group(20, 15, [3, 4]), group(21, 29, [5, 2, 6]), group(22, 9, [2, 2]), group(23, 23, [4])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=3, clip_ratio_c=None)
-    mine = groups if ctx is None or ctx.dp_size == 1 else [groups[ctx.dp_rank]]
+    replicas = 1 if ctx is None else ctx.dp_size
+    mine = [g for i, g in enumerate(groups) if ctx is None or i % replicas == ctx.dp_rank]
     for prompt, responses, adv in mine:
-        longstraw.grpo_backward(model, prompt, responses, adv, cfg, loss_scale=d)
+        sp = longstraw.SamplingConfig(max_new_tokens=3 + len(responses), seed=len(responses), stop_token_ids=(7,))
+        longstraw.generate(model, prompt, 2, sp, prefill_chunk=3)  # decoding steps differ between replicas too
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg, loss_scale=d / replicas)
     if ctx is not None:
         distributed.all_reduce_data_parallel(model, ctx)
     return {"grads": _grads(model), "sharded_params": sum(hasattr(p, "full_tensor") for p in model.parameters())}
@@ -210,6 +222,12 @@ SCENARIOS = {
     "state_bytes": lambda p: state_bytes(p),
     "bad_inputs": lambda p: bad_inputs(p),
     "dp_sum": lambda p: dp_sum(p),
+    "dp_sum_fsdp": lambda p: dp_sum(p, fsdp=True),
+    "hybrid_dp_sum_fsdp": lambda p: dp_sum(p, family="hybrid", fsdp=True),
+    "v3_dp_sum_fsdp": lambda p: dp_sum(p, family="deepseek_v3", prompt_grad="detached", fsdp=True),
+    "fp32_exact": lambda p: grpo_two_groups(p, dtype="float32"),
+    "bf16_exact": lambda p: grpo_two_groups(p, dtype="bfloat16", chunk=4),
+    "hybrid_fp32_exact": lambda p: grpo_two_groups(p, family="hybrid", dtype="float32"),
     "op_blocks": lambda p: op_blocks(p),
     "low_precision": lambda p: low_precision(p),
     "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),

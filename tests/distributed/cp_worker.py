@@ -30,8 +30,10 @@ def main(spec_path: str) -> None:
             results["init_errors"][bad] = "no error"
         except ValueError as e:
             results["init_errors"][bad] = str(e)
-    ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=spec["fsdp"], timeout_s=spec.get("timeout_s", 120))
-    results["context"] = {"rank": ctx.rank, "cp_rank": ctx.cp_rank, "cp_size": ctx.cp_size, "dp_size": ctx.dp_size}
+    ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=spec["fsdp"], replicate=spec.get("replicate", 1),
+                                     timeout_s=spec.get("timeout_s", 120))
+    results["context"] = {"rank": ctx.rank, "cp_rank": ctx.cp_rank, "cp_size": ctx.cp_size, "dp_size": ctx.dp_size,
+                          "replicate": ctx.replicate}
     for name in spec["scenarios"]:
         try:
             results[name] = cp_scenarios.SCENARIOS[name](spec["paths"])

@@ -38,15 +38,28 @@ ALL = ["exact", "detached", "exact_fsdp", "detached_fsdp", "qwen3_exact_ckpt", "
        "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision"]
 FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "hybrid_detached",
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks"]
-DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_detached"]
+DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_dp_sum_fsdp", "fp32_exact",
+      "bf16_exact"]
 MOE2 = ["v3_exact", "v3_detached", "v3_exact_decompressed", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "v32_exact", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached", "q35moe_exact",
         "q35moe_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
+# FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each
+# kind (dense, hybrid, MLA), float64 and float32/bf16; data-parallel replicas with prompts of different lengths
+FSDP_CP1_W2 = ["exact", "detached", "hybrid_exact", "v3_exact", "fp32_exact", "bf16_exact", "dp_sum_fsdp",
+               "generate", "score"]
+FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsdp", "hybrid_dp_sum_fsdp",
+               "v3_dp_sum_fsdp"]
+FSDP_CP2_W2 = ["exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact"]
+FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact"]
+HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
+# job: (world, cp, fsdp from init_distributed, scenarios[, replicate])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
-        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4)}
+        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
+        "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
+        "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2)}
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision")
 GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 if not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
@@ -129,10 +142,23 @@ def _assert_grads(got: dict, want: dict, where: str, rel: float = 1e-8) -> None:
         assert r <= rel, f"{where}: {n} relative error {r:.2e} > {rel:.0e}"
 
 
+def _assert_close_l2(got: dict, want: dict, where: str, rel: float) -> None:
+    num = sum(((got[n] - w) ** 2).sum() for n, w in want.items())
+    den = sum((w ** 2).sum() for w in want.values())
+    assert (num / den).sqrt() < rel, f"{where}: relative gradient difference {(num / den).sqrt():.2e} >= {rel}"
+
+
 def check_gradients(ranks, single, job, name):
-    """grpo_backward on every rank: .grad (after two accumulated groups), loss and log-probs as one process."""
+    """grpo_backward on every rank: .grad (after two accumulated groups), loss and log-probs as one process: float64
+    to 1e-8 relative per parameter; float32 and bf16 runs within their precision (relative L2 over all parameters:
+    1e-4 and 5e-2; CP and FSDP sum in other orders, so rounding differs)."""
     want = single(name)
+    low = "fp32" in name or "bf16" in name
     for r, got in enumerate(_result(ranks, name)):
+        if low:
+            assert set(got["grads"]) == set(want["grads"])
+            _assert_close_l2(got["grads"], want["grads"], f"{job} rank {r} {name}", 1e-4 if "fp32" in name else 5e-2)
+            continue
         _assert_grads(got["grads"], want["grads"], f"{job} rank {r} {name}")
         for a, b in zip(got.get("loss", []), want.get("loss", [])):
             assert abs(a - b) <= 1e-10 * max(1.0, abs(b)), (job, r, name, a, b)
@@ -217,7 +243,13 @@ def check_bad_inputs(ranks, job):
         assert errs[bad] == f"cp={bad} does not divide the world size {world}; allowed: {allowed}"
 
 
-CASES = [(job, name) for job, (_, _, _, names) in JOBS.items() for name in names]
+def _job(job):
+    """``(world, cp, fsdp, scenarios, replicate)`` of a job."""
+    world, cp, fsdp, names, *rest = JOBS[job]
+    return world, cp, fsdp, names, (rest[0] if rest else 1)
+
+
+CASES = [(job, name) for job in JOBS for name in _job(job)[3]]
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +259,9 @@ def launched(paths):
 
     def get(job):
         if job not in cache:
-            world, cp, fsdp, names = JOBS[job]
+            world, cp, fsdp, names, replicate = _job(job)
             try:
-                cache[job] = launch(world, cp=cp, paths=paths, scenarios=names, fsdp=fsdp)
+                cache[job] = launch(world, cp=cp, paths=paths, scenarios=names, fsdp=fsdp, replicate=replicate)
             except AssertionError as e:
                 cache[job] = e
         if isinstance(cache[job], AssertionError):
@@ -266,15 +298,16 @@ def test_scenario(job, name, launched, single):
 @pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(j)) for j in JOBS])
 def test_job_context(job, launched):
     """Each rank's place in the job: CP size and rank, data-parallel replicas (FSDP2 applied by load_model when
-    init_distributed(fsdp=True))."""
-    world, cp, fsdp, names = JOBS[job]
+    init_distributed(fsdp=True): every parameter sharded, the embedding and the LM head included)."""
+    world, cp, fsdp, names, replicate = _job(job)
     ranks = launched(job)
     assert [r["context"]["cp_size"] for r in ranks] == [cp] * world
     assert [r["context"]["cp_rank"] for r in ranks] == [i % cp for i in range(world)]
     assert [r["context"]["dp_size"] for r in ranks] == [world // cp] * world
+    assert [r["context"]["replicate"] for r in ranks] == [replicate] * world
     if fsdp:
         for r in _result(ranks, names[0]):
-            assert r["sharded_params"] > 0  # load_model applied FSDP2 after init_distributed(fsdp=True)
+            assert r["sharded_params"] > 0 and r["whole_params"] == 0  # nothing left whole on any rank
 
 
 def test_init_without_process_group_environment(monkeypatch):

@@ -20,7 +20,7 @@ from longstraw.distributed.cp_latent import ShardedIndexedLatentState, ShardedLa
 from longstraw.distributed.cp_recurrent import ShardedRecurrentState
 from longstraw.distributed.cp_state import (ShardedKVState, ShardedPromptState, ShardLayout, register_cp_kind,
                                             shard_layout, shard_states)
-from longstraw.distributed.fsdp import apply_fsdp
+from longstraw.distributed.fsdp import apply_fsdp, fsdp_modules
 from longstraw.distributed.placement import ContextParallel, all_reduce_data_parallel, check_same_group
 from longstraw.models.deltanet import RecurrentState
 from longstraw.models.dsa import IndexedLatentState
@@ -31,18 +31,20 @@ register_cp_kind(LatentState, ShardedLatentState)
 register_cp_kind(IndexedLatentState, ShardedIndexedLatentState)  # exact type match: the subclass needs its own
 
 
-def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, fsdp: bool | None = None
+                ) -> torch.nn.Module:
     """Apply the parallelism of ``ctx`` (default: the one :func:`init_distributed` set up; none: nothing) to a
-    LongStraw model, in place: a context-parallel placement of its prompt states when ``cp > 1``, FSDP2 when
-    ``init_distributed(fsdp=True)``. ``load_model`` calls it; call it yourself on a model you built. Returns
-    ``model``."""
+    LongStraw model, in place: FSDP2 over every rank of the job when ``fsdp`` (default: ``ctx.fsdp``), and the
+    placement of its prompt states (context-parallel when ``cp > 1``; phases in lockstep when FSDP spans replicas).
+    ``load_model`` and ``longstraw.build_model`` call it; call it yourself on a model you made. Returns ``model``."""
     ctx = ctx if ctx is not None else get_context()
     if ctx is None:
         return model
-    if ctx.cp_size > 1:
-        model.placement = ContextParallel(ctx)
-    if ctx.fsdp:
+    fsdp = ctx.fsdp if fsdp is None else fsdp
+    if fsdp and not fsdp_modules(model):
         apply_fsdp(model, ctx)
+    if fsdp or ctx.cp_size > 1:
+        model.placement = ContextParallel(ctx, fsdp=fsdp)
     return model
 
 

@@ -1,9 +1,15 @@
-"""The process's parallel context: which ranks share one prompt (context parallel) and how they talk.
+"""The process's parallel context: which ranks share one prompt (context parallel), which shard the parameters
+(FSDP2), and how they talk.
 
 ``init_distributed(cp=R)`` splits the ``W`` ranks of a ``torchrun`` job into ``W / R`` data-parallel replicas of
 ``R`` consecutive ranks each; the ``R`` ranks of a replica form its context-parallel (CP) group and share every
-prompt: each holds ``~1/R`` of the prompt state. The context is the one piece of global state of the package (the
-engine asks it "is a CP group active?"); everything else is passed explicitly.
+prompt: each holds ``~1/R`` of the prompt state. With ``fsdp=True`` every parameter is sharded over ALL ranks of the
+job (the data-parallel shard dimension times CP: ``W / replicate`` ranks), or, with ``replicate=N > 1`` (HSDP, for
+multi-node jobs), over each of ``N`` groups of ``W / N`` consecutive ranks and replicated across them. Rank layout
+(row-major): ``rank = (replica_group * dp_shard + shard) * cp + cp_rank``.
+
+The context is the package's one piece of global state. It is read where a model is made (``load_model``,
+``longstraw.build_model``: ``distributed.parallelize``); the engine never reads it, it asks the model's placement.
 
 :class:`Comm` wraps the few collectives the CP attention and engine use, on one process group, with the tensor
 layouts they need (a leading rank axis).
@@ -69,8 +75,9 @@ class Comm:
 @dataclass(frozen=True)
 class ParallelContext:
     """Where this process stands: global rank/world, its CP group (``cp_rank`` of ``cp_size``) and data-parallel
-    replica (``dp_rank`` of ``dp_size``), the backend and device, and whether parameters are FSDP2-sharded over
-    the CP group. ``mesh`` is the ``(dp, cp)`` device mesh."""
+    replica (``dp_rank`` of ``dp_size``: the ranks that take different prompts), the backend and device, and whether
+    parameters are FSDP2-sharded (``fsdp``; over ``fsdp_mesh``: 1-D ``("fsdp",)`` of ``W / replicate`` ranks, or 2-D
+    ``("replicate", "fsdp")`` for HSDP). ``mesh`` is the ``(dp, cp)`` device mesh."""
 
     rank: int
     world_size: int
@@ -85,11 +92,19 @@ class ParallelContext:
     cp: Comm
     dp: Comm
     owns_process_group: bool
+    replicate: int = 1
+    fsdp_mesh: Any = None
 
     @property
     def cp_mesh(self):
-        """The 1-D mesh of this process's CP group (FSDP2 shards parameters over it)."""
+        """The 1-D mesh of this process's CP group."""
         return self.mesh["cp"]
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over with FSDP (``W / replicate``)."""
+        return self.world_size // self.replicate
+
 
 
 _CONTEXT: ParallelContext | None = None
@@ -107,14 +122,22 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def init_distributed(cp: int, fsdp: bool = False, *, backend: str | None = None,
+def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, backend: str | None = None,
                      timeout_s: float | None = None) -> ParallelContext:
     """Start (or join) the process group and set up context parallelism over groups of ``cp`` ranks.
 
     Call once per process, before :func:`longstraw.load_model`, in a job launched by ``torchrun`` (which sets
     ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) or after initialising the default
     process group yourself. ``cp`` must divide the world size; consecutive ranks form a CP group.
-    ``fsdp=True`` makes ``load_model`` shard the decoder layers' parameters over the CP group with FSDP2.
+    ``fsdp=True`` makes ``load_model`` shard every parameter (embedding and LM head included) over all ranks of the
+    job with FSDP2; ``replicate=N`` shards over each of ``N`` groups of ``W / N`` ranks instead and replicates across
+    them (HSDP: all-gathers stay inside a node; ``N`` must divide ``W / cp``).
+
+    Data-parallel gradient convention: MEAN over the replicas. The ranks of a CP group share one prompt (each group's
+    gradient is computed once, split over them); replicas take different groups, and ``.grad`` ends up as the mean of
+    their gradients (FSDP reduces it so; without FSDP ``all_reduce_data_parallel`` does). Ranks that all pass the same
+    group therefore get the single-process gradient; a trainer that spreads a step's groups over ``D`` replicas passes
+    ``loss_scale = D_step / D`` (the step-global normaliser over the replicas) to sum them.
     ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (GPU); default: nccl when CUDA is available, else gloo.
     Every rank of a CP group must then make the same calls with the same inputs (``grpo_backward``, ``score``,
     ``generate``), as in any SPMD program.
@@ -127,6 +150,10 @@ def init_distributed(cp: int, fsdp: bool = False, *, backend: str | None = None,
         raise ValueError(f"cp={cp!r} must be an integer >= 1 (the number of ranks that share one prompt)")
     if not isinstance(fsdp, bool):
         raise ValueError(f"fsdp={fsdp!r} must be True or False")
+    if not isinstance(replicate, int) or isinstance(replicate, bool) or replicate < 1:
+        raise ValueError(f"replicate={replicate!r} must be an integer >= 1 (HSDP replica groups; 1: plain FSDP)")
+    if replicate > 1 and not fsdp:
+        raise ValueError(f"replicate={replicate} needs fsdp=True (it replicates FSDP's shards over node groups)")
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed: None, {', '.join(map(repr, _BACKENDS))}")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -148,6 +175,9 @@ def init_distributed(cp: int, fsdp: bool = False, *, backend: str | None = None,
     if world % cp:
         raise ValueError(f"cp={cp} does not divide the world size {world}; allowed: "
                          f"{', '.join(map(str, _divisors(world)))}")
+    if (world // cp) % replicate:
+        raise ValueError(f"replicate={replicate} does not divide the {world // cp} data-parallel replicas (world "
+                         f"{world} / cp={cp}); allowed: {', '.join(map(str, _divisors(world // cp)))}")
 
     if owns:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -163,19 +193,26 @@ def init_distributed(cp: int, fsdp: bool = False, *, backend: str | None = None,
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
         dist.init_process_group(backend, **kw)
 
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     dp_size = world // cp
     mesh = init_device_mesh(device.type, (dp_size, cp), mesh_dim_names=("dp", "cp"))
     cp_comm = Comm(mesh.get_group("cp"), rank % cp, cp)
     dp_comm = Comm(mesh.get_group("dp"), rank // cp, dp_size)
-    if fsdp and cp == 1:
-        warnings.warn("fsdp=True with cp=1: FSDP2 shards parameters over the CP group, which has one rank; "
+    fsdp_mesh = None
+    if fsdp and world // replicate == 1:
+        warnings.warn(f"fsdp=True with {world} rank(s) and replicate={replicate}: each shard group has one rank; "
                       "parameters stay whole", stacklevel=2)
         fsdp = False
+    if world // replicate > 1:  # every rank of a replicate group holds 1/(W/N) of each parameter (also for an
+        ranks = torch.arange(world)  # apply_fsdp called later on a model of a job initialised without fsdp)
+        fsdp_mesh = (DeviceMesh(device.type, ranks, mesh_dim_names=("fsdp",)) if replicate == 1 else
+                     DeviceMesh(device.type, ranks.view(replicate, world // replicate),
+                                mesh_dim_names=("replicate", "fsdp")))
     _CONTEXT = ParallelContext(rank=rank, world_size=world, cp_size=cp, cp_rank=rank % cp, dp_size=dp_size,
                                dp_rank=rank // cp, backend=backend, device=device, fsdp=fsdp, mesh=mesh,
-                               cp=cp_comm, dp=dp_comm, owns_process_group=owns)
+                               cp=cp_comm, dp=dp_comm, owns_process_group=owns, replicate=replicate,
+                               fsdp_mesh=fsdp_mesh)
     return _CONTEXT
 
 
@@ -196,3 +233,10 @@ def get_context() -> ParallelContext | None:
 def cp_active() -> ParallelContext | None:
     """The context if a context-parallel group of more than one rank is active, else None (single process)."""
     return _CONTEXT if _CONTEXT is not None and _CONTEXT.cp_size > 1 else None
+
+
+def max_over_job(n: int, ctx: ParallelContext) -> int:
+    """The largest ``n`` any rank of the job passes (a collective: every rank calls it)."""
+    t = torch.tensor([n], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -205,13 +205,15 @@ class ShardedPromptState(PromptState):
     Unsharded parameters: the reverse pass accumulates into fresh ``.grad`` tensors (the old ones set aside: one
     gradient-sized buffer more while it runs; under FSDP2 only the parameters FSDP does not shard), which are
     all-reduced over the CP group and added to the old ones. (Pre-dividing the old ``.grad`` by ``R`` and
-    all-reducing the sum would need no buffer, and is exact only for power-of-two ``R``.) FSDP2-sharded parameters:
-    FSDP reduce-scatters after every backward; the replay keeps the average over the CP group (``avg(B) = B``), the
-    reverse pass switches it to a sum.
+    all-reducing the sum would need no buffer, and is exact only for power-of-two ``R``.) FSDP2-sharded parameters
+    (sharded over the whole job, ``replicas`` data-parallel replicas of ``R`` ranks): FSDP reduce-scatters after every
+    backward; the replay keeps the mean over every rank (``B`` of each replica counted ``R`` times), the reverse pass
+    divides by ``replicas`` only (each ``P_r`` counted once): both give the mean over replicas.
     """
 
     layout: ShardLayout | None = None
     comm: Comm | None = None
+    replicas: int = 1  # data-parallel replicas that FSDP reduces over (the reverse pass divides by them)
 
     def step_prefix(self, step: int, grad: bool) -> list[Any]:
         return [ls.step_prefix(step, grad) for ls in self.layers]
@@ -225,13 +227,13 @@ class ShardedPromptState(PromptState):
         for p in plain:
             p.grad = None  # the reverse pass accumulates P_r alone; summed over the group below
         fsdp = fsdp_modules(model)
-        for m in fsdp:
-            m.set_gradient_divide_factor(1.0)  # rank-local gradients: reduce-scatter sums them
+        for m in fsdp:  # rank-local gradients: summed over the CP group, averaged over the replicas
+            m.set_gradient_divide_factor(float(self.replicas))
         try:
             yield
         finally:
-            for m in fsdp:
-                m.set_gradient_divide_factor(float(comm.size))  # back to the average over the group (replay)
+            for m in fsdp:  # back to the replay's: the mean over every rank of the job (distributed/fsdp.py)
+                m.set_gradient_divide_factor(float(comm.size * self.replicas))
         # which parameters the prompt reached on any rank (LM head and final norm: on none); then sum those
         device = plain[0].device if plain else torch.device("cpu")
         reached = torch.tensor([p.grad is not None for p in plain], dtype=torch.int32, device=device)

@@ -1,20 +1,26 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) of a LongStraw model over its context-parallel group.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) of a LongStraw model over every rank of the job.
 
-Applied from outside the model (torchtitan's ``parallelize`` pattern): every decoder layer becomes one FSDP unit
-sharded over the CP group's ranks (``reshard_after_forward=True``: a layer's full parameters exist only while it
-runs). The engine calls layers through ``model.run``, i.e. through their ``__call__``, so FSDP's hooks all-gather
-before and reduce-scatter after each layer, in lockstep on every rank like the CP attention itself.
+Applied from outside the model (torchtitan's ``parallelize`` pattern). Units: every decoder layer, and one group of
+the embedding, the final norm and the LM head (one group, because tied embeddings share one tensor between the
+embedding and the head); the backbone (holding no parameter of its own then) is the root, whose forward every pass
+enters (``CausalLM.run`` calls ``model.model``), and the LM head is called after it, as FSDP2 supports for grouped
+modules (the chunked-loss pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of the job, or with HSDP each replicate
+group) with ``reshard_after_forward=True``: a unit's full parameters exist only while it runs. The engine calls every
+unit as a module (``model.run`` calls the layers, the embedding and the norm; the log-probs and decoding call
+``model.lm_head(...)``), so FSDP's hooks all-gather before and reduce-scatter after each use, in lockstep on every
+rank.
 
-Left whole on every rank: the embedding, the final norm and the LM head. ``CausalLM.run`` calls the embedding and
-norm directly and the log-prob op reads ``model.head()`` (the LM-head weight) outside any module call, so a root
-FSDP unit's hooks would never fire for them; tied embeddings share one tensor between the embedding and the head.
-Their gradients are combined by the engine like those of an unsharded model (replay: identical on every rank;
-exact reverse pass: summed over the group).
+Gradients. Each backward reduce-scatters into the sharded ``.grad`` (a DTensor, accumulating across calls) divided
+by a factor. The convention is the MEAN over data-parallel replicas (``init_distributed``'s docstring). The replay is
+computed alike on the ``R`` ranks of a CP group, so its sum over the job's ``W`` ranks divided by ``W`` is the mean
+over replicas: the default factor is ``W``. The exact reverse pass is split over a CP group's ranks (each computes its
+own pieces), so while it runs the sharded prompt state sets the factor to ``W / R``, the number of replicas
+(``cp_state.ShardedPromptState.backward_scope``). On gloo, which has no pre-multiplied or averaging reductions,
+reductions are plain sums divided afterwards (``set_force_sum_reduction_for_comms``).
 
-Gradients: each backward reduce-scatters into the sharded ``.grad`` (a DTensor, accumulating across calls); the
-default average over the group is right for the replay (every rank computes the same branch gradient), and the
-reverse pass switches it to a sum (rank-local gradients). ``longstraw.hf_grads`` gathers full tensors
-(``DTensor.full_tensor()``, a collective: call it on every rank).
+Ranks that take different prompts (data-parallel replicas) run every FSDP collective together: the engine pads
+each phase to the same number of steps on every rank (the placement's ``lockstep``). ``longstraw.hf_grads`` gathers full
+tensors (``DTensor.full_tensor()``, a collective: call it on every rank).
 """
 
 from __future__ import annotations
@@ -25,17 +31,29 @@ from longstraw.distributed.context import ParallelContext
 
 
 def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext) -> torch.nn.Module:
-    """Shard ``model``'s decoder layers over ``ctx``'s CP group with FSDP2, in place; returns ``model``."""
+    """Shard every parameter of ``model`` over ``ctx.fsdp_mesh`` with FSDP2, in place (see the module docstring);
+    returns ``model``. Works on a model on the meta device too (its shards are then meta until allocated)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ValueError(f"apply_fsdp needs a LongStraw model with .layers, got {type(model).__name__}")
+    backbone = getattr(model, "model", None)
+    if layers is None or backbone is None or not hasattr(model, "lm_head"):
+        raise ValueError(f"apply_fsdp needs a LongStraw model (.layers, .model, .lm_head), got {type(model).__name__}")
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("the model is already FSDP-sharded; apply_fsdp once per model")
-    mesh = ctx.cp_mesh
+    if ctx.fsdp_mesh is None:
+        raise ValueError(f"apply_fsdp needs more than one rank per shard group (world {ctx.world_size}, replicate="
+                         f"{ctx.replicate})")
+    mesh = ctx.fsdp_mesh
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    ends = [backbone.embed_tokens, backbone.norm, model.lm_head]
+    fully_shard(ends, mesh=mesh, reshard_after_forward=True)
+    fully_shard(backbone, mesh=mesh, reshard_after_forward=True)  # the root: a pass (CausalLM.run) enters here
+    for m in fsdp_modules(model):
+        m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
+        if ctx.backend == "gloo":
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM / AVG reductions
     return model
 
 

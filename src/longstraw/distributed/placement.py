@@ -1,12 +1,15 @@
-"""Context parallelism as a model's placement: the prompt state of each group split over the ranks of a CP group.
+"""The job's parallelism as a model's placement: prompt states split over the ranks of a CP group, and the
+data-parallel replicas kept in step when they share FSDP's collectives.
 
 ``parallelize`` (``longstraw.distributed``) sets a :class:`ContextParallel` placement on a model (``load_model``
-does it after ``init_distributed(cp=R)``). The engine then asks the placement, as it asks the default one, for a
-prompt state (:meth:`ContextParallel.prompt_state`: a :class:`~longstraw.distributed.cp_state.ShardedPromptState`,
-this rank's share with its own schedule), to check a group's inputs (every rank must pass the same: they run in
-lockstep) and to agree on sampled tokens (every rank decodes CP rank 0's samples). Everything else — the step
-exchanges of prefill and of the reverse pass, the replay's attention over the sharded state, the gradient sums —
-happens inside the sharded state and its segments, behind the interfaces the engine and the models already use.
+does it after ``init_distributed``). The engine then asks the placement, as it asks the default one, for a
+prompt state (:meth:`ContextParallel.prompt_state`: with ``cp > 1`` a
+:class:`~longstraw.distributed.cp_state.ShardedPromptState`, this rank's share with its own schedule), to check a
+group's inputs (every rank of a CP group must pass the same: they run in lockstep), to agree on sampled tokens
+(every rank decodes CP rank 0's samples), and how many steps each phase runs (:meth:`ContextParallel.lockstep`: with
+parameters sharded over replicas that take different prompts, the largest count over the job). Everything else —
+the step exchanges of prefill and of the reverse pass, the replay's attention over the sharded state, the gradient
+sums — happens inside the sharded state and its segments, behind the interfaces the engine and the models use.
 
 Replay, score and decoding need nothing here: the sharded state's ``prefix()`` hands the model sharded segments and
 every rank runs the same branches (their non-attention work is redundant, the attention over the prompt is split).
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longstraw.distributed.context import Comm, ParallelContext
+from longstraw.distributed.context import Comm, ParallelContext, max_over_job
 from longstraw.distributed.cp_state import ShardedPromptState, shard_layout, shard_states
 from longstraw.state import Placement
 
@@ -51,43 +54,57 @@ def check_same_group(ctx: ParallelContext, prompt_ids: Tensor, responses: list[T
 
 
 class ContextParallel(Placement):
-    """Prompt states split by position over ``ctx``'s CP group (block-cyclic steps: docs/DISTRIBUTED.md)."""
+    """The placement of a model under ``ctx``: prompt states split by position over its CP group (block-cyclic steps:
+    docs/DISTRIBUTED.md) when ``cp > 1``, and phases run in lockstep over the job when FSDP shards over replicas
+    that take different prompts."""
 
-    def __init__(self, ctx: ParallelContext):
-        self.ctx = ctx
+    def __init__(self, ctx: ParallelContext, fsdp: bool = False):
+        self.ctx, self.fsdp = ctx, fsdp
 
-    def prompt_state(self, model, ids: Tensor, chunk_size: int, exact: bool) -> ShardedPromptState:
+    def prompt_state(self, model, ids: Tensor, chunk_size: int, exact: bool):
         """This rank's share of the state of ``ids [n]`` (the same on every CP rank). ValueError if ``n`` is smaller
         than the CP size or the ranks' prompts differ, before anything is computed."""
+        if self.ctx.cp_size == 1:
+            return super().prompt_state(model, ids, chunk_size, exact)
         comm = self.ctx.cp
         layout = shard_layout(int(ids.shape[0]), comm.size, chunk_size)
         _check_same(comm, "prompt", _fingerprint(ids), self.ctx.device)
         states = shard_states(model.new_prompt_states(layout.local_size(comm.rank), exact), layout, comm)
-        return ShardedPromptState(states, ids, layout.pieces(comm.rank), layout=layout, comm=comm)
+        return ShardedPromptState(states, ids, layout.pieces(comm.rank), layout=layout, comm=comm,
+                                  replicas=self.ctx.dp_size if self.fsdp else 1)
 
     def check_group(self, prompt_ids: Tensor, responses: list[Tensor]) -> None:
-        check_same_group(self.ctx, prompt_ids, responses)
+        if self.ctx.cp_size > 1:
+            check_same_group(self.ctx, prompt_ids, responses)
 
     def agree(self, ids: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor]:
         """CP rank 0's sampled ``ids [n]`` and their ``logprobs [n]`` on every rank (all ranks then decode the same
         branches, whatever their generators did)."""
+        if self.ctx.cp_size == 1:
+            return ids, logprobs
         ids, logprobs = ids.contiguous(), logprobs.contiguous()
         self.ctx.cp.broadcast(ids)
         self.ctx.cp.broadcast(logprobs)
         return ids, logprobs
 
+    def lockstep(self, steps: int) -> int:
+        """The most steps any rank runs in this phase when FSDP's collectives span data-parallel replicas (which take
+        different prompts); the others pad with idle steps. Otherwise ``steps``."""
+        return max_over_job(steps, self.ctx) if self.fsdp and self.ctx.dp_size > 1 else steps
+
     def __repr__(self) -> str:
-        return f"ContextParallel(cp={self.ctx.cp.size}, rank={self.ctx.cp.rank})"
+        return (f"ContextParallel(cp={self.ctx.cp.size}, cp_rank={self.ctx.cp.rank}, dp={self.ctx.dp_size}, "
+                f"fsdp={self.fsdp})")
 
 
 def all_reduce_data_parallel(model: torch.nn.Module, ctx: ParallelContext) -> None:
-    """Sum ``.grad`` over the data-parallel replicas (``dp > 1``): each replica's CP group holds the gradient of
-    its own groups; after this every rank holds the step's total. FSDP2 shards are summed shard-wise (every
-    replica shards alike)."""
+    """Average ``.grad`` over the data-parallel replicas (``dp > 1``; the convention of ``init_distributed``): each
+    replica's CP group holds the gradient of its own groups; after this every rank holds their mean. Gradients FSDP
+    shards over the job (DTensors) are averaged already by its reductions and are left alone."""
     if ctx.dp_size == 1:
         return
     for p in model.parameters():
-        if p.grad is None:
+        if p.grad is None or hasattr(p.grad, "to_local"):
             continue
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        ctx.dp.all_reduce(g)
+        ctx.dp.all_reduce(p.grad)
+        p.grad.div_(ctx.dp_size)

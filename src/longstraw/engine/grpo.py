@@ -25,6 +25,7 @@ from torch import Tensor
 
 from longstraw.engine.checks import check_state, validate_group, validate_step
 from longstraw.engine.config import GRPOConfig, GRPOStats, autocast_context
+from longstraw.engine.lockstep import idle_score_batch
 from longstraw.engine.prefill import prefill
 from longstraw.engine.prompt_backward import prompt_backward
 from longstraw.engine.replay import branch_batches, branch_logprobs, replay
@@ -120,6 +121,8 @@ def score(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], cfg: GRP
     ents: list[Tensor] = []
     batches = branch_batches(len(responses), cfg.branch_batch)
     with meter.phase("score") as report:
+        for _ in range(model.placement.lockstep(len(batches)) - len(batches)):  # processes sharing collectives
+            idle_score_batch(model, cfg, with_entropy)
         for done, batch in enumerate(batches, start=1):
             lp, en = branch_logprobs(model, prefix, prompt_ids.numel() - 1, [responses[i] for i in batch],
                                      prompt_ids[-1], cfg, with_entropy)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from longstraw.engine.lockstep import idle_prefill_step
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
 
@@ -29,11 +30,16 @@ def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, 
     assert ids.dim() == 1
     state = model.placement.prompt_state(model, ids, chunk_size, exact)
     steps = state.steps()
-    for i, (s, e) in enumerate(steps):
-        prefix = state.step_prefix(i, grad=False)
-        _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
-        state.write_step(i, pieces)
-        del pieces, prefix
+    total = model.placement.lockstep(len(steps))  # processes sharing the layers' collectives run alike
+    for i in range(total):
+        if i < len(steps):
+            s, e = steps[i]
+            prefix = state.step_prefix(i, grad=False)
+            _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
+            state.write_step(i, pieces)
+            del pieces, prefix
+        else:
+            idle_prefill_step(model)
         if report is not None:
-            report(i + 1, len(steps))
+            report(i + 1, total)
     return state

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from longstraw.engine.lockstep import idle_reverse_step
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
 
@@ -31,11 +32,15 @@ def prompt_backward(model: CausalLM, state: PromptState, *, checkpoint_layers: b
     ``.grad``. ``report(done, total)`` is called after each step."""
     ids = state.token_ids
     steps = state.steps()
+    total = model.placement.lockstep(len(steps))  # processes sharing the layers' collectives run alike
     with state.backward_scope(model):
-        for done, i in enumerate(reversed(range(len(steps))), start=1):
-            _backward_step(model, state, i, ids, checkpoint_layers)
+        for done in range(1, total + 1):
+            if done <= total - len(steps):
+                idle_reverse_step(model, checkpoint_layers)  # the idle steps first: the real walk stays as it is
+            else:
+                _backward_step(model, state, total - done, ids, checkpoint_layers)
             if report is not None:
-                report(done, len(steps))
+                report(done, total)
 
 
 def _backward_step(model: CausalLM, state: PromptState, i: int, ids, checkpoint_layers: bool) -> None:

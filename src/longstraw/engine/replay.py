@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from longstraw.engine.config import GRPOConfig, autocast_context
+from longstraw.engine.lockstep import idle_replay_batch
 from longstraw.losses import branch_weight
 from longstraw.models.transformer import CausalLM
 from longstraw.ops import meta
-from longstraw.ops.logprobs import token_logprobs
 
 
 def branch_batches(n: int, size: int) -> list[list[int]]:
@@ -51,9 +51,8 @@ def branch_logprobs(model: CausalLM, prefix, start: int, responses: list[Tensor]
         hidden, _ = model.run(ids, start, prefix, checkpoint_layers=cfg.checkpoint_layers)
     h = torch.cat([hidden[i, :n] for i, n in enumerate(lens)]) if len(lens) > 1 else hidden[0, : lens[0]]
     targets = torch.cat(list(responses))
-    weight, bias = model.head()
-    logp, ent = token_logprobs(h, weight, targets, bias=bias, temperature=cfg.temperature,
-                               chunk_size=cfg.logprob_chunk, with_entropy=with_entropy)
+    logp, ent = model.lm_head(h, targets, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
+                              with_entropy=with_entropy)
     return list(logp.split(lens)), (list(ent.split(lens)) if ent is not None else None)
 
 
@@ -85,6 +84,9 @@ def replay(model: CausalLM, prefix, prompt_ids: Tensor, responses: list[Tensor],
     all_ent: list[Tensor] | None = [None] * len(responses) if need_entropy else None  # type: ignore[list-item]
     sums: dict[str, Tensor] = {}
     batches = branch_batches(len(responses), cfg.branch_batch)
+    total_batches = model.placement.lockstep(len(batches))  # processes sharing the layers' collectives run alike
+    for _ in range(total_batches - len(batches)):
+        idle_replay_batch(model, cfg, need_entropy)
     for done, batch in enumerate(batches, start=1):
         with torch.enable_grad():
             logps, ents = branch_logprobs(model, prefix, start, [responses[i] for i in batch], prompt_ids[-1], cfg,

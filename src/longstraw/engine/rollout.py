@@ -26,6 +26,7 @@ from torch import Tensor
 
 from longstraw.engine.checks import check_ids_1d
 from longstraw.engine.config import COMPUTE_DTYPES, SamplingConfig
+from longstraw.engine.lockstep import idle_decode_step
 from longstraw.engine.prefill import prefill
 from longstraw.models.transformer import CausalLM
 from longstraw.profiling import PhaseMeter
@@ -129,14 +130,21 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
     reasons = ["length"] * n
     live = torch.arange(n, device=device)  # original branch index of each live row
     tokens = prompt_ids[-1:].expand(n)[:, None]
-    weight, bias = model.head()
     with meter.phase("decode") as report:
-        for step in range(max_new):
+        step, done = 0, False
+        # processes whose layers share collectives decode in step: each step, while any of them has live branches,
+        # all run one (a process with none runs an idle one); in one process this is a plain loop
+        while model.placement.lockstep(int(not done and step < max_new)):
+            if done or step >= max_new:
+                with autocast:
+                    idle_decode_step(model)
+                step += 1
+                continue
             with autocast:
                 hidden, pieces = model.run(tokens, p - 1 + step, [d.prefix(step) for d in decoders])
             for d, piece in zip(decoders, pieces):
                 d.append(piece, step)
-            logits = torch.nn.functional.linear(hidden[:, -1], weight, bias)  # outside autocast, as score's
+            logits = model.lm_head(hidden[:, -1])  # outside autocast, as score's log-probs
             ids, lp = sample_tokens(logits, sampling, gen)
             ids, lp = model.placement.agree(ids, lp)  # processes sharing the state decode the same branches
             finished = torch.zeros_like(ids, dtype=torch.bool)
@@ -151,16 +159,18 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
                 elif sampling.stop_strings and _stop_string_hit(decode, out_ids[b], sampling.stop_strings, window):
                     finished[row] = True
                     reasons[b] = "stop"
-            report(step + 1, max_new)
+            step += 1
+            report(step, max_new)
             if bool(finished.all()):
-                break
+                done = True
+                continue
             if bool(finished.any()):
                 keep = (~finished).nonzero()[:, 0]
                 for d in decoders:
                     d.select(keep)
                 live, ids = live[keep], ids[keep]
             tokens = ids[:, None]
-    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if model.lm_head.weight.dtype == torch.float64 else torch.float32
     return Rollout(
         responses=[torch.tensor(x, dtype=torch.long) for x in out_ids],
         logprobs=[torch.tensor(x, dtype=dtype) for x in out_lp],

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from longstraw.models.context import CallContext
 from longstraw.models.rope import RotaryEmbedding
+from longstraw.ops.logprobs import token_logprobs
 from longstraw.state import LOCAL, Placement
 
 
@@ -48,6 +49,21 @@ class ModelSpec:
             raise ValueError(f"{what} needs {end} positions, more than {self.model_type}'s sliding_window="
                              f"{self.sliding_window}: sliding-window attention is not implemented (up to the window "
                              "it equals full attention, which LongStraw computes)")
+
+
+class LMHead(nn.Linear):
+    """The LM head ``[vocab, hidden]`` (bias optional). ``head(hidden)``: logits. ``head(hidden, targets, ...)``:
+    the float32 (float64 for float64 models) log-probs of ``targets`` by the chunked op
+    (:func:`longstraw.ops.logprobs.token_logprobs`: no ``tokens x vocab`` float32 logits at once), and entropies with
+    ``with_entropy``. Every use of the head's weight is a call of this module, so parallelism applied from outside
+    (FSDP's hooks) sees it."""
+
+    def forward(self, hidden: Tensor, targets: Tensor | None = None, *, temperature: float = 1.0,
+                chunk_size: int = 1024, with_entropy: bool = False):
+        if targets is None:
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        return token_logprobs(hidden, self.weight, targets, bias=self.bias, temperature=temperature,
+                              chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 class DecoderLayer(nn.Module):
@@ -82,6 +98,9 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm. Its ``forward`` is the one path over the layers
+    (``CausalLM.run``): a module call, so that parallelism applied from outside wraps a whole pass (FSDP's root)."""
+
     def __init__(self, vocab: int, hidden: int, layers: list[DecoderLayer], norm: nn.Module,
                  rotary: RotaryEmbedding | None):
         super().__init__()
@@ -89,6 +108,27 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rotary
+
+    def forward(self, ids: Tensor, start: int, prefix: list[Any] | None, need_hidden: bool,
+                checkpoint_layers: bool) -> tuple[Tensor | None, list[Any]]:
+        """See :meth:`CausalLM.run`."""
+        t = ids.shape[1]
+        x = self.embed_tokens(ids)
+        ctx = CallContext(start, t)
+        if self.rotary_emb is not None:
+            pos = torch.arange(start, start + t, device=ids.device)
+            ctx.cos, ctx.sin = self.rotary_emb(pos, x.dtype)
+        pieces = []
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            p = prefix[i] if prefix is not None else None
+            need_ffn = need_hidden or i < n - 1
+            if checkpoint_layers and torch.is_grad_enabled():
+                x, piece = checkpoint(layer, x, ctx, p, need_ffn, use_reentrant=False)
+            else:
+                x, piece = layer(x, ctx, p, need_ffn)
+            pieces.append(piece)
+        return (self.norm(x) if need_hidden else None), pieces
 
 
 class CausalLM(nn.Module):
@@ -101,7 +141,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.hf_config = dict(hf_config)
         self.model = backbone
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
         self.placement: Placement = LOCAL
         self.tie_weights()
 
@@ -120,7 +160,8 @@ class CausalLM(nn.Module):
         return [layer.mixer.new_state(capacity, exact) for layer in self.model.layers]
 
     def head(self) -> tuple[Tensor, Tensor | None]:
-        """(weight [V, H], bias) of the LM head, for the chunked log-prob op."""
+        """(weight [V, H], bias) of the LM head, to read their shapes and dtypes; computing with them goes through
+        ``lm_head(...)`` (a module call)."""
         return self.lm_head.weight, self.lm_head.bias
 
     # ------------------------------------------------------------------ forward
@@ -147,22 +188,7 @@ class CausalLM(nn.Module):
         """
         t = ids.shape[1]
         self.spec.check_length(start + t, f"tokens at positions {start}..{start + t - 1}")
-        x = self.model.embed_tokens(ids)
-        ctx = CallContext(start, t)
-        if self.model.rotary_emb is not None:
-            pos = torch.arange(start, start + t, device=ids.device)
-            ctx.cos, ctx.sin = self.model.rotary_emb(pos, x.dtype)
-        pieces = []
-        n = len(self.model.layers)
-        for i, layer in enumerate(self.model.layers):
-            p = prefix[i] if prefix is not None else None
-            need_ffn = need_hidden or i < n - 1
-            if checkpoint_layers and torch.is_grad_enabled():
-                x, piece = checkpoint(layer, x, ctx, p, need_ffn, use_reentrant=False)
-            else:
-                x, piece = layer(x, ctx, p, need_ffn)
-            pieces.append(piece)
-        return (self.model.norm(x) if need_hidden else None), pieces
+        return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """HF-like full forward: ``input_ids [B, T]`` -> logits ``[B, T, vocab]``."""
