@@ -203,6 +203,33 @@ def op_blocks(paths):
     return {"out": out.detach(), "dq": q.grad, "dkc": kc.grad, "dvc": vc.grad, "dk": sk, "dv": sv, "positions": pos}
 
 
+def master_weights(paths):
+    """A bf16 model under FSDP2: fp32 master shards (fp32 gradients and optimiser state), bf16 compute. An SGD update
+    far below bf16's resolution survives in the fp32 masters and is lost with bf16 shards (master_dtype=bf16)."""
+    from longstraw.checkpoint.hf import read_config
+    from longstraw.models.registry import build_model
+
+    ctx = distributed.get_context()
+    prompt, responses, adv = group(5, 23, [4, 1, 6])
+    cfg = longstraw.GRPOConfig(prefill_chunk=4)
+    out = {}
+    for name, master in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = build_model(read_config(paths["llama"])).to(torch.bfloat16)
+        distributed.parallelize(model, ctx, fsdp=True, master_dtype=master)
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+        params = [p for p in model.parameters() if p.grad is not None]
+        before = [p.detach().full_tensor().clone() for p in params]
+        moved = [p.grad.full_tensor() != 0 for p in params]  # entries the update touches
+        torch.optim.SGD(params, lr=1e-4).step()  # |update| ~1e-7: above fp32's resolution, far below bf16's
+        after = [p.detach().full_tensor() for p in params]
+        changed = sum(int(((a != b) & m).sum()) for a, b, m in zip(after, before, moved))
+        out[name] = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                     "grad_dtypes": sorted({str(p.grad.dtype) for p in params}),
+                     "changed": changed / sum(int(m.sum()) for m in moved)}
+    return out
+
+
 SCENARIOS = {
     "exact": lambda p: grpo_two_groups(p),
     "detached": lambda p: grpo_two_groups(p, prompt_grad="detached"),
@@ -228,6 +255,7 @@ SCENARIOS = {
     "fp32_exact": lambda p: grpo_two_groups(p, dtype="float32"),
     "bf16_exact": lambda p: grpo_two_groups(p, dtype="bfloat16", chunk=4),
     "hybrid_fp32_exact": lambda p: grpo_two_groups(p, family="hybrid", dtype="float32"),
+    "master_weights": lambda p: master_weights(p),
     "op_blocks": lambda p: op_blocks(p),
     "low_precision": lambda p: low_precision(p),
     "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),

@@ -47,3 +47,28 @@ def test_bad_arguments():
         token_logprobs(h, w, y, temperature=0)
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         token_logprobs(h, w, y, chunk_size=0)
+
+
+def test_low_precision_head_gradient_accumulates_in_float32():
+    """The LM head's gradient sums over every token; with bf16 weights the running sum is float32 (one rounding at
+    the end): over many chunks it stays within bf16's rounding of the exact sum, where a bf16 running sum drifts."""
+    torch.manual_seed(0)
+    n, h, v = 512, 16, 40
+    hidden = torch.randn(n, h, dtype=torch.bfloat16)
+    weight = (torch.randn(v, h) * 0.1).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, v, (n,))
+    logp, _ = token_logprobs(hidden, weight, targets, chunk_size=4)  # 128 chunks
+    logp.sum().backward()
+    w64 = weight.detach().double().requires_grad_()
+    ref, _ = token_logprobs_reference(hidden.double(), w64, targets)
+    ref.sum().backward()
+    err = (weight.grad.double() - w64.grad).abs().max() / w64.grad.abs().max()
+    naive = torch.zeros(v, h, dtype=torch.bfloat16)  # what a bf16 running sum gives
+    for i in range(0, n, 4):
+        z = (hidden[i:i + 4].float() @ weight.detach().float().t())
+        p = torch.softmax(z, -1)
+        dz = -p
+        dz[torch.arange(len(z)), targets[i:i + 4]] += 1
+        naive += dz.to(torch.bfloat16).t() @ hidden[i:i + 4]
+    naive_err = (naive.double() - w64.grad).abs().max() / w64.grad.abs().max()
+    assert err <= 2 ** -8 and err < naive_err / 2, (float(err), float(naive_err))

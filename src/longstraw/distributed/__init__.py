@@ -31,10 +31,11 @@ register_cp_kind(LatentState, ShardedLatentState)
 register_cp_kind(IndexedLatentState, ShardedIndexedLatentState)  # exact type match: the subclass needs its own
 
 
-def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, fsdp: bool | None = None
-                ) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, fsdp: bool | None = None,
+                master_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Apply the parallelism of ``ctx`` (default: the one :func:`init_distributed` set up; none: nothing) to a
-    LongStraw model, in place: FSDP2 over every rank of the job when ``fsdp`` (default: ``ctx.fsdp``), and the
+    LongStraw model, in place: FSDP2 over every rank of the job when ``fsdp`` (default: ``ctx.fsdp``; with fp32
+    master weights for a bf16/fp16 model unless ``master_dtype`` says otherwise: :func:`apply_fsdp`), and the
     placement of its prompt states (context-parallel when ``cp > 1``; phases in lockstep when FSDP spans replicas).
     ``load_model`` and ``longstraw.build_model`` call it; call it yourself on a model you made. Returns ``model``."""
     ctx = ctx if ctx is not None else get_context()
@@ -42,7 +43,7 @@ def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, f
         return model
     fsdp = ctx.fsdp if fsdp is None else fsdp
     if fsdp and not fsdp_modules(model):
-        apply_fsdp(model, ctx)
+        apply_fsdp(model, ctx, master_dtype=master_dtype)
     if fsdp or ctx.cp_size > 1:
         model.placement = ContextParallel(ctx, fsdp=fsdp)
     return model

@@ -30,10 +30,30 @@ import torch
 from longstraw.distributed.context import ParallelContext
 
 
-def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext) -> torch.nn.Module:
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype_of(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model's floating parameters are in (its compute dtype before any master-weight policy)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: torch.dtype | None = None
+               ) -> torch.nn.Module:
     """Shard every parameter of ``model`` over ``ctx.fsdp_mesh`` with FSDP2, in place (see the module docstring);
-    returns ``model``. Works on a model on the meta device too (its shards are then meta until allocated)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    returns ``model``. Works on a model on the meta device too (its shards are then meta until allocated: build and
+    shard on meta, then load, so that no rank ever holds the whole model).
+
+    Mixed precision, as the large trainers run it: for a model whose parameters are bf16/fp16 (the compute dtype),
+    the shards are kept in ``master_dtype`` (default float32: fp32 master weights, and so fp32 AdamW moments and
+    fp32 sharded gradients) and FSDP all-gathers them in the compute dtype for the forward and backward
+    (``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)``: gradients are reduced in float32). Pass
+    ``master_dtype`` equal to the compute dtype to keep the shards, gradients and optimiser state in it (half the
+    memory; updates below its resolution are then lost). A float32/float64 model is sharded as it is."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     layers = getattr(model, "layers", None)
     backbone = getattr(model, "model", None)
@@ -45,11 +65,22 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext) -> torch.nn.Module:
         raise ValueError(f"apply_fsdp needs more than one rank per shard group (world {ctx.world_size}, replicate="
                          f"{ctx.replicate})")
     mesh = ctx.fsdp_mesh
+    compute = compute_dtype_of(model)
+    mp = MixedPrecisionPolicy()
+    if compute in LOW_PRECISION:
+        master = master_dtype or torch.float32
+        if master not in (compute, torch.float32):
+            raise ValueError(f"master_dtype={master} must be float32 or the compute dtype {compute}")
+        if master != compute:
+            model.to(master)  # on the meta device: free; the checkpoint's bf16 values are cast when loaded
+        # cast_forward_inputs=False: a layer's inputs include the prompt state (float32 recurrent states, float32
+        # gradient sinks filled in place), which must reach it as they are
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
     ends = [backbone.embed_tokens, backbone.norm, model.lm_head]
-    fully_shard(ends, mesh=mesh, reshard_after_forward=True)
-    fully_shard(backbone, mesh=mesh, reshard_after_forward=True)  # the root: a pass (CausalLM.run) enters here
+    fully_shard(ends, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+    fully_shard(backbone, mesh=mesh, reshard_after_forward=True, mp_policy=mp)  # the root: every pass enters here
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
         if ctx.backend == "gloo":

@@ -61,8 +61,12 @@ class _TokenLogprobs(torch.autograd.Function):
         bias = bias if ctx.has_bias else None
         with_ent = g_ent is not None and g_ent.numel() > 0
         dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        # the LM head's gradient sums over every token: accumulated in float32 for low-precision weights (each
+        # chunk's product in the weights' dtype, the running sum in float32), cast once at the end
+        gdt = _acc_dtype(weight.dtype)
+        dw = torch.zeros(weight.shape, dtype=gdt, device=weight.device) if ctx.needs_input_grad[1] else None
+        db = (torch.zeros(bias.shape, dtype=gdt, device=bias.device)
+              if bias is not None and ctx.needs_input_grad[2] else None)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[i : i + ctx.chunk]
             z = _chunk_logits(h, weight, bias, ctx.temperature)
@@ -78,9 +82,16 @@ class _TokenLogprobs(torch.autograd.Function):
             if dh is not None:
                 dh[i : i + ctx.chunk] = dz @ weight
             if dw is not None:
-                dw.addmm_(dz.t(), h)
+                if dw.dtype == dz.dtype:
+                    dw.addmm_(dz.t(), h)
+                else:
+                    dw += dz.t() @ h
             if db is not None:
-                db += dz.sum(0)
+                db += dz.sum(0, dtype=gdt)
+        if dw is not None:
+            dw = dw.to(weight.dtype)
+        if db is not None:
+            db = db.to(bias.dtype)
         return dh, dw, db, None, None, None, None
 
 
