@@ -17,7 +17,12 @@ prefix). Tests hold both to a full dry run.
 
 Breakdown (bytes per device):
 
-``weights``, ``grads``, ``optimizer`` (AdamW: two moments per parameter, in the parameter dtype)
+``weights``, ``grads``, ``optimizer`` the parameters (master weights), their gradients and AdamW's two moments, in
+                       the master dtype (float32 for a bf16/fp16 model, else its own dtype), sharded over the
+                       FSDP group when ``gpus > 1``; ``optimizer`` is 0 on the device with ``optimizer_offload``
+``gathered``           FSDP's transient full-size buffers: the all-gathered parameters of the current and the
+                       prefetched unit in the compute dtype (or the embedding + LM-head group, whichever is
+                       larger), plus one unit's unsharded gradient and its float32 copy before the reduce-scatter
 ``prompt_state``       the stored state of the prompt (after prefill)
 ``prompt_state_grad``  its gradient buffers (exact mode)
 ``prefill_chunk``      transient peak above the state while one chunk is prefilled (and, in exact mode, while a
@@ -25,10 +30,10 @@ Breakdown (bytes per device):
 ``branch_graph``       transient peak of one branch batch's forward + backward, excluding the LM-head chunk
 ``logits``             the float32 logits of one LM-head chunk (forward + backward buffers)
 
-``peak = weights + grads + optimizer + prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph +
-logits)``. With ``gpus > 1`` the parameters, gradients and optimizer state are taken as sharded (FSDP) over the
-GPUs plus one layer's gathered weights; with context parallelism ``cp`` the prompt state and its gradient are
-divided by ``cp`` (sharded by position).
+``peak = weights + grads + optimizer + gathered + prompt_state + prompt_state_grad + max(prefill_chunk,
+branch_graph + logits)``. With ``gpus > 1`` (``fsdp``, the default there) FSDP2 shards every parameter over
+``gpus / replicate`` ranks (``replicate`` > 1: HSDP); with context parallelism ``cp`` the prompt state and its
+gradient are divided by ``cp`` (sharded by position). ``Plan.assumptions`` says what shards what, in which dtypes.
 
 ``max_prompt_len`` and long prompts: beyond two prefill chunks and one attention block, the transients stop growing
 and the state grows linearly (K/V per position, recurrent states per chunk), so two dry runs give the line for
@@ -53,7 +58,7 @@ from longstraw.units import format_bytes, format_tokens, parse_bytes, parse_toke
 _ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
 PEAK_STEPS_ONLY = True  # the dry run's exact reverse pass walks only the steps that can set its peak
 
-BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "prompt_state", "prompt_state_grad", "branch_graph",
+BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "gathered", "prompt_state", "prompt_state_grad", "branch_graph",
                   "prefill_chunk", "logits")
 
 
@@ -150,7 +155,8 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
-                "max_prompt_len": self.max_prompt_len, "fits": self.fits}
+                "max_prompt_len": self.max_prompt_len, "fits": self.fits,
+                "assumptions": self.settings.get("assumptions", {})}
 
 
 def _meta_model(hf_config: dict, dtype: torch.dtype):
@@ -236,12 +242,63 @@ def naive_step_bytes(model_or_config, prompt_len: int, response_len: int, group:
     return int(peak + _param_bytes(model))  # + the gradients
 
 
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
+                 master_dtype: str, optimizer_states: int, optimizer_offload: bool) -> tuple[dict, dict]:
+    """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, and what was
+    assumed (which group shards what, in which dtype)."""
+    from longstraw.checkpoint.hf import parse_dtype
+
+    fsdp = gpus > 1 if fsdp is None else fsdp
+    if fsdp and gpus // replicate < 2:
+        raise ValueError(f"fsdp with gpus={gpus} and replicate={replicate} leaves one GPU per shard group")
+    if master_dtype == "auto":
+        master = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
+    else:
+        master = parse_dtype(master_dtype)
+    n = sum(p.numel() for p in model.parameters())
+    layer_n = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers), default=0)
+    b = model.model
+    ends_n = sum(p.numel() for p in {id(p): p for m in (b.embed_tokens, b.norm, model.lm_head)
+                                     for p in m.parameters()}.values())
+    shard = gpus // replicate if fsdp else 1
+    mb, cb = _dtype_bytes(master), _dtype_bytes(compute)
+    fixed = {"weights": n * mb // shard, "grads": n * mb // shard,
+             "optimizer": 0 if optimizer_offload else optimizer_states * n * mb // shard, "gathered": 0}
+    if fsdp:  # two units gathered (current + prefetched), or the embedding/head group; one unit's gradient
+        unit = max(2 * layer_n, ends_n)  # unsharded (compute dtype) and its float32 copy for the reduction
+        fixed["gathered"] = unit * cb + max(layer_n, ends_n) * (cb + 4)
+    elif master != compute:  # one process with master weights: autocast's compute-dtype copies of one layer
+        fixed["gathered"] = layer_n * cb
+    assumptions = {
+        "parameters": f"{n:,} in {str(master).removeprefix('torch.')} (master) "
+                      + (f"sharded over {shard} GPUs (FSDP2" + (f", HSDP x{replicate})" if replicate > 1 else ")")
+                         if fsdp else "whole on every GPU"),
+        "compute_dtype": str(compute).removeprefix("torch."),
+        "gradients": f"{str(master).removeprefix('torch.')}, " + (f"reduce-scattered over {shard} GPUs" if fsdp
+                                                                  else "whole"),
+        "optimizer": (f"AdamW, {optimizer_states} moments in {str(master).removeprefix('torch.')}, "
+                      + ("in host memory" if optimizer_offload else f"sharded over {shard} GPUs" if fsdp else "whole")),
+        "prompt_state": f"split by position over cp={cp} ranks" if cp > 1 else "whole on each data-parallel replica",
+        "data_parallel_replicas": gpus // cp,
+    }
+    return fixed, assumptions
+
+
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
-         optimizer_states: int = 2) -> Plan:
+         optimizer_states: int = 2, fsdp: bool | None = None, replicate: int = 1, master_dtype: str = "auto",
+         optimizer_offload: bool = False) -> Plan:
     """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
-    ``hf_config``, with ``dtype`` parameters (see module docstring). ``gpu_mem`` in bytes gives the verdict
-    (``Plan.fits``) and ``max_prompt_len``. ValueError for a prompt + response longer than the model takes."""
+    ``hf_config``, computing in ``dtype`` (see module docstring). ``gpu_mem`` in bytes gives the verdict
+    (``Plan.fits``) and ``max_prompt_len``. ``fsdp`` (default: ``gpus > 1``), ``replicate``: FSDP2 over the GPUs as
+    ``init_distributed`` sets it up; ``master_dtype``: ``"auto"`` (float32 master weights, gradients and moments for
+    a bf16/fp16 model, as FSDP runs it and as the trainer does), or ``"float32"``, ``"bfloat16"``, ...;
+    ``optimizer_offload``: AdamW's moments in host memory. ValueError for a prompt + response longer than the model
+    takes."""
     from longstraw.checkpoint.hf import parse_dtype
     from longstraw.engine.config import GRPOConfig
 
@@ -253,6 +310,10 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         raise ValueError(f"prompt_len={prompt_len} must be >= 2")
     if gpus % cp:
         raise ValueError(f"cp={cp} must divide gpus={gpus}")
+    _check_positive(replicate=replicate)
+    if (gpus // cp) % replicate:
+        raise ValueError(f"replicate={replicate} must divide the {gpus // cp} data-parallel replicas (gpus={gpus} / "
+                         f"cp={cp})")
     if gpu_mem is not None and not (isinstance(gpu_mem, (int, float)) and math.isfinite(gpu_mem) and gpu_mem > 0):
         raise ValueError(f"gpu_mem={gpu_mem!r} must be a finite number of bytes > 0")
     dt = parse_dtype(dtype)
@@ -262,14 +323,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     longest = model.spec.max_position_embeddings - response_len
     if model.spec.sliding_window is not None:
         longest = min(longest, model.spec.sliding_window - response_len)
+    fixed, assumptions = _fixed_bytes(model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate,
+                                      master_dtype=master_dtype, optimizer_states=optimizer_states,
+                                      optimizer_offload=optimizer_offload)
     pbytes = _param_bytes(model)
     layer = _layer_bytes(model)
-    shard = gpus if gpus > 1 else 1
-    fixed = {
-        "weights": pbytes // shard + (layer if shard > 1 else 0),
-        "grads": pbytes // shard,
-        "optimizer": optimizer_states * pbytes // shard,
-    }
 
     cache: dict[int, dict[str, int]] = {}
 
@@ -282,8 +340,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         return cache[p]
 
     def peak_of(b: dict[str, int]) -> int:
-        return (b["weights"] + b["grads"] + b["optimizer"] + b["prompt_state"] + b["prompt_state_grad"]
-                + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]))
+        return (b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b["prompt_state"]
+                + b["prompt_state_grad"] + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]))
 
     # Beyond T positions (two prefill chunks and one attention block) the transients no longer grow and the state
     # grows linearly (K/V per position, recurrent states per chunk), so two dry runs at T and 2T give every longer
@@ -309,7 +367,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=cfg.prompt_grad.value,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
-                    checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer)
+                    checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer,
+                    assumptions=assumptions)
     return Plan(int(peak), breakdown, max_len, settings, int(gpu_mem) if gpu_mem is not None else None)
 
 
@@ -369,19 +428,26 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branch-batch", type=int, default=1, help="branches replayed together")
     p.add_argument("--checkpoint-layers", action="store_true",
                    help="recompute each layer in backward (smaller branch and reverse-pass graphs)")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: shard over gpus/replicate GPUs, replicate over the groups (multi-node)")
+    p.add_argument("--no-fsdp", action="store_true", help="parameters whole on every GPU (no FSDP2 sharding)")
+    p.add_argument("--master-dtype", default="auto",
+                   help="dtype of the parameters the optimiser updates: auto (float32 for a bf16/fp16 model)")
+    p.add_argument("--optimizer-offload", action="store_true", help="AdamW's moments in host memory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def explain(res: Plan) -> dict[str, str]:
     """What each per-device figure of ``res`` is: which total it divides by what."""
-    st = res.settings
-    gpus, cp = st["gpus"], st["cp"]
-    fsdp = f" / {gpus} GPUs (FSDP)" if gpus > 1 else ""
+    st, a = res.settings, res.settings["assumptions"]
+    cp = st["cp"]
     out = {
-        "weights": f"{format_bytes(st['param_bytes'])} of parameters{fsdp}"
-                   + (f" + one gathered layer {format_bytes(st['layer_bytes'])}" if gpus > 1 else ""),
-        "grads": f"one gradient per parameter{fsdp}",
-        "optimizer": f"AdamW's two moments per parameter{fsdp}",
+        "weights": a["parameters"],
+        "grads": a["gradients"],
+        "optimizer": a["optimizer"],
+        "gathered": "FSDP's all-gathered units (current + prefetched) and one unit's gradient before its reduction"
+                    if "FSDP" in a["parameters"] else "autocast's compute-dtype copy of one layer"
+                    if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
         "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",
         "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)",
         "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)",
@@ -416,7 +482,8 @@ def plan_from_args(args) -> int:
                       checkpoint_layers=args.checkpoint_layers)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
     res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
-               gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem)
+               gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem, fsdp=False if args.no_fsdp else None,
+               replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
@@ -427,7 +494,7 @@ def plan_from_args(args) -> int:
     why = explain(res)
     for k in BREAKDOWN_KEYS:
         print(f"  {k:<18} {format_bytes(res.breakdown[k]):>12}   {why[k]}")
-    print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + prompt_state + "
-          "prompt_state_grad + max(prefill_chunk, branch_graph + logits)")
+    print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + gathered + "
+          "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits)")
     print(f"verdict: {verdict(res)}")
     return 0

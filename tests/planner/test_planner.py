@@ -116,7 +116,7 @@ def test_cli_json(tmp_path):
                "--prompt-grad", "exact", "--dtype", "bfloat16", "--gpus", "2", "--cp", "2", "--gpu-mem", "1G", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits"}
+    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits", "assumptions"}
     assert set(d["breakdown"]) == set(BREAKDOWN_KEYS) and all(isinstance(v, int) for v in d["breakdown"].values())
     assert isinstance(d["max_prompt_len"], int) and d["peak_bytes"] > 0 and d["fits"] is True
     want = plan(DENSE, prompt_len=4096, response_len=64, group=8, dtype="bfloat16", gpus=2, cp=2, gpu_mem=2**30)
@@ -130,7 +130,7 @@ def test_cli_verdict_and_what_divides_what(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "prompt 16,384 tokens" in text
-    assert "/ 4 GPUs (FSDP) + one gathered layer" in text and "the prompt's state / cp=2" in text
+    assert "sharded over 4 GPUs (FSDP2)" in text and "the prompt's state / cp=2" in text
     verdict = [line for line in text.splitlines() if line.startswith("verdict: ")]
     assert len(verdict) == 1 and verdict[0].startswith("verdict: does NOT fit: peak ")
     assert "> 64.00 MiB per device by " in verdict[0] and "the longest prompt that fits is " in verdict[0]
@@ -195,3 +195,70 @@ def test_reverse_pass_dry_run_of_the_peak_chunks_holds_the_peak(monkeypatch):
         assert full["prefill_chunk"] <= fast["prefill_chunk"] <= 1.01 * full["prefill_chunk"], where
         if "layer_types" not in cfg:  # no recurrent state: nothing pending, the same bytes
             assert fast == full, where
+
+
+def test_sharded_fixed_terms_follow_what_shards_what():
+    """Parameters, gradients and AdamW moments per GPU: master dtype (float32 for a bf16 model unless told
+    otherwise) over the FSDP group (gpus / replicate), the moments off the device with offload."""
+    n = sum(p.numel() for p in _meta_model(DENSE, torch.float32).parameters())
+    kw = dict(prompt_len=1024, response_len=32, group=2)
+    one = plan(DENSE, dtype="bfloat16", **kw).breakdown
+    assert (one["weights"], one["grads"], one["optimizer"]) == (4 * n, 4 * n, 8 * n)  # fp32 masters, one GPU
+    four = plan(DENSE, dtype="bfloat16", gpus=4, **kw)
+    b = four.breakdown
+    assert (b["weights"], b["grads"], b["optimizer"]) == (4 * n // 4, 4 * n // 4, 8 * n // 4) and b["gathered"] > 0
+    assert "sharded over 4 GPUs (FSDP2)" in four.settings["assumptions"]["parameters"]
+    bf = plan(DENSE, dtype="bfloat16", gpus=4, master_dtype="bfloat16", **kw).breakdown
+    assert (bf["weights"], bf["optimizer"]) == (2 * n // 4, 4 * n // 4)
+    assert plan(DENSE, dtype="bfloat16", gpus=4, optimizer_offload=True, **kw).breakdown["optimizer"] == 0
+    hsdp = plan(DENSE, dtype="bfloat16", gpus=4, replicate=2, **kw).breakdown
+    assert hsdp["weights"] == 4 * n // 2
+    whole = plan(DENSE, dtype="float32", gpus=4, fsdp=False, **kw).breakdown
+    assert (whole["weights"], whole["gathered"]) == (4 * n, 0)
+    with pytest.raises(ValueError, match=r"replicate=3 must divide the 4 data-parallel replicas"):
+        plan(DENSE, gpus=4, replicate=3, **kw)
+
+
+def _meta_model(cfg, dtype):
+    from longstraw.planner import _meta_model as mm
+
+    return mm(cfg, dtype)
+
+
+@pytest.mark.slow  # four gloo ranks
+def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
+    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32) against each rank's peak resident
+    memory during a grpo_backward + AdamW step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
+    from hf_reference import save_tiny, tiny_hf
+    from transformers import LlamaConfig
+
+    import socket
+
+    big = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=8000, max_position_embeddings=8192)
+    path = save_tiny(tiny_hf(big, seed=1, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
+    cfg = json.loads((path / "config.json").read_text())
+    probe = Path(__file__).with_name("sharded_probe.py")
+    for cp in (1, 2):
+        spec = {"path": str(path), "cp": cp, "dtype": "float32", "prompt_len": 4096, "response_len": 64, "group": 4,
+                "chunk": 1024, "mode": "exact", "out": str(tmp_path)}
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, str(probe), str(tmp_path / "spec.json")],
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                                       "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": SRC},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+        pl = plan(cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=4, cp=cp,
+                  cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024))
+        for r, g in enumerate(got):
+            ratio = pl.peak_bytes / g["peak_above_base"]
+            print(f"cp={cp} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
+                  f"{g['peak_above_base'] / 2**20:.1f} MiB (x{ratio:.2f}); local parameters "
+                  f"{g['local_param_bytes'] / 2**20:.1f} MiB")
+            assert 0.85 <= ratio <= 1.15, (cp, r, pl.breakdown, g)
