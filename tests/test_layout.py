@@ -2,7 +2,8 @@
 
 Layers, lowest first (a module may import its own package and any lower layer, never a higher one):
 
-    ops, losses, units, devices, profiling, tokenizer   pure functions and small utilities
+    ops, losses, units, devices, profiling, tokenizer,  pure functions and small utilities
+    offload
     state                                                the prompt state protocol and the placement seam
     models                                               model definitions (know nothing of RL or distribution)
     engine                                               prefill, replay, reverse pass, score, rollouts
@@ -22,7 +23,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "longstraw"
 
 LAYERS = [
-    {"ops", "losses", "units", "devices", "profiling", "tokenizer"},
+    {"ops", "losses", "units", "devices", "profiling", "tokenizer", "offload"},
     {"state"},
     {"models"},
     {"engine"},
