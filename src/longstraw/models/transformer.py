@@ -51,6 +51,13 @@ class ModelSpec:
                              "it equals full attention, which LongStraw computes)")
 
 
+def _autocasting(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
+        return False
+
+
 class LMHead(nn.Linear):
     """The LM head ``[vocab, hidden]`` (bias optional). ``head(hidden)``: logits. ``head(hidden, targets, ...)``:
     the float32 (float64 for float64 models) log-probs of ``targets`` by the chunked op
@@ -143,6 +150,7 @@ class CausalLM(nn.Module):
         self.model = backbone
         self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
         self.placement: Placement = LOCAL
+        self.compute_dtype: torch.dtype | None = None  # autocast dtype of every pass (master weights): see run()
         self.tie_weights()
 
     # ------------------------------------------------------------------ structure
@@ -188,7 +196,17 @@ class CausalLM(nn.Module):
         """
         t = ids.shape[1]
         self.spec.check_length(start + t, f"tokens at positions {start}..{start + t - 1}")
-        return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
+        if self.compute_dtype is None or _autocasting(ids.device.type):
+            return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
+        with torch.autocast(ids.device.type, dtype=self.compute_dtype):
+            return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
+
+    def use_master_weights(self, compute_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> None:
+        """Keep the parameters in ``master_dtype`` (what the optimiser updates: float32 master weights, gradients and
+        moments) and compute every pass in ``compute_dtype`` under autocast: mixed precision in one process. (Under
+        FSDP2 the same split comes from its MixedPrecisionPolicy instead: ``distributed.apply_fsdp``.)"""
+        self.to(master_dtype)
+        self.compute_dtype = compute_dtype if compute_dtype != master_dtype else None
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """HF-like full forward: ``input_ids [B, T]`` -> logits ``[B, T, vocab]``."""
