@@ -5,7 +5,7 @@ Checkpoints (float64, vocabulary ``cp_scenarios.V``): a dense Llama with tied em
 an MTP tensor that are skipped), and a DeepSeek-V3 MoE (MLA; experts stored per expert, fused in memory:
 ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``). Sizes are chosen so that dim 0 of many parameters does not
 divide by 4 (uneven shards; 4 ranks split 6 rows, the KV projections and the 6 experts, as 2, 2, 2 and none).
-``save_big``: a float32 Llama of ~43M parameters for the memory figures.
+``save_big``: a float32 Llama of 42.7M parameters for the memory figures.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ BIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_siz
 
 
 def save_big(path: Path) -> Path:
-    """A float32 Llama of ~43M parameters (170 MB): 3 decoder layers of 12.9M, embedding and head 2.1M each."""
+    """A float32 Llama of 42.7M parameters (163 MiB): 3 decoder layers of 12.8M, embedding and head 2.1M each."""
     model = longstraw.build_model(BIG)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

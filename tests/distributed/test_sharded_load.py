@@ -9,7 +9,7 @@ Under gloo (``load_scenarios.py`` on every rank of a job launched by ``cp_launch
 ``load_worker.py``; slow): 2 and 4 ranks with ``init_distributed(cp=R, fsdp=True)``: each rank's local shards
 are the rows of the single-process model, the reads were exactly those rows, ``grpo_backward`` gradients equal one
 process's (float64, 1e-10), the size check counts the rank's shard, and the per-rank peak resident memory of
-``load_model`` on a 170 MB float32 Llama is within the rank's shard plus its largest tensor plus 8 MiB (a
+``load_model`` on a 163 MiB float32 Llama is within the rank's shard plus its largest tensor plus 8 MiB (a
 1-rank job gives the unsharded figure beside it). Print the figures with
 ``pytest -m slow -s -n 0 tests/distributed/test_sharded_load.py -k memory``.
 """
