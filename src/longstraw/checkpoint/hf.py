@@ -138,10 +138,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()
 
 
-def _materialise(model: CausalLM, device: torch.device, where: Path) -> CausalLM:
-    """``model`` (on meta, its parallelism applied) allocated on ``device``: only this rank's shard of each sharded
-    parameter (``to_empty`` allocates a DTensor's local tensor), after checking that those local bytes fit;
-    ModelTooLargeError (a ValueError) with both sizes."""
+def _check_fits(model: CausalLM, device: torch.device, where: Path) -> str:
+    """Check that this rank's part of ``model`` (on meta, its parallelism applied: the local shard of each
+    sharded parameter, every other tensor whole) fits ``device``; ModelTooLargeError (a ValueError) with both
+    sizes. Returns the size in words, for :func:`_materialise`'s error."""
     tensors = list(model.parameters()) + list(model.buffers())
     need = sum(_local(t).numel() * t.element_size() for t in tensors)
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -156,12 +156,17 @@ def _materialise(model: CausalLM, device: torch.device, where: Path) -> CausalLM
         raise ModelTooLargeError(f"{str(where)!r}: the model's {n:,} parameters need {format_bytes(need)} on "
                                  f"{device}{share}, more than its {what} of {format_bytes(have)} (check config.json's "
                                  "sizes)")
+    return f"{format_bytes(need)}{share}"
+
+
+def _materialise(model: CausalLM, device: torch.device, where: Path, size: str) -> CausalLM:
+    """``model`` (on meta) allocated on ``device``: only this rank's shard of each sharded parameter
+    (``to_empty`` allocates a DTensor's local tensor); an allocation failure is a ModelTooLargeError."""
     try:
         return model.to_empty(device=device)
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelTooLargeError(f"{str(where)!r}: cannot allocate the model's {format_bytes(need)}{share} on "
-                                 f"{device}: {first}") from None
+        raise ModelTooLargeError(f"{str(where)!r}: cannot allocate the model's {size} on {device}: {first}") from None
 
 
 def _damaged(f: Path, e: BaseException) -> ValueError:
@@ -258,9 +263,9 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     read and the result is what it always was. Pickled weights (``pytorch_model.bin``, only with
     ``allow_pickle=True``) are read whole by ``torch.load``, every file of them, before the local rows are copied.
 
-    Checked from the files' headers before anything is allocated or any tensor data read: tensors the model does
-    not have, tensors it needs that are missing, shape mismatches (named), incomplete experts; multi-token-prediction
-    and vision weights are skipped with a warning.
+    Checked before anything is allocated or any tensor data read (the size first, then from the files' headers):
+    tensors the model does not have, tensors it needs that are missing, shape mismatches (named), incomplete
+    experts; multi-token-prediction and vision weights are skipped with a warning.
     """
     p = Path(path)
     cfg = read_config(p)
@@ -273,6 +278,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
         model = family.build(cfg)
     # FSDP2 over the CP group after init_distributed(fsdp=True), else as is; on meta, before anything is allocated
     model = distributed.parallelize(model.to(dtype))
+    size = _check_fits(model, device, p)
     reader, present = _open_weights(kind, files, weight_map)
     if weight_map is not None:
         absent = sorted(set(weight_map) - present)
@@ -301,7 +307,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     if missing:
         raise ValueError(f"weights missing from {str(p)!r}: {_list(missing)}")
 
-    model = _materialise(model, device, p)
+    model = _materialise(model, device, p, size)
     model.tie_weights()
     params = dict(model.named_parameters())
     assert set(params) == set(sources), set(params) ^ set(sources)
