@@ -136,7 +136,13 @@ def shards(paths) -> dict:
     read load_model made from the checkpoint files (``__reads__``: (tensor name, rows))."""
     from longstraw.checkpoint import hf
 
-    out = {"__reads__": {}}
+    from longstraw import distributed
+    from longstraw.models import registry
+
+    with torch.device("meta"):  # what load_model starts from: FSDP2 applied on meta keeps the parameters there
+        meta = distributed.parallelize(registry.build_model(hf.read_config(paths["deepseek_v3"])))
+    layer = [p for n, p in meta.named_parameters() if n.startswith("model.layers.")]
+    out = {"__reads__": {}, "__meta__": (len(layer), sum(p.is_meta and local_rows(p) is not None for p in layer))}
     real = hf._SafetensorsReader.read
     for fam in FAMILIES:
         reads = out["__reads__"][fam] = []
@@ -171,7 +177,50 @@ def too_large(paths) -> str:
         hf.device_memory = real
 
 
+def meshes(paths) -> dict:
+    """load_model under FSDP2 placements other than today's (``apply_fsdp`` swapped for the scenario): ``hsdp``,
+    the decoder layers over the 2-D ``(dp, cp)`` mesh, ``(Replicate(), Shard(0))``; ``world``, every parameter
+    over all ranks of the job, the embedding, final norm and LM head included (the layers, then the root). Per
+    variant and family: every parameter's rows, placements, local tensor, and its full tensor (gathered)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from longstraw import distributed
+
+    ctx = distributed.get_context()
+    world_mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("all",))
+
+    def hsdp(model, ctx):
+        for layer in model.layers:
+            fully_shard(layer, mesh=ctx.mesh, reshard_after_forward=True)
+        return model
+
+    def whole_world(model, ctx):
+        for layer in model.layers:
+            fully_shard(layer, mesh=world_mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=world_mesh, reshard_after_forward=True)
+        return model
+
+    out = {}
+    real = distributed.apply_fsdp
+    for variant, fn in (("hsdp", hsdp), ("world", whole_world)):
+        out[variant] = {}
+        distributed.apply_fsdp = fn
+        try:
+            for fam in FAMILIES:
+                model = longstraw.load_model(paths[fam])
+                out[variant][fam] = {
+                    n: (local_rows(p), tuple(str(pl) for pl in getattr(p, "placements", ())),
+                        _local(p).detach().clone(), (p.full_tensor() if local_rows(p) is not None else p).detach())
+                    for n, p in model.named_parameters()}
+                out[variant][fam]["__tied__"] = model.lm_head.weight is model.model.embed_tokens.weight
+        finally:
+            distributed.apply_fsdp = real
+    return out
+
+
 SCENARIOS = {
+    "meshes": meshes,
     "memory": memory,
     "shards": shards,
     "too_large": too_large,

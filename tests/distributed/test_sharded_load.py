@@ -6,9 +6,12 @@ whole-tensor load; only the rows' tensors read), and ``load_model`` without para
 whole-tensor load it always did (float64, float32, bfloat16).
 
 Under gloo (``load_scenarios.py`` on every rank of a job launched by ``cp_launcher.launch`` with
-``load_worker.py``; slow): 2 and 4 ranks with ``init_distributed(cp=R, fsdp=True)``: each rank's local shards
-are the rows of the single-process model, the reads were exactly those rows, ``grpo_backward`` gradients equal one
-process's (float64, 1e-10), the size check counts the rank's shard, and the per-rank peak resident memory of
+``load_worker.py``; slow): 2 and 4 ranks with ``init_distributed(cp=R, fsdp=True)``: ``fully_shard`` on the meta
+model leaves meta DTensors, each rank's local shards are the rows of the single-process model, the reads were
+exactly those rows, ``grpo_backward`` gradients equal one process's (float64, 1e-10), the size check counts the
+rank's shard; 4 ranks with cp=2 (two replicas), and there with FSDP2 swapped for HSDP over the ``(dp, cp)`` mesh
+and for FSDP over all 4 ranks with the embedding, norm and LM head sharded too (what FSDP is heading for): the
+same rows, whatever the placement; and the per-rank peak resident memory of
 ``load_model`` on a 163 MiB float32 Llama is within the rank's shard plus its largest tensor plus 8 MiB (a
 1-rank job gives the unsharded figure beside it). Print the figures with
 ``pytest -m slow -s -n 0 tests/distributed/test_sharded_load.py -k memory``.
@@ -192,7 +195,8 @@ def test_load_model_without_parallelism_is_bit_identical_to_the_whole_tensor_loa
 # ------------------------------------------------------------------------------------------------ under gloo
 
 ALL = ["memory", "shards", "too_large", "grads_llama_tied", "grads_hybrid", "grads_deepseek_v3"]
-JOBS = {"load1": (1, 1, False, ["memory"]), "load2": (2, 2, True, ALL), "load4": (4, 4, True, ALL)}
+JOBS = {"load1": (1, 1, False, ["memory"]), "load2": (2, 2, True, ALL), "load4": (4, 4, True, ALL),
+        "load2x2": (4, 2, True, ["shards", "meshes"])}
 MiB = 2**20
 
 
@@ -235,7 +239,8 @@ def _result(ranks, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(f"load-{j}")) for j in JOBS])
+@pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(f"load-{j}")) for j in JOBS
+                                 if "memory" in JOBS[j][3]])
 def test_memory(job, launched):
     """Peak resident memory of load_model per rank: within its shard + its largest tensor + 8 MiB."""
     world = JOBS[job][0]
@@ -258,10 +263,12 @@ def test_memory(job, launched):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(f"load-{j}")) for j in JOBS
-                                 if j != "load1"])
+                                 if "shards" in JOBS[j][3]])
 def test_local_shards_are_the_rows_of_the_single_process_model(job, launched, paths):
-    world = JOBS[job][0]
+    world, cp = JOBS[job][:2]
     ranks = _result(launched(job), "shards")
+    for got in ranks:  # fully_shard on a meta model: every decoder-layer parameter a meta DTensor
+        assert got["__meta__"][0] > 0 and got["__meta__"][0] == got["__meta__"][1], got["__meta__"]
     for fam in FAMILIES:
         single = longstraw.load_model(paths[fam])
         for name, want in single.named_parameters():
@@ -270,7 +277,10 @@ def test_local_shards_are_the_rows_of_the_single_process_model(job, launched, pa
                 rows, local, shape = got[fam][name]
                 assert shape == tuple(want.shape)
                 if name.startswith("model.layers."):  # FSDP2 shards the decoder layers (over the CP group)
-                    assert rows == shard_rows(want.shape[0], (world,), (r,), (Shard(0),)), (fam, name, r)
+                    assert rows == shard_rows(want.shape[0], (cp,), (r % cp,), (Shard(0),)), (fam, name, r)
+                if r >= cp:  # another data-parallel replica: the same rows as its CP peer
+                    assert rows == ranks[r - cp][fam][name][0]
+                    continue
                 if rows is None:
                     assert torch.equal(local, want.detach()), (fam, name, r)
                 else:
@@ -279,12 +289,38 @@ def test_local_shards_are_the_rows_of_the_single_process_model(job, launched, pa
             assert not seen or seen == list(range(want.shape[0])), (fam, name)
         assert all(got[fam]["__tied__"] == (fam == "llama_tied") for got in ranks)
     v3 = [got["deepseek_v3"]["model.layers.2.mlp.experts.gate_up_proj"][0] for got in ranks]
-    assert v3 == ([(0, 3), (3, 6)] if world == 2 else [(0, 2), (2, 4), (4, 6), (6, 6)])  # 4 ranks: one has none
+    assert v3 == ([(0, 3), (3, 6)] * (world // 2) if cp == 2 else [(0, 2), (2, 4), (4, 6), (6, 6)])  # one has none
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["hsdp", "world"])
+@pytest.mark.xdist_group("load-load2x2")
+def test_other_placements_load_the_same_rows(variant, launched, paths):
+    """HSDP over the (dp, cp) mesh, and FSDP over all 4 ranks with the embedding, norm and LM head sharded too:
+    load_model reads each rank's rows, whatever the placement (apply_fsdp swapped in the scenario)."""
+    ranks = [got[variant] for got in _result(launched("load2x2"), "meshes")]
+    for fam in FAMILIES:
+        single = longstraw.load_model(paths[fam])
+        for name, want in single.named_parameters():
+            for r, got in enumerate(ranks):
+                rows, placements, local, full = got[fam][name]
+                assert torch.equal(full, want.detach()), (variant, fam, name, r)
+                if variant == "hsdp":
+                    if name.startswith("model.layers."):
+                        assert placements == (str(Replicate()), str(Shard(0))), placements
+                        assert rows == shard_rows(want.shape[0], (2,), (r % 2,), (Shard(0),)), (fam, name, r)
+                    else:
+                        assert rows is None
+                else:
+                    assert placements == (str(Shard(0)),), (fam, name, placements)
+                    assert rows == shard_rows(want.shape[0], (4,), (r,), (Shard(0),)), (fam, name, r)
+                assert torch.equal(local, want.detach() if rows is None else want.detach()[rows[0]:rows[1]])
+        assert all(got[fam]["__tied__"] == (fam == "llama_tied") for got in ranks), (variant, fam)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(f"load-{j}")) for j in JOBS
-                                 if j != "load1"])
+                                 if "shards" in JOBS[j][3]])
 def test_reads_are_only_the_local_rows(job, launched):
     """Every checkpoint read a rank made: a sharded parameter's own rows, or (fused experts) only its experts."""
     for r, got in enumerate(_result(launched(job), "shards")):
@@ -303,7 +339,7 @@ def test_reads_are_only_the_local_rows(job, launched):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(f"load-{j}")) for j in JOBS
-                                 if j != "load1"])
+                                 if "too_large" in JOBS[j][3]])
 def test_size_check_counts_this_ranks_shard(job, launched):
     for msg in _result(launched(job), "too_large"):
         assert re.search(r"the model's [\d,]+ parameters need .* on cpu for this rank's shard \(of .* in all\), "
@@ -324,7 +360,7 @@ def single(paths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("job,fam", [pytest.param(j, f, id=f"{j}-{f}", marks=pytest.mark.xdist_group(f"load-{j}"))
-                                     for j in JOBS if j != "load1" for f in FAMILIES])
+                                     for j in JOBS if f"grads_{FAMILIES[0]}" in JOBS[j][3] for f in FAMILIES])
 def test_gradients_equal_the_single_process_ones(job, fam, launched, single):
     name = f"grads_{fam}"
     want = single(name)
