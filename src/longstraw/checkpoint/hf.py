@@ -149,6 +149,9 @@ def _check_fits(model: CausalLM, device: torch.device, where: Path) -> str:
     if mesh_types - {device.type}:
         raise ValueError(f"device={str(device)!r}: this process shards the model over a device mesh of "
                          f"{', '.join(sorted(mesh_types))} devices (init_distributed); load it onto that device type")
+    if mesh_types == {"cuda"} and device.index is not None and device.index != torch.cuda.current_device():
+        raise ValueError(f"device={str(device)!r}: this rank's shards belong on cuda:{torch.cuda.current_device()} "
+                         "(init_distributed set it from LOCAL_RANK); pass device='cuda'")
     share = f" for this rank's shard (of {format_bytes(total)} in all)" if need != total else ""
     have, what = device_memory(device)
     n = sum(t.numel() for t in model.parameters())
