@@ -251,7 +251,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
 
     dtype: parameter dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
     device: where to put the parameters (default CPU); a device this machine lacks is a ValueError, and so is a
-    device type other than that of the mesh the parameters are sharded over.
+    device type other than that of the mesh the parameters are sharded over (on CUDA: a device other than the
+    rank's own; pass ``"cuda"``).
     The model's ``source_dir`` is ``path`` (:func:`save_model` copies the tokenizer files from it).
 
     Sharded loading: the model is built on the meta device and :func:`longstraw.distributed.parallelize` applied
