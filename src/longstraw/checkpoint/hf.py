@@ -3,10 +3,12 @@
 A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or the shards listed by
 ``model.safetensors.index.json``), and usually the tokenizer's files. Only those weight files are read, as
 transformers does: another ``*.safetensors`` beside them (gradients, an adapter) is never taken for weights.
-Loading builds the model on the meta device (no random init of billions of parameters), checks that its
-parameters fit the target device's memory, materialises it there and copies each tensor in as it is read, so peak
-host memory is about one model plus one tensor. Pickled weights (``pytorch_model.bin``) are refused unless the
-caller passes ``allow_pickle=True``; even then they are read with ``torch.load(weights_only=True)``.
+Loading builds the model on the meta device (no random init of billions of parameters), applies the process's
+parallelism there (FSDP2 makes the sharded parameters meta DTensors), checks that this rank's part fits the target
+device's memory, allocates only that part and copies into each parameter the rows this rank holds, reading only
+those rows (``get_slice``), so peak memory is about this rank's shard plus one tensor's rows. Pickled weights
+(``pytorch_model.bin``) are refused unless the caller passes ``allow_pickle=True``; even then they are read with
+``torch.load(weights_only=True)``, whole.
 
 The loaded model remembers its directory (``model.source_dir``); :func:`save_model` copies the tokenizer files
 from there, so a saved directory is a complete checkpoint that ``longstraw generate --model`` reads.
@@ -26,9 +28,11 @@ from safetensors.torch import save_file
 
 from longstraw import distributed
 from longstraw.devices import device_memory, resolve_device
+from longstraw.distributed.fsdp import is_sharded, local_rows
 from longstraw.models import registry
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
+from longstraw.models.weights import Rows, TensorDictReader
 from longstraw.tokenizer import BYTE_TOKENIZER_FILE
 from longstraw.units import format_bytes
 
@@ -126,27 +130,108 @@ class ModelTooLargeError(ValueError):
     """The model's parameters do not fit the target device (checked before allocating, or the allocation failed)."""
 
 
-def _materialise(model: CausalLM, device: torch.device, where: Path) -> CausalLM:
-    """``model`` (on meta) allocated on ``device``, after checking that it fits; ModelTooLargeError (a ValueError)
-    with both sizes."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (unpadded), else ``t`` itself."""
+    if not is_sharded(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def _check_fits(model: CausalLM, device: torch.device, where: Path) -> str:
+    """Check that this rank's part of ``model`` (on meta, its parallelism applied: the local shard of each
+    sharded parameter, every other tensor whole) fits ``device``; ModelTooLargeError (a ValueError) with both
+    sizes. Returns the size in words, for :func:`_materialise`'s error."""
     tensors = list(model.parameters()) + list(model.buffers())
-    need = sum(t.numel() * t.element_size() for t in tensors)
+    need = sum(_local(t).numel() * t.element_size() for t in tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    mesh_types = {t.device_mesh.device_type for t in tensors if is_sharded(t)}
+    if mesh_types - {device.type}:
+        raise ValueError(f"device={str(device)!r}: this process shards the model over a device mesh of "
+                         f"{', '.join(sorted(mesh_types))} devices (init_distributed); load it onto that device type")
+    if mesh_types == {"cuda"} and device.index is not None and device.index != torch.cuda.current_device():
+        raise ValueError(f"device={str(device)!r}: this rank's shards belong on cuda:{torch.cuda.current_device()} "
+                         "(init_distributed set it from LOCAL_RANK); pass device='cuda'")
+    share = f" for this rank's shard (of {format_bytes(total)} in all)" if need != total else ""
     have, what = device_memory(device)
     n = sum(t.numel() for t in model.parameters())
     if have is not None and need > have:
         raise ModelTooLargeError(f"{str(where)!r}: the model's {n:,} parameters need {format_bytes(need)} on "
-                                 f"{device}, more than its {what} of {format_bytes(have)} (check config.json's sizes)")
+                                 f"{device}{share}, more than its {what} of {format_bytes(have)} (check config.json's "
+                                 "sizes)")
+    return f"{format_bytes(need)}{share}"
+
+
+def _materialise(model: CausalLM, device: torch.device, where: Path, size: str) -> CausalLM:
+    """``model`` (on meta) allocated on ``device``: only this rank's shard of each sharded parameter
+    (``to_empty`` allocates a DTensor's local tensor); an allocation failure is a ModelTooLargeError."""
     try:
         return model.to_empty(device=device)
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelTooLargeError(f"{str(where)!r}: cannot allocate the model's {format_bytes(need)} on "
-                                 f"{device}: {first}") from None
+        raise ModelTooLargeError(f"{str(where)!r}: cannot allocate the model's {size} on {device}: {first}") from None
 
 
 def _damaged(f: Path, e: BaseException) -> ValueError:
     return ValueError(f"{f}: cannot read the weights, the file is damaged or truncated ({type(e).__name__}: "
                       f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r})")
+
+
+class _SafetensorsReader:
+    """A :class:`~longstraw.models.weights.CheckpointReader` over safetensors files: shapes from the headers, rows
+    with ``safe_open(...).get_slice(name)[a:b]`` (only those bytes are read), whole tensors with ``get_tensor``.
+    Files are opened when first read and closed by :meth:`release`: safetensors memory-maps a file, and the pages
+    a read touched stay in this process's resident memory until the file is closed, so ``load_model`` releases
+    after every parameter (then at most one parameter's rows are mapped at a time)."""
+
+    def __init__(self, where: dict[str, Path]):
+        self.where = where  # tensor name -> its file
+        self.handles: dict[Path, object] = {}
+
+    def _call(self, name: str, fn):
+        f = self.where[name]
+        try:
+            h = self.handles.get(f)
+            if h is None:
+                h = self.handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            return fn(h)
+        except Exception as e:  # SafetensorError: a truncated file, garbage bytes
+            raise _damaged(f, e) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._call(name, lambda h: h.get_slice(name).get_shape()))
+
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        if rows is None:
+            return self._call(name, lambda h: h.get_tensor(name))
+        return self._call(name, lambda h: h.get_slice(name)[rows[0]:rows[1]])
+
+    def release(self) -> None:
+        self.handles.clear()
+
+
+def _open_weights(kind: str, files: list[Path], weight_map: dict[str, str] | None):
+    """``(reader, tensor names)`` for the weight files; safetensors are only opened to list their tensors,
+    pickles are read whole (``torch.load`` cannot read part of a tensor)."""
+    if kind == "safetensors":
+        where = {}
+        for f in files:
+            try:
+                names = list(safe_open(str(f), framework="pt", device="cpu").keys())
+            except Exception as e:  # SafetensorError: a truncated file, garbage bytes
+                raise _damaged(f, e) from None
+            where.update((n, f) for n in names if weight_map is None or weight_map.get(n) == f.name)
+        return _SafetensorsReader(where), set(where)
+    tensors = {}
+    for f in files:
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated zip, not a pickle, a refused type
+            raise _damaged(f, e) from None
+        if not isinstance(sd, dict):
+            raise ValueError(f"{f}: expected a state dict, got {type(sd).__name__}")
+        tensors.update((n, t) for n, t in sd.items() if weight_map is None or weight_map.get(n) == f.name)
+    return TensorDictReader(tensors), set(tensors)
 
 
 def _config_dtype(cfg: dict) -> torch.dtype | None:
@@ -162,11 +247,29 @@ def _list(names, limit=20) -> str:
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, *, allow_pickle: bool = False) -> CausalLM:
-    """Load an HF checkpoint directory into a LongStraw model.
+    """Load an HF checkpoint directory into a LongStraw model, with the process's parallelism applied.
 
     dtype: parameter dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
-    device: where to put the parameters (default CPU); a device this machine lacks is a ValueError.
+    device: where to put the parameters (default CPU); a device this machine lacks is a ValueError, and so is a
+    device type other than that of the mesh the parameters are sharded over (on CUDA: a device other than the
+    rank's own; pass ``"cuda"``).
     The model's ``source_dir`` is ``path`` (:func:`save_model` copies the tokenizer files from it).
+
+    Sharded loading: the model is built on the meta device and :func:`longstraw.distributed.parallelize` applied
+    to it there (after ``init_distributed(fsdp=True)`` FSDP2 turns the sharded parameters into meta DTensors);
+    then only this rank's storage is allocated (each DTensor's local shard, every other tensor whole) and checked
+    against the device's memory first (``ModelTooLargeError``, a ValueError, with the local and total sizes). Each
+    parameter is then filled with the rows it holds (:func:`longstraw.distributed.fsdp.local_rows`, dim 0), read
+    with ``safe_open(...).get_slice(name)[a:b]`` straight into the local tensor; fused MoE experts read only the
+    experts in those rows. So no rank holds the whole model: its peak while loading is its shard plus about one
+    tensor's rows (each file is closed after every parameter, so the memory-mapped pages read do not pile up;
+    docs/DISTRIBUTED.md, "Loading", has the figures). Without parallelism every parameter is one whole-tensor
+    read and the result is what it always was. Pickled weights (``pytorch_model.bin``, only with
+    ``allow_pickle=True``) are read whole by ``torch.load``, every file of them, before the local rows are copied.
+
+    Checked before anything is allocated or any tensor data read (the size first, then from the files' headers):
+    tensors the model does not have, tensors it needs that are missing, shape mismatches (named), incomplete
+    experts; multi-token-prediction and vision weights are skipped with a warning.
     """
     p = Path(path)
     cfg = read_config(p)
@@ -177,71 +280,56 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
 
     with torch.device("meta"):
         model = family.build(cfg)
-    model = _materialise(model.to(dtype), device, p)
+    # FSDP2 over the CP group after init_distributed(fsdp=True), else as is; on meta, before anything is allocated
+    model = distributed.parallelize(model.to(dtype))
+    size = _check_fits(model, device, p)
+    reader, present = _open_weights(kind, files, weight_map)
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - present)
+        if absent:
+            raise ValueError(f"{str(p)!r}: the index lists tensors its shards do not hold: {_list(absent)}")
+    model.tie_weights()
+    shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}  # full shapes (a DTensor's are global)
+
+    names = sorted(present)
+    if model.spec.tie_word_embeddings:
+        names = [n for n in names if n != "lm_head.weight"]
+    sources = {}
+    unexpected = []
+    for src in family.weights(cfg).sources(names, reader):  # from the headers: no tensor data read yet
+        if src.param not in shapes:
+            unexpected.append(src.param)
+            continue
+        if src.shape != shapes[src.param]:
+            raise ValueError(f"shape mismatch for {src.param}: checkpoint has {src.shape}, the config implies "
+                             f"{shapes[src.param]}")
+        sources[src.param] = src
+    if unexpected:
+        raise ValueError(f"unexpected weights in {str(p)!r} for model_type {cfg['model_type']!r}: "
+                         f"{_list(unexpected)}")
+    missing = set(shapes) - set(sources)
+    if missing:
+        raise ValueError(f"weights missing from {str(p)!r}: {_list(missing)}")
+
+    model = _materialise(model, device, p, size)
     model.tie_weights()
     params = dict(model.named_parameters())
-
-    handles, tensors = {}, {}
+    assert set(params) == set(sources), set(params) ^ set(sources)
     try:
-        if kind == "safetensors":
-            for f in files:
-                try:
-                    h = handles[f] = safe_open(str(f), framework="pt", device="cpu")
-                    names = list(h.keys())
-                except Exception as e:  # SafetensorError: a truncated file, garbage bytes
-                    raise _damaged(f, e) from None
-                for n in names:
-                    if weight_map is None or weight_map.get(n) == f.name:
-                        tensors[n] = (f, h)
-
-            def read(n):
-                f, h = tensors[n]
-                try:
-                    return h.get_tensor(n)
-                except Exception as e:
-                    raise _damaged(f, e) from None
-        else:
-            for f in files:
-                try:
-                    sd = torch.load(f, map_location="cpu", weights_only=True)
-                except Exception as e:  # truncated zip, not a pickle, a refused type
-                    raise _damaged(f, e) from None
-                if not isinstance(sd, dict):
-                    raise ValueError(f"{f}: expected a state dict, got {type(sd).__name__}")
-                tensors.update((n, t) for n, t in sd.items() if weight_map is None or weight_map.get(n) == f.name)
-            read = tensors.__getitem__
-        if weight_map is not None:
-            absent = sorted(set(weight_map) - set(tensors))
-            if absent:
-                raise ValueError(f"{str(p)!r}: the index lists tensors its shards do not hold: {_list(absent)}")
-        names = sorted(tensors)
-        if model.spec.tie_word_embeddings:
-            names = [n for n in names if n != "lm_head.weight"]
-        wmap = family.weights(cfg)
-        loaded = set()
-        unexpected = []
-        for pname, t in wmap.load_tensors(names, read):
-            if pname not in params:
-                unexpected.append(pname)
-                continue
-            target = params[pname]
-            if tuple(t.shape) != tuple(target.shape):
-                raise ValueError(f"shape mismatch for {pname}: checkpoint has {tuple(t.shape)}, the config implies "
-                                 f"{tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(t.to(dtype))
-            loaded.add(pname)
-        missing = set(params) - loaded
-        if unexpected:
-            raise ValueError(f"unexpected weights in {str(p)!r} for model_type {cfg['model_type']!r}: "
-                             f"{_list(unexpected)}")
-        if missing:
-            raise ValueError(f"weights missing from {str(p)!r}: {_list(missing)}")
+        with torch.no_grad():
+            for pname, src in sources.items():
+                target = params[pname]
+                rows, local = local_rows(target), _local(target)
+                if local.numel():
+                    src.read(rows, out=local)  # converted to the model's dtype as it is copied in
+                if isinstance(reader, _SafetensorsReader):
+                    reader.release()
     finally:
-        handles.clear()
+        if isinstance(reader, _SafetensorsReader):
+            reader.release()
     model.eval()
     model.source_dir = p
-    return distributed.parallelize(model)  # FSDP2 over the CP group after init_distributed(fsdp=True), else as is
+    return model
 
 
 def build_model(cfg: dict) -> CausalLM:

@@ -28,9 +28,6 @@ weights (``mtp.*``) are skipped with one warning.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-
-from torch import Tensor
 
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
@@ -41,7 +38,7 @@ from longstraw.models.moe_block import qwen_moe_block
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import ExpertWeightMap
+from longstraw.models.weights import CheckpointReader, ExpertWeightMap, WeightSource
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -216,14 +213,14 @@ class HybridWeightMap(ExpertWeightMap):
     one warning each (a checkpoint of MTP weights only is refused), experts fused/split by
     :class:`~longstraw.models.weights.ExpertWeightMap`."""
 
-    def load_tensors(self, ckpt_names: list[str], read: Callable[[str], Tensor]) -> Iterator[tuple[str, Tensor]]:
+    def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
         used = [n for n in ckpt_names if self.param_name(n) is not None]
         mtp = [n for n in ckpt_names if re.fullmatch(_MTP, n)]
         if mtp and not used:
             raise ValueError(f"this checkpoint holds only multi-token-prediction weights ({len(mtp)} tensors, e.g. "
                              f"{mtp[0]}); LongStraw trains the main model and does not support MTP heads: point to "
                              "the main checkpoint")
-        yield from super().load_tensors(ckpt_names, read)
+        return super().sources(ckpt_names, reader)
 
 
 def weights(cfg: dict) -> HybridWeightMap:
