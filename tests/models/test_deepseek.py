@@ -147,14 +147,37 @@ def test_save_model_round_trips_through_transformers_with_per_expert_names(pair,
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64,
                                                 experts_implementation="eager").eval()
     hf_names = {n for n, _ in back.named_parameters()} | {n for n, _ in back.named_buffers() if "rotary" not in n}
-    assert hf_names == {n for n, _ in model.named_parameters()}
+    assert hf_names == {n for n, _ in model.named_weights()}
     ids = torch.randint(0, V, (1, 23))
     with torch.no_grad(), true_float64():
         hf_logits = back(ids).logits
     with torch.no_grad():
         assert (hf_logits - model(ids)).abs().max().item() <= 1e-10
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
-    assert not bias.requires_grad and bias.abs().sum() > 0  # loaded, frozen
+    assert bias.abs().sum() > 0 and not any(b is bias for b in model.parameters())  # loaded, a buffer: never trained
+
+
+def test_router_bias_stays_float32_as_transformers_keeps_it(pair):
+    """bf16/fp16 models keep the router's e_score_correction_bias in float32 (transformers'
+    _keep_in_fp32_modules_strict), loaded or cast; a float64 model takes it in float64."""
+    _, _, path = pair
+    want = load_file(path / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    for dtype in (torch.bfloat16, torch.float16):
+        model = longstraw.load_model(path, dtype=dtype)
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert model.model.layers[1].mlp.gate.weight.dtype == dtype
+        assert bias.dtype == torch.float32 and torch.equal(bias, want.float())
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager")
+        assert hf.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    model = longstraw.load_model(path, dtype=torch.float32)
+    gate = model.model.layers[1].mlp.gate
+    model.to(torch.bfloat16)
+    assert gate.weight.dtype == torch.bfloat16 and gate.e_score_correction_bias.dtype == torch.float32
+    model.half()
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    model.double()
+    assert gate.e_score_correction_bias.dtype == torch.float64
+    assert torch.equal(gate.e_score_correction_bias, want.float().double())  # loaded as float32 above
 
 
 def test_prompt_state_bytes_per_position(pair):

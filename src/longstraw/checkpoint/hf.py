@@ -289,7 +289,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
         if absent:
             raise ValueError(f"{str(p)!r}: the index lists tensors its shards do not hold: {_list(absent)}")
     model.tie_weights()
-    shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}  # full shapes (a DTensor's are global)
+    shapes = {n: tuple(t.shape) for n, t in model.named_weights()}  # full shapes (a DTensor's are global)
 
     names = sorted(present)
     if model.spec.tie_word_embeddings:
@@ -313,7 +313,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
 
     model = _materialise(model, device, p, size)
     model.tie_weights()
-    params = dict(model.named_parameters())
+    params = dict(model.named_weights())
     assert set(params) == set(sources), set(params) ^ set(sources)
     try:
         with torch.no_grad():
@@ -389,7 +389,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     limit = _parse_size(max_shard_size)
     family = family_for(model.spec.model_type)
     wmap = family.weights(model.hf_config)
-    named = [(n, t) for n, t in model.named_parameters()]
+    named = model.named_weights()
     if model.spec.tie_word_embeddings:
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
     out = [(n, t.detach().to("cpu").contiguous()) for n, t in wmap.save_tensors(named)]

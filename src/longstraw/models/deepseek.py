@@ -22,13 +22,13 @@ group-limited top-k over ``n_group`` groups keeping ``topk_group``, optional ren
 
 Weights: experts are fused in memory as transformers 5 keeps them (``experts.gate_up_proj [E, 2I, H]``,
 ``experts.down_proj [E, H, I]``) and stored per expert in checkpoints (``experts.{e}.{gate,up,down}_proj.weight``),
-so our parameter names are the in-memory HF names. ``e_score_correction_bias`` is a frozen parameter (a buffer in
-transformers): it is loaded and saved, never trained. Multi-token-prediction layers (``model.layers.{n}.*`` for
+so our parameter names are the in-memory HF names. ``e_score_correction_bias`` is a buffer, as in transformers:
+loaded and saved, never trained, float32 in bf16/fp16 models. Multi-token-prediction layers (``model.layers.{n}.*`` for
 ``n >= num_hidden_layers``, ``num_nextn_predict_layers`` of them) are skipped on load with one warning.
 
 Left out: the MTP heads themselves, expert parallelism, auxiliary balance losses, FP8 checkpoints (dequantise
-first), float32-pinned router bias / indexer ``weights_proj`` in bf16 models (transformers keeps them float32;
-here they take the model dtype).
+first), a float32 indexer ``weights_proj`` in fp16 models (transformers keeps it float32 for fp16 only; bf16
+models, ours and transformers', compute it in bf16 and take its output in float32).
 """
 
 from __future__ import annotations
@@ -63,8 +63,13 @@ INDEXER_TYPES = ("full", "shared")
 
 
 class SigmoidGroupedRouter(nn.Module):
-    """DeepSeek-V3 / GLM router: ``weight [E, H]`` (logits in float32, float64 for float64 models) and the frozen
-    ``e_score_correction_bias [E]``; ``forward(x [N, H]) -> (weights [N, k] float32/64, expert_ids [N, k])``."""
+    """DeepSeek-V3 / GLM router: ``weight [E, H]`` (logits in float32, float64 for float64 models) and the
+    ``e_score_correction_bias [E]`` buffer; ``forward(x [N, H]) -> (weights [N, k] float32/64, expert_ids [N, k])``.
+
+    The bias is a persistent buffer (loaded and saved, never trained, never sharded by FSDP) that stays float32 when
+    the model is cast to bf16/fp16, as transformers keeps it (``_keep_in_fp32_modules_strict``): it only ranks the
+    experts, and DeepSeek-V3's biases differ in digits bf16 does not hold, so a bf16 bias would change which
+    experts are chosen. A float64 model takes it in float64."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float):
@@ -72,7 +77,21 @@ class SigmoidGroupedRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden).normal_(0, 0.02))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` (``to``, ``half``, ``to_empty``, ...) with the bias moved but not cast below float32:
+        ``fn`` is probed on an empty tensor for the device and dtype it gives."""
+        bias = self._buffers.pop("e_score_correction_bias")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if bias is not None:
+                probe = fn(torch.empty(0, dtype=bias.dtype, device=bias.device))
+                dtype = probe.dtype if probe.dtype.itemsize >= 4 or not probe.is_floating_point() else torch.float32
+                moved = fn(bias) if dtype == probe.dtype else bias.to(device=probe.device, dtype=dtype)
+                self._buffers["e_score_correction_bias"] = moved
+        return self
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return sigmoid_grouped_route(router_logits(x, self.weight, upcast=True), self.e_score_correction_bias,

@@ -158,6 +158,16 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        """Every tensor a checkpoint holds, by in-memory name: the parameters (a tied LM head once, as its
+        embedding), then the persistent buffers (DeepSeek/GLM's router ``e_score_correction_bias``)."""
+        out = list(self.named_parameters())
+        for mname, module in self.named_modules():
+            for bname, buf in module.named_buffers(recurse=False):
+                if buf is not None and bname not in module._non_persistent_buffers_set:
+                    out.append((f"{mname}.{bname}" if mname else bname, buf))
+        return out
+
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
