@@ -157,8 +157,21 @@ def shards(paths) -> dict:
         finally:
             hf._SafetensorsReader.read = real
         out[fam] = {n: (local_rows(p), _local(p).detach().clone(), tuple(p.shape))
-                    for n, p in model.named_parameters()}
+                    for n, p in model.named_weights()}  # parameters and persistent buffers (read whole)
         out[fam]["__tied__"] = model.lm_head.weight is model.model.embed_tokens.weight
+    return out
+
+
+def masters(paths) -> dict:
+    """load_model of a model computed in bf16 under FSDP: float32 master shards by default (the checkpoint's values
+    read straight into them), bf16 shards with ``master_dtype=bfloat16``. Per variant: the parameters' dtypes and
+    their full (gathered) tensors."""
+    out = {}
+    for name, master in (("default", None), ("bf16", "bfloat16")):
+        model = longstraw.load_model(paths["llama_tied"], dtype="bfloat16", master_dtype=master)
+        out[name] = {"dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                     "compute_dtype": str(model.compute_dtype),
+                     "full": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}
     return out
 
 
@@ -224,6 +237,7 @@ SCENARIOS = {
     "memory": memory,
     "shards": shards,
     "too_large": too_large,
+    "masters": masters,
     "grads_llama_tied": lambda p: grpo_two_groups(p, family="llama_tied", chunk=3),
     "grads_hybrid": lambda p: grpo_two_groups(p, family="hybrid", chunk=4),
     "grads_deepseek_v3": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4),

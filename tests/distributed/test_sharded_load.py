@@ -194,7 +194,7 @@ def test_load_model_without_parallelism_is_bit_identical_to_the_whole_tensor_loa
 
 # ------------------------------------------------------------------------------------------------ under gloo
 
-ALL = ["memory", "shards", "too_large", "grads_llama_tied", "grads_hybrid", "grads_deepseek_v3"]
+ALL = ["memory", "shards", "too_large", "masters", "grads_llama_tied", "grads_hybrid", "grads_deepseek_v3"]
 # job: (world, cp, fsdp, scenarios, replicate). load4 is cp=1: FSDP over 4 data-parallel replicas; load2x2 is HSDP
 # (replicate=2: each parameter sharded over 2 ranks, replicated over the 2 pairs) with cp=2.
 JOBS = {"load1": (1, 1, False, ["memory"], 1), "load2": (2, 2, True, ALL, 1), "load4": (4, 1, True, ALL, 1),
@@ -344,6 +344,19 @@ def test_size_check_counts_this_ranks_shard(job, launched):
     for msg in _result(launched(job), "too_large"):
         assert re.search(r"the model's [\d,]+ parameters need .* on cpu for this rank's shard \(of .* in all\), "
                          r"more than its available memory \(patched\) of 1\.00 KiB", msg), msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", [pytest.param(j, marks=pytest.mark.xdist_group(f"load-{j}")) for j in JOBS
+                                 if "masters" in JOBS[j][3]])
+def test_bf16_model_loads_into_float32_master_shards(job, launched, paths):
+    want = {n: p.detach() for n, p in longstraw.load_model(paths["llama_tied"], dtype="float32").named_parameters()}
+    for got in _result(launched(job), "masters"):
+        assert got["default"]["dtypes"] == ["torch.float32"] and got["bf16"]["dtypes"] == ["torch.bfloat16"]
+        assert got["default"]["compute_dtype"] == got["bf16"]["compute_dtype"] == "None"  # FSDP casts, not autocast
+        for n, w in want.items():
+            assert torch.equal(got["default"]["full"][n], w), n  # read straight into float32, never via bf16
+            assert torch.equal(got["bf16"]["full"][n], w.bfloat16()), n
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,22 @@ def test_an_update_below_bf16_resolution_survives_in_the_masters(path):
         torch.optim.SGD(model.parameters(), lr=1e-5).step()
         moved[name] = float(((_flat(model) != before) & touched).sum() / touched.sum())
     assert moved["master"] > 0.9 and moved["bf16"] < 0.01, moved
+
+
+def test_load_model_master_dtype_reads_the_checkpoint_into_float32_masters(path):
+    """load_model(dtype=bf16, master_dtype=float32): float32 parameters holding the checkpoint's values exactly (no
+    trip through bf16), every pass in bf16; the model's own dtype means no master weights; the rest is refused."""
+    want = dict(longstraw.load_model(path, dtype="float32").named_parameters())
+    model = longstraw.load_model(path, dtype="bfloat16", master_dtype="float32")
+    assert model.compute_dtype == torch.bfloat16
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, want[n]), n
+    plain = longstraw.load_model(path, dtype="bfloat16", master_dtype=torch.bfloat16)
+    assert plain.compute_dtype is None and {p.dtype for p in plain.parameters()} == {torch.bfloat16}
+    for dtype, master in (("float32", "bfloat16"), ("float32", "float64"), ("bfloat16", "float64"),
+                          ("float64", "float32")):
+        with pytest.raises(ValueError, match=rf"master_dtype={master} is not allowed with dtype={dtype}: master "
+                                             "weights are float32 for a bfloat16 or float16 model"):
+            longstraw.load_model(path, dtype=dtype, master_dtype=master)
+    with pytest.raises(ValueError, match="master_dtype"):
+        longstraw.load_model(path, dtype="bfloat16", master_dtype="float33")

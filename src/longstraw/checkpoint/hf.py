@@ -54,11 +54,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def parse_dtype(dtype: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
+    """``dtype`` by name (``"bfloat16"``) or as a torch dtype; None stays None; anything else a ValueError naming
+    ``what`` and the dtypes allowed."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+        raise ValueError(f"unsupported {what} {dtype!r}; supported: {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -245,11 +247,32 @@ def _list(names, limit=20) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _master_dtype(dtype: torch.dtype, master_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``master_dtype`` checked against the compute ``dtype``: None, ``dtype`` itself, or float32 for a bf16/fp16
+    model."""
+    master = parse_dtype(master_dtype, "master_dtype")
+    if master is None or master == dtype:
+        return master
+    if master != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"master_dtype={str(master).removeprefix('torch.')} is not allowed with "
+                         f"dtype={str(dtype).removeprefix('torch.')}: master weights are float32 for a bfloat16 or "
+                         "float16 model, or the model's own dtype (no master weights)")
+    return master
+
+
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, *, allow_pickle: bool = False) -> CausalLM:
+               device: str | torch.device | None = None, *, allow_pickle: bool = False,
+               master_dtype: str | torch.dtype | None = None) -> CausalLM:
     """Load an HF checkpoint directory into a LongStraw model, with the process's parallelism applied.
 
-    dtype: parameter dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
+    dtype: the compute dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
+    master_dtype: the dtype the parameters are held and updated in (so their gradients and the optimiser's moments
+    too). Under FSDP (``init_distributed(fsdp=True)``) a bf16/fp16 model gets float32 master shards by default
+    (``distributed.apply_fsdp``); pass the model's own dtype to keep everything in it. In one process the default
+    is the model's dtype; ``master_dtype=torch.float32`` with a bf16/fp16 ``dtype`` keeps float32 parameters and
+    computes every pass in ``dtype`` under autocast (``CausalLM.use_master_weights``). The checkpoint's values are
+    read straight into the master dtype. Anything else (float32 masters for a float32 model, a bf16 master for a
+    float32 model) is a ValueError.
     device: where to put the parameters (default CPU); a device this machine lacks is a ValueError, and so is a
     device type other than that of the mesh the parameters are sharded over (on CUDA: a device other than the
     rank's own; pass ``"cuda"``).
@@ -276,12 +299,17 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     family = family_for(cfg.get("model_type"))
     kind, files, weight_map = _weight_files(p, allow_pickle)
     dtype = parse_dtype(dtype) or _config_dtype(cfg) or torch.float32
+    master = _master_dtype(dtype, master_dtype)
     device = resolve_device(device if device is not None else "cpu", "device")
 
     with torch.device("meta"):
         model = family.build(cfg)
-    # FSDP2 over the CP group after init_distributed(fsdp=True), else as is; on meta, before anything is allocated
-    model = distributed.parallelize(model.to(dtype))
+    model.to(dtype)
+    ctx = distributed.get_context()
+    if master is not None and master != dtype and not (ctx is not None and ctx.fsdp):
+        model.use_master_weights(dtype, master)  # on meta: free; FSDP's own policy does it under FSDP
+    # FSDP2 over the whole job after init_distributed(fsdp=True), else as is; on meta, before anything is allocated
+    model = distributed.parallelize(model, master_dtype=master)
     size = _check_fits(model, device, p)
     reader, present = _open_weights(kind, files, weight_map)
     if weight_map is not None:
