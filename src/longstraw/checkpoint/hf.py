@@ -313,6 +313,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     limit = _parse_size(max_shard_size)
     family = family_for(model.spec.model_type)
     wmap = family.weights(model.hf_config)
+    reshard(model)
     named = [(n, t) for n, t in model.named_parameters()]
     if model.spec.tie_word_embeddings:
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
@@ -339,6 +340,17 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
             source = getattr(model, "source_dir", None)
             if source is not None:
                 _copy_tokenizer(Path(source), p)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Register every FSDP2 unit's sharded parameters again (not a collective). A unit whose last forward did not
+    end in a reshard (the embedding / final norm / LM head group after decoding) is registered with its gathered
+    parameters until its next pass: ``named_parameters()`` would then give those, which are not the ones the
+    optimiser holds. No-op for a model without FSDP."""
+    from longstraw.distributed.fsdp import fsdp_modules
+
+    for m in fsdp_modules(model):
+        m.reshard()
 
 
 def _raise(err: BaseException | None) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from longstraw.checkpoint.hf import save_model
+from longstraw.checkpoint.hf import reshard, save_model
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 LOCK_FILE = ".lock"
@@ -149,6 +149,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, tr
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
     has_optimizer_state = bool(optimizer.state)  # before the first step there is none: nothing to save
+    reshard(model)  # the optimiser's (sharded) parameters registered, whatever ran last
     state = {"model": get_model_state_dict(model)}
     if has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -189,6 +190,7 @@ def load_sharded_state(ckpt_dir: str | Path, model, optimizer, *, optimizer_stat
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     where = Path(ckpt_dir) / SHARDED_DIR
+    reshard(model)
     state = {"model": get_model_state_dict(model)}
     if optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -208,6 +210,9 @@ def load_full_optimizer_state(model, optimizer, state: dict) -> None:
     order) into ``optimizer`` over the FSDP-sharded ``model``: its full tensors are cut into this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not state.get("state"):  # saved before the first optimiser step: nothing to load (and nothing to create)
+        return
+    reshard(model)
     names = {p: n for n, p in model.named_parameters()}
     order = [names[p] for g in optimizer.param_groups for p in g["params"]]
     state_of = {order[int(i)]: v for i, v in state["state"].items()}
