@@ -1,10 +1,12 @@
 """One rank of the sharded-export test: ``python export_worker.py SPEC.json`` with torchrun's environment.
 
-SPEC: ``{"models": {name: HF checkpoint dir}, "out": dir, "max_shard_size": bytes}``. Each model is loaded with
+SPEC: ``{"models": {name: HF checkpoint dir}, "out": dir, "max_shard_size": bytes, "fail_rank": r}``. Each model is loaded with
 FSDP2 over every rank (``init_distributed(fsdp=True)``; ``load_model`` shards it), its weights changed in place
 (so the export cannot be a copy of the source files), its logits on a fixed batch computed by the sharded model
 (every rank), and written with ``longstraw.save_model`` on every rank into ``out/<name>``. Rank 0 saves the logits
-to ``out/<name>.logits.pt``; every rank saves the files it wrote to ``out/<name>.rank<R>.json``.
+to ``out/<name>.logits.pt``; every rank saves the files it wrote to ``out/<name>.rank<R>.json``. Then the last model
+is saved once more with rank ``fail_rank``'s writes failing (a full disk): each rank records what it raised in
+``out/failed.rank<R>.txt``.
 """
 
 import json
@@ -49,6 +51,21 @@ def main(spec_path: str) -> None:
             torch.save({"ids": ids, "logits": logits}, out + ".logits.pt")
         with open(f"{out}.rank{ctx.rank}.json", "w") as f:
             json.dump({"files": sorted(mine)}, f)
+    # a write that fails on one rank only (a full disk on its node): every rank raises the same error, none waits
+    failing = spec["fail_rank"]
+
+    def full_disk(self, name, t):
+        raise OSError(28, "No space left on device", str(self.tmp))
+
+    if ctx.rank == failing:
+        export.SafetensorsStream.write = full_disk
+    try:
+        longstraw.save_model(model, os.path.join(spec["out"], "failed"), max_shard_size=spec["max_shard_size"])
+        outcome = "no error"
+    except ValueError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(spec["out"], f"failed.rank{ctx.rank}.txt"), "w") as f:
+        f.write(outcome)
     longstraw.shutdown_distributed()
 
 

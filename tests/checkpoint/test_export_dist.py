@@ -1,7 +1,8 @@
 """``longstraw.save_model`` on an FSDP2-sharded model (3 gloo ranks: uneven shards), without gathering the model on
 one rank: every rank writes its own files of whole tensors, rank 0 the index; the export loads in transformers with
 the sharded model's logits, and in LongStraw with its weights. Families: a Qwen3 model with tied embeddings and the
-Qwen3.5 MoE hybrid (fused experts written as per-expert tensors)."""
+Qwen3.5 MoE hybrid (fused experts written as per-expert tensors). A write that fails on one rank is the same
+one-line error on every rank."""
 
 import json
 from pathlib import Path
@@ -37,7 +38,8 @@ def test_sharded_export_loads_in_transformers_and_longstraw(tmp_path):
     models = {name: str(save_tiny(tiny_hf(cfg, seed=7 + i, init_std=0.15)))
               for i, (name, cfg) in enumerate(_configs().items())}
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"models": models, "out": str(tmp_path), "max_shard_size": 20_000}))
+    spec.write_text(json.dumps({"models": models, "out": str(tmp_path), "max_shard_size": 20_000,
+                                "fail_rank": 2}))
     ranks = launch(3, [str(WORKER), str(spec)], timeout_s=400)
     assert all(r.returncode == 0 for r in ranks), [r.stderr[-3000:] for r in ranks]
     for name in models:
@@ -62,3 +64,8 @@ def test_sharded_export_loads_in_transformers_and_longstraw(tmp_path):
         ours = longstraw.load_model(out)
         with torch.no_grad():
             assert torch.allclose(ours(got["ids"]), got["logits"], rtol=0, atol=1e-12)
+    # rank 2 could not write: every rank raised the same one-line error (none was left waiting in a gather)
+    failed = [(tmp_path / f"failed.rank{r}.txt").read_text() for r in range(3)]
+    assert len(set(failed)) == 1 and failed[0].startswith("JobError: rank 2: "), failed
+    assert failed[0].endswith(": No space left on device") and "\n" not in failed[0]
+    assert not (tmp_path / "failed" / "model.safetensors.index.json").exists()

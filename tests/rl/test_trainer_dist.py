@@ -14,7 +14,7 @@ make the same engine calls), step 2 two active groups, step 3 none (no optimiser
 
 Checked: metrics (loss, rewards, gradient norm, ...) and final weights of the 4-rank run equal the one-process run's
 to 1e-8 relative; a 4-rank run killed during its second checkpoint and resumed continues bit for bit; a 2-rank job
-(and one process) resumes from the 4-rank sharded checkpoint within float precision; an FSDP model's HF export loads
+(with and without FSDP) and one process resume from the 4-rank sharded checkpoint within float precision; an FSDP model's HF export loads
 in transformers with the sharded model's logits; bad ``[parallel]`` values are one line; two "nodes" of two ranks
 each under torchrun with a c10d rendezvous train and rank 0 writes the metrics.
 """
@@ -151,13 +151,15 @@ def test_killed_mid_checkpoint_then_resumed_on_four_ranks_continues_bit_for_bit(
 
 def test_resume_from_a_four_rank_checkpoint_on_two_ranks_and_in_one_process(runs, tmp_path):
     _, _, four, _ = runs
-    for name, world in (("two", 2), ("single", 0)):
+    # 2 ranks: 2 replicas of one rank each, FSDP over 2; the same without FSDP (every rank holds the whole model,
+    # the replicas' gradients averaged; its checkpoints in the one-process format); one process
+    for name, world, extra in (("two", 2, []), ("two-whole", 2, ["parallel.fsdp=false"]), ("single", 0, [])):
         run = tmp_path / f"from-four-{name}"
         shutil.copytree(four, run)
         for c in checkpoint_dirs(run)[1:]:
             shutil.rmtree(c)
-        extra = ["--set", "parallel.cp=1"]  # 2 ranks: 2 replicas of one rank each, FSDP over 2
-        _ok(train(world, ["--resume", str(run), *extra]), f"resume {name}")
+        sets = [x for s in ["parallel.cp=1", *extra] for x in ("--set", s)]
+        _ok(train(world, ["--resume", str(run), *sets]), f"resume {name}")
         _close(read_metrics(run), read_metrics(four))
         _close_weights(_weights(run), _weights(four))
 

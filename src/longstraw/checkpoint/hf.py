@@ -328,7 +328,10 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
                     old.unlink()
     with torch.no_grad():
         err = write_export(named, wmap, items, files, rank, p)
-    agree(err) if sharded else _raise(err)
+    if sharded:
+        agree(err)  # every rank learns whether any rank's files failed
+    elif err is not None:
+        raise err
     with together(main_only=True, collective=sharded) as mine:
         if mine:
             if len(files) > 1:
@@ -351,11 +354,6 @@ def reshard(model: torch.nn.Module) -> None:
 
     for m in fsdp_modules(model):
         m.reshard()
-
-
-def _raise(err: BaseException | None) -> None:
-    if err is not None:
-        raise err
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

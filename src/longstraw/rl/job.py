@@ -40,14 +40,6 @@ def env_world_size() -> int:
         return 1
 
 
-def env_rank() -> int:
-    """``RANK`` of a torchrun job (0 without one)."""
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 

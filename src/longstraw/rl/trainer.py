@@ -470,14 +470,22 @@ class Trainer:
         return out
 
     def _mean_over_replicas(self, params: list) -> None:
-        """Without FSDP each replica holds its own groups' whole gradient: average them (every parameter, zeros for
-        one this replica's groups did not reach, so that every rank makes the same all-reduces)."""
+        """Without FSDP each replica holds its own groups' whole gradient: average them. A parameter that some
+        replica's groups reached and this one's did not gets a zero gradient first (every rank then all-reduces the
+        same parameters); one that no replica reached keeps no gradient, as in one process (AdamW skips it)."""
+        import torch.distributed as dist
+
         from longstraw.distributed import all_reduce_data_parallel
 
-        for p in params:
-            if p.grad is None:
+        ctx = self.job.ctx
+        if ctx.dp_size == 1:
+            return
+        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=ctx.device)
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX, group=ctx.dp.group)
+        for p, r in zip(params, reached.tolist()):
+            if r and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_data_parallel(self.model, self.job.ctx)
+        all_reduce_data_parallel(self.model, ctx)
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -531,10 +539,13 @@ class Trainer:
             extra = {f.name: f for f in tok_dir.iterdir() if f.is_file()}
         elif self.cfg.model.path:  # the checkpoint's own tokenizer: each saved model directory is servable
             extra = tokenizer_files(self.cfg.model.path)
-        if job.sharded:  # every rank writes its shards (errors agreed inside)
-            with self._writing(f"checkpoint {step_done}"):
-                return save_sharded_checkpoint(self.run_dir, step_done, self.model, self.opt, state,
-                                               keep_last=self.cfg.train.keep_last, extra_files=extra)
+        if job.sharded:  # every rank writes its shards (their errors agreed on inside: the same on every rank)
+            try:
+                with self._writing(f"checkpoint {step_done}"):
+                    return save_sharded_checkpoint(self.run_dir, step_done, self.model, self.opt, state,
+                                                   keep_last=self.cfg.train.keep_last, extra_files=extra)
+            except JobError as e:
+                raise JobError(str(self._write_error(f"checkpoint {step_done} ", OSError(0, str(e))))) from None
         state["optimizer"] = self.opt.state_dict()  # whole on every rank: rank 0's is the job's
         final = None
         with job.together(main_only=True) as mine:
