@@ -12,6 +12,7 @@ Layers, lowest first (a module may import its own package and any lower layer, n
     planner                                              dry runs of the engine's own step
     rl                                                   the trainer and what it needs
     longstraw (the package's public names), cli
+    __main__                                             python -m longstraw (runs the CLI)
 
 Every import counts, module-level or inside a function (a lazy import is still a dependency).
 """
@@ -33,6 +34,7 @@ LAYERS = [
     {"rl"},
     {""},  # longstraw/__init__.py: the public API
     {"cli"},
+    {"__main__"},  # python -m longstraw: runs the CLI
 ]
 RANK = {group: i for i, layer in enumerate(LAYERS) for group in layer}
 

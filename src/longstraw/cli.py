@@ -3,7 +3,8 @@
 Every user error (a bad value, a missing file, a config key that does not exist, an option the subcommand does not
 have) is one line on stderr and exit code 2 (argparse's own errors add the subcommand's usage line); everything is
 checked before anything is written, so nothing already written is touched. An ``OSError`` that reaches ``main``
-(a full disk, a read-only directory) is reported the same way, as ``<file>: <reason>``.
+(a full disk, a read-only directory) is reported the same way, as ``<file>: <reason>``. Under ``torchrun``
+(``torchrun --nproc_per_node N -m longstraw train ...``) an error every rank raises alike is printed by rank 0 only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import os
 import sys
 import time
 from pathlib import Path
+
+
+def _job_rank() -> int:
+    """This process's rank in a torchrun job (``RANK``), 0 otherwise."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _fail(msg: str) -> int:
@@ -91,26 +100,33 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """Under torchrun every rank runs this; rank 0 reports (a config error, the same on every rank, is printed once).
+    """
+    from longstraw.distributed.agree import JobError
     from longstraw.rl.config import RunConfig, apply_overrides, load_config
     from longstraw.rl.trainer import Trainer
 
     resume_dir = None
     if args.resume is not None:
         resume_dir = Path(args.resume) if args.resume != "" else None
-    if args.config:
-        cfg = load_config(args.config)
-    elif resume_dir is not None:
-        cfg = load_config(resume_dir / "config.toml") if (resume_dir / "config.toml").is_file() else None
-        if cfg is None:
-            return _fail(f"cannot resume {str(resume_dir)!r}: it has no config.toml (not a LongStraw run)")
-    else:
-        cfg = RunConfig()
-    cfg = apply_overrides(cfg, args.set or [])
+    try:
+        if args.config:
+            cfg = load_config(args.config)
+        elif resume_dir is not None:
+            if not (resume_dir / "config.toml").is_file():
+                raise ValueError(f"cannot resume {str(resume_dir)!r}: it has no config.toml (not a LongStraw run)")
+            cfg = load_config(resume_dir / "config.toml")
+        else:
+            cfg = RunConfig()
+        cfg = apply_overrides(cfg, args.set or [])
+    except ValueError as e:
+        raise JobError(str(e)) from None
     run_dir = resume_dir or Path(cfg.train.out_dir)
     trainer = Trainer(cfg, run_dir, resume=args.resume is not None)
     s = trainer.train()
-    print(f"done: {s.steps} steps, reward {s.reward_first:.3f} (first 10) -> {s.reward_last:.3f} (last 10), "
-          f"peak {s.peak_memory_bytes / 2**20:.0f} MiB; run in {s.run_dir}")
+    if trainer.job.is_main:
+        print(f"done: {s.steps} steps, reward {s.reward_first:.3f} (first 10) -> {s.reward_last:.3f} (last 10), "
+              f"peak {s.peak_memory_bytes / 2**20:.0f} MiB; run in {s.run_dir}")
     return 0
 
 
@@ -401,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValueError as e:
+        if getattr(e, "shared", False) and _job_rank() != 0:
+            return 2  # every rank of the torchrun job has it: rank 0 prints it
         return _fail(str(e))
     except OSError as e:  # last resort: a write that failed where no caller turned it into a ValueError
         what = e.filename if e.filename else type(e).__name__

@@ -8,6 +8,7 @@ count: they touch every field whether or not the run uses it.
 """
 
 import json
+import socket
 import sys
 import types
 
@@ -75,6 +76,12 @@ def fake_wandb(monkeypatch) -> list:
     return runs
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_every_key_of_every_section_is_read_by_a_real_run(tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"q": f"Say {i}: ", "a": str(i)}) + "\n" for i in range(2)))
@@ -89,14 +96,23 @@ def test_every_key_of_every_section_is_read_by_a_real_run(tmp_path, monkeypatch)
          'reward.fn="exact_match"', "reward.options={case_sensitive=false}", 'train.memory_check="off"',
          "train.progress=true", 'rollout.stop_strings=["\\n"]'],
         ['data.task=""', f'data.path="{rollouts}"', "data.offline=true", "train.progress=false"],
+        # under torchrun ([parallel] read to join the job): a job of one rank, in this process
+        ["train.progress=false", 'train.memory_check="off"'],
     ]
     cfgs = [apply_overrides(RunConfig(), TINY + [f'train.out_dir="{tmp_path / str(i)}"'] + extra)
             for i, extra in enumerate(runs)]
     wandb_runs = fake_wandb(monkeypatch)
     read: set = set()
     keymap = _record_reads(monkeypatch, read)
-    for cfg in cfgs:
-        Trainer(cfg, resume=False, echo=lambda *_: None).train()
+    for i, cfg in enumerate(cfgs):
+        with monkeypatch.context() as env:
+            if i == len(cfgs) - 1:
+                env.setenv("RANK", "0")
+                env.setenv("LOCAL_RANK", "0")
+                env.setenv("WORLD_SIZE", "1")
+                env.setenv("MASTER_ADDR", "127.0.0.1")
+                env.setenv("MASTER_PORT", str(_free_port()))
+            Trainer(cfg, resume=False, echo=lambda *_: None).train()
     assert wandb_runs and wandb_runs[0].finished
     all_keys = {k.path for k in config_keys()}
     assert set(keymap.values()) == all_keys

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from longstraw import distributed
 from longstraw.devices import device_memory, resolve_device
@@ -377,7 +376,7 @@ def _parse_size(size: int | str) -> int:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -411,54 +410,66 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 
 def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
     """Write ``model`` as an HF checkpoint directory (config.json + safetensors, sharded above max_shard_size),
-    with the tokenizer files of the directory the model was loaded from (``model.source_dir``), if any."""
+    with the tokenizer files of the directory the model was loaded from (``model.source_dir``), if any.
+
+    Tensors are written one at a time as streams (:mod:`longstraw.checkpoint.export`): besides the model, one
+    tensor's copy in host memory. On an FSDP-sharded model (``init_distributed(fsdp=True)``) this is a collective:
+    call it on every rank with the same ``path``. The model is never gathered on one rank: each parameter is gathered
+    whole in turn (every rank joins), written by the rank that owns it (the parameters are split over the ranks in
+    contiguous runs of about equal bytes, each rank writing its own files) and freed, so the peak extra memory per
+    rank is one full tensor; rank 0 writes the index, ``config.json`` and the tokenizer files once every rank's files
+    are complete. A failed write on any rank is a ``ValueError`` on every rank (no rank is left waiting).
+    """
+    from longstraw.checkpoint.export import WEIGHTS_INDEX as INDEX
+    from longstraw.checkpoint.export import index_json, plan_export, write_export
+    from longstraw.distributed.agree import agree, together
+    from longstraw.distributed.fsdp import is_sharded
+
     p = Path(path)
-    p.mkdir(parents=True, exist_ok=True)
     limit = _parse_size(max_shard_size)
     family = family_for(model.spec.model_type)
     wmap = family.weights(model.hf_config)
+    reshard(model)
     named = model.named_weights()
     if model.spec.tie_word_embeddings:
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
-    out = [(n, t.detach().to("cpu").contiguous()) for n, t in wmap.save_tensors(named)]
-
-    shards: list[dict] = [{}]
-    size = 0
-    for n, t in out:
-        nb = t.numel() * t.element_size()
-        if shards[-1] and size + nb > limit:
-            shards.append({})
-            size = 0
-        shards[-1][n] = t
-        size += nb
-    # the weights this function writes, from an earlier save (other files, e.g. saved gradients, are left alone)
-    for old in [f for f in p.glob("model-*.safetensors") if _SHARD.match(f.name)] + [p / WEIGHTS, p / WEIGHTS_INDEX]:
-        if old.exists():
-            old.unlink()
-    if len(shards) == 1:
-        _save_shard(shards[0], p / WEIGHTS)
-    else:
-        weight_map = {}
-        for i, sh in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save_shard(sh, p / fname)
-            weight_map.update({n: fname for n in sh})
-        total = sum(t.numel() * t.element_size() for _, t in out)
-        _atomic_write_text(p / WEIGHTS_INDEX,
-                           json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    cfg = dict(model.hf_config)
-    cfg.pop("torch_dtype", None)
-    cfg["dtype"] = _dtype_name(next(model.parameters()).dtype)
-    _atomic_write_text(p / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    source = getattr(model, "source_dir", None)
-    if source is not None:
-        _copy_tokenizer(Path(source), p)
+    sharded = any(is_sharded(t) for _, t in named)
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if sharded else (0, 1)
+    items, files = plan_export(named, wmap, world, limit)
+    with together(main_only=True, collective=sharded) as mine:
+        if mine:  # the weights this function writes, from an earlier save (other files, e.g. gradients, stay)
+            p.mkdir(parents=True, exist_ok=True)
+            for old in [f for f in p.glob("model-*.safetensors") if _SHARD.match(f.name)] + [p / WEIGHTS, p / INDEX]:
+                if old.exists():
+                    old.unlink()
+    with torch.no_grad():
+        err = write_export(named, wmap, items, files, rank, p)
+    if sharded:
+        agree(err)  # every rank learns whether any rank's files failed
+    elif err is not None:
+        raise err
+    with together(main_only=True, collective=sharded) as mine:
+        if mine:
+            if len(files) > 1:
+                _atomic_write_text(p / INDEX, index_json(files))
+            cfg = dict(model.hf_config)
+            cfg.pop("torch_dtype", None)
+            cfg["dtype"] = _dtype_name(named[0][1].dtype if named else torch.float32)
+            _atomic_write_text(p / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            source = getattr(model, "source_dir", None)
+            if source is not None:
+                _copy_tokenizer(Path(source), p)
 
 
-def _save_shard(tensors: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+def reshard(model: torch.nn.Module) -> None:
+    """Register every FSDP2 unit's sharded parameters again (not a collective). A unit whose last forward did not
+    end in a reshard (the embedding / final norm / LM head group after decoding) is registered with its gathered
+    parameters until its next pass: ``named_parameters()`` would then give those, which are not the ones the
+    optimiser holds. No-op for a model without FSDP."""
+    from longstraw.distributed.fsdp import fsdp_modules
+
+    for m in fsdp_modules(model):
+        m.reshard()
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

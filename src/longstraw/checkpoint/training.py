@@ -6,6 +6,16 @@ into ``.tmp-step-...`` beside it, every file fsynced, then the directory is rena
 fsynced: a run killed mid-save leaves the previous complete checkpoint untouched and at worst a ``.tmp-`` directory
 that the next save removes. Only the last ``keep_last`` checkpoints are kept.
 
+A run whose model is FSDP-sharded writes the *sharded* format (:func:`save_sharded_checkpoint`, a collective):
+``sharded/`` holds the model's and the optimiser's state as ``torch.distributed.checkpoint`` (DCP) files, each rank
+writing its own shards (``__<rank>_0.distcp``; DCP's ``.metadata`` maps every tensor's global shape to the shards);
+``model/`` is the same HF export as above, written without gathering the model on one rank
+(:func:`longstraw.checkpoint.hf.save_model`); ``trainer.pt`` has ``"format": "sharded"``, no optimiser state, and
+the RNG state of every rank (``rng_ranks``). Every rank writes into the same ``.tmp-step-...`` directory; rank 0
+renames it once every rank's files are complete (their errors agreed on first:
+:mod:`longstraw.distributed.agree`). :func:`load_sharded_state` reads it back into a model and optimiser of any
+layout (DCP reshards: another world size, another ``cp``, one process).
+
 ``trainer.pt`` is our own file, read with ``torch.load(weights_only=True)``: plain containers of tensors and numbers.
 A checkpoint that cannot be read (a disk that filled up, a copy cut short) is one ``ValueError`` naming it and the
 checkpoint before it, which ``--resume`` takes once the damaged one is deleted.
@@ -29,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from longstraw.checkpoint.hf import save_model
+from longstraw.checkpoint.hf import reshard, save_model
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 LOCK_FILE = ".lock"
@@ -104,6 +114,113 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict, 
     return final
 
 
+SHARDED_DIR = "sharded"  # the DCP files of a sharded checkpoint
+
+
+def _dcp_error(what: str, e: BaseException) -> ValueError:
+    """A ``CheckpointException`` (DCP's error on every rank) as one line naming the first failing rank's error."""
+    import traceback
+
+    failures = getattr(e, "failures", None) or {}
+    for rank, (exc, _trace) in sorted(failures.items()):
+        line = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+        return ValueError(f"{what}: rank {rank}: {line}")
+    return ValueError(f"{what}: {e}")
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, *,
+                            keep_last: int = 2, extra_files: dict[str, Path] | None = None) -> Path:
+    """Write checkpoint ``step`` of an FSDP-sharded ``model`` and its ``optimizer`` in the sharded format (module
+    doc), atomically. A collective: every rank calls it with the same arguments; ``trainer_state`` is rank 0's to
+    write (give it the RNG states of all ranks). Returns the checkpoint's directory on every rank."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from longstraw.distributed.agree import JobError, together
+
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"  # one name for every rank
+    with together(main_only=True) as mine:
+        if mine:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-step-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+    has_optimizer_state = bool(optimizer.state)  # before the first step there is none: nothing to save
+    reshard(model)  # the optimiser's (sharded) parameters registered, whatever ran last
+    state = {"model": get_model_state_dict(model)}
+    if has_optimizer_state:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        save(state, storage_writer=FileSystemWriter(tmp / SHARDED_DIR))  # each rank its shards; fsynced
+    except CheckpointException as e:
+        raise JobError(str(_dcp_error(f"cannot write {tmp / SHARDED_DIR}", e))) from None
+    del state
+    save_model(model, tmp / "model")  # the HF export, written by all ranks without a gather on one
+    with together(main_only=True) as mine:
+        if mine:
+            for name, src in (extra_files or {}).items():
+                shutil.copy2(src, tmp / "model" / name)
+            torch.save({**trainer_state, "format": "sharded", "optimizer_state": has_optimizer_state},
+                       tmp / "trainer.pt")
+    _maybe_fault(step)  # every rank: the job dies with the checkpoint complete but not yet renamed
+    with together(main_only=True) as mine:
+        if mine:
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving the same step (a resumed run reaching it again): replace
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            for old in checkpoint_dirs(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_sharded_state(ckpt_dir: str | Path, model, optimizer, *, optimizer_state: bool = True) -> None:
+    """Read a sharded checkpoint's model and (``optimizer_state``) optimiser state into ``model`` and ``optimizer``,
+    whatever their layout now: FSDP over another number of ranks, or no sharding at all (one process). A collective
+    when a process group is active. ValueError naming the checkpoint if it cannot be read."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    where = Path(ckpt_dir) / SHARDED_DIR
+    reshard(model)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer_state:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        with warnings.catch_warnings():  # one process: DCP says it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            load(state, storage_reader=FileSystemReader(where))
+    except CheckpointException as e:
+        raise damaged_checkpoint(ckpt_dir, str(_dcp_error(SHARDED_DIR, e))) from None
+    set_model_state_dict(model, state["model"])
+    if optimizer_state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_full_optimizer_state(model, optimizer, state: dict) -> None:
+    """Load a one-process optimiser state (``optimizer.state_dict()`` of the same parameters, made in the same
+    order) into ``optimizer`` over the FSDP-sharded ``model``: its full tensors are cut into this rank's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not state.get("state"):  # saved before the first optimiser step: nothing to load (and nothing to create)
+        return
+    reshard(model)
+    names = {p: n for n, p in model.named_parameters()}
+    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
+    state_of = {order[int(i)]: v for i, v in state["state"].items()}
+    groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in state["param_groups"]]
+    set_optimizer_state_dict(model, optimizer, {"state": state_of, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+
+
 def damaged_checkpoint(ckpt_dir: str | Path, detail: str) -> ValueError:
     """The error for a checkpoint that cannot be read: names it, and the earlier one ``--resume`` would take once
     this one is deleted (or says there is none)."""
@@ -126,9 +243,13 @@ def load_trainer_state(ckpt_dir: str | Path) -> dict:
     except Exception as e:  # a truncated zip, garbage, a type weights_only refuses
         msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
         raise damaged_checkpoint(ckpt_dir, f"trainer.pt cannot be read: {type(e).__name__}: {msg}") from None
-    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(st, dict) or k not in st]
+    sharded = isinstance(st, dict) and st.get("format") == "sharded"
+    keys = [k for k in TRAINER_STATE_KEYS if not (sharded and k == "optimizer")]  # sharded: in sharded/
+    missing = [k for k in keys if not isinstance(st, dict) or k not in st]
     if missing:
         raise damaged_checkpoint(ckpt_dir, f"trainer.pt lacks {', '.join(missing)}")
+    if sharded and not (Path(ckpt_dir) / SHARDED_DIR / ".metadata").is_file():
+        raise damaged_checkpoint(ckpt_dir, f"{SHARDED_DIR}/.metadata is missing")
     return st
 
 

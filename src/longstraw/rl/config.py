@@ -1,7 +1,7 @@
 """The training run's configuration: typed sections, validated, read from TOML, written beside the run.
 
 A run config is a :class:`RunConfig` of sections (``model``, ``data``, ``rollout``, ``reward``, ``algorithm``,
-``optim``, ``train``), each a frozen dataclass. Two sections embed the engine's own settings instead of restating
+``optim``, ``train``, ``parallel``), each a frozen dataclass. Two sections embed the engine's own settings instead of restating
 them: ``algorithm.grpo`` is a :class:`~longstraw.engine.config.GRPOConfig` and ``rollout.sampling`` a
 :class:`~longstraw.engine.config.SamplingConfig`, so those settings' defaults, types and range checks are defined
 once, in the engine. The TOML stays flat for users (``[algorithm] clip_ratio_low = 0.2``, ``[rollout]
@@ -201,6 +201,24 @@ class TrainSection(_Section):
                                  "CPU: available now)")
 
 
+@dataclass(frozen=True)
+class ParallelSection(_Section):
+    """How the run spreads over the ranks of a ``torchrun`` job (docs/DISTRIBUTED.md, "Training on many GPUs"):
+    ``cp`` ranks share each prompt (context parallelism), the job's ``W / cp`` data-parallel replicas take different
+    prompts of a step, and FSDP2 shards every parameter, gradient and optimiser state over the job. Without
+    ``torchrun`` the run is one process and only the defaults are allowed."""
+
+    cp: int = _key(1, "context parallelism: ranks that share each prompt, each holding ~1/cp of its prompt state; "
+                      "must divide the job's world size, which leaves world / cp data-parallel replicas (each takes "
+                      "algorithm.prompts_per_step / replicas prompts of a step)")
+    fsdp: bool = _key(True, "shard every parameter, gradient and optimiser state over the job's ranks with FSDP2 "
+                            "(sharded checkpoints); with one process it is off; false: every rank holds the whole "
+                            "model")
+    replicate: int = _key(1, "HSDP: shard over each of this many groups of world / replicate consecutive ranks and "
+                             "replicate across them (the number of nodes, so parameter all-gathers stay inside a "
+                             "node); 1: shard over the whole job; > 1 needs fsdp = true")
+
+
 SECTIONS = {
     "model": ModelSection,
     "data": DataSection,
@@ -209,6 +227,7 @@ SECTIONS = {
     "algorithm": AlgorithmSection,
     "optim": OptimSection,
     "train": TrainSection,
+    "parallel": ParallelSection,  # room for ep (expert parallelism) beside cp
 }
 
 _SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
@@ -242,6 +261,7 @@ class RunConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def __post_init__(self):
         validate(self)
@@ -593,6 +613,11 @@ def validate(cfg: RunConfig) -> None:
     _require(bool(t.wandb_project), "train.wandb_project must not be empty")
     if t.memory_limit:
         parse_bytes(t.memory_limit, "train.memory_limit")
+    p = cfg.parallel
+    _require(p.cp >= 1, f"parallel.cp={p.cp} must be >= 1 (the ranks that share one prompt)")
+    _require(p.replicate >= 1, f"parallel.replicate={p.replicate} must be >= 1 (HSDP replica groups; 1: plain FSDP)")
+    _require(p.replicate == 1 or p.fsdp, f"parallel.replicate={p.replicate} needs parallel.fsdp = true (it "
+                                         "replicates FSDP's shards over groups of ranks)")
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:

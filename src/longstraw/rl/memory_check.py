@@ -65,28 +65,35 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
 
 
 def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_len: int, device: torch.device,
-                     echo: Callable[[str], None] = print) -> MemoryVerdict | None:
+                     echo: Callable[[str], None] = print, *, shard: int = 1, cp: int = 1, replicas: int = 1,
+                     ranks_per_host: int = 1) -> MemoryVerdict | None:
     """Plan the run's peak memory and compare it with ``train.memory_limit`` (or the device's memory).
 
     ``prompt_len`` / ``response_len``: the longest the run will see. Returns None when ``train.memory_check`` is
     "off". Raises ValueError when it is "error" and the run does not fit; echoes one verdict line otherwise (and
-    the advice when it does not fit).
+    the advice when it does not fit). A torchrun job's layout: ``shard`` ranks share each parameter (FSDP), ``cp``
+    each prompt, ``replicas`` split a step's prompts; ``ranks_per_host`` share a CPU host's memory (the limit per
+    rank is its share). Without FSDP the planner counts whole parameters and the whole prompt state (it has no
+    context parallelism without sharded parameters): an upper bound.
     """
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
     if t.memory_check == "off":
         return None
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)[0]
+    if limit is not None and not t.memory_limit and device.type == "cpu":
+        limit //= max(1, ranks_per_host)
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
-              cfg=g, dtype=cfg.model.dtype)
+              cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}
     if g.kl_coef > 0:
         extra["reference_model"] = b["weights"]
-    if a.reuse_rollout_state and a.prompts_per_step > 1:
-        extra["rollout_states"] = (a.prompts_per_step - 1) * b["prompt_state"]
+    local_prompts = max(1, a.prompts_per_step // max(1, replicas))
+    if a.reuse_rollout_state and local_prompts > 1:
+        extra["rollout_states"] = (local_prompts - 1) * b["prompt_state"]
     peak = pl.peak_bytes + sum(extra.values())
     secs = time.perf_counter() - t0
     parts = ", ".join(f"{k} {_fmt(v)}" for k, v in {**b, **extra}.items() if v)

@@ -30,10 +30,21 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Global L2 norm of the gradients (before clipping); clips in place when ``max_norm > 0``."""
+    """Global L2 norm of the gradients (before clipping); clips in place when ``max_norm > 0``.
+
+    FSDP2-sharded gradients (DTensors) give the norm of the FULL gradient: each rank's shard norms are combined over
+    the shard group by the DTensor norm (a collective: every rank calls this), and the clipping factor is the same
+    on every rank. Whole gradients are as in one process."""
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
+    if any(hasattr(p.grad, "full_tensor") for p in grads):
+        total = torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        return float(total)
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))

@@ -22,10 +22,23 @@ directory; see :class:`longstraw.checkpoint.training.RunDirLock`). A write that 
 
 Randomness is derived from ``(train.seed, step, prompt index)`` (sampling seeds) and the data index (task prompts),
 so a resumed run repeats exactly what an uninterrupted one does.
+
+Under ``torchrun`` (``[parallel]``, :mod:`longstraw.rl.job`) every rank runs this same program: the model is loaded
+through ``load_model`` after ``init_distributed``, so FSDP2 shards it over the job; the step's prompts are split over
+the ``D`` data-parallel replicas (replica ``d`` takes prompts ``[d L, (d + 1) L)``, ``L = prompts_per_step / D``;
+a prompt's sampling seed does not depend on the replica that takes it); each replica samples, scores (on its CP rank
+0, broadcast to the others) and back-propagates its own groups with ``loss_scale = D_step / D``, ``D_step`` the
+normaliser over ALL the step's responses (their lengths gathered first), so that the mean over replicas that FSDP's
+reductions give is the step's loss gradient. Every replica makes the same engine calls: one whose groups have all
+zero advantages where another's do not back-propagates one of them anyway (an exactly zero gradient) instead of
+skipping it. Gradient clipping uses the global norm. Metrics are gathered from every replica; rank 0 writes the run
+directory (metrics, TensorBoard, W&B, plots, progress) and holds its lock. Checkpoints of a sharded model are
+sharded (:func:`~longstraw.checkpoint.training.save_sharded_checkpoint`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -37,13 +50,15 @@ from torch import Tensor
 
 from longstraw.checkpoint.hf import ModelTooLargeError, load_model, parse_dtype, save_model, tokenizer_files
 from longstraw.checkpoint.training import RunDirLock, check_writable, damaged_checkpoint, latest_checkpoint, \
-    load_trainer_state, rng_state, save_checkpoint, set_rng_state
+    load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
+    save_sharded_checkpoint, set_rng_state
 from longstraw.devices import resolve_device
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
 from longstraw.profiling import PhaseMeter, current_bytes, delayed_bar, tune_allocator
 from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config, sampling_config
 from longstraw.losses import group_advantages, loss_denominator
+from longstraw.rl.job import Job, JobError
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
 from longstraw.rl.runlog import append_metrics, read_metrics, truncate_metrics, write_atomic
 from longstraw.rl.tracking import check_tracking, close_writers, log_metrics, make_writers
@@ -51,7 +66,9 @@ from longstraw.rl.tracking import check_tracking, close_writers, log_metrics, ma
 # keys that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
                      "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit",
-                     "train.wandb", "train.wandb_project", "train.wandb_mode")
+                     "train.wandb", "train.wandb_project", "train.wandb_mode",
+                     # the job's layout: a run resumes on another number of ranks (docs/DISTRIBUTED.md)
+                     "parallel.cp", "parallel.fsdp", "parallel.replicate")
 
 
 @dataclass
@@ -82,6 +99,10 @@ class RunSummary:
     peak_above_start_bytes: int
     plots: list[Path]
     last_checkpoint: Path | None
+
+
+def _quiet(*_args) -> None:
+    """The echo of ranks other than 0 (rank 0 speaks for the job)."""
 
 
 def _derive_seed(*parts: int) -> int:
@@ -123,59 +144,81 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False,
                  echo: Callable[[str], None] = print):
-        from longstraw.rl.sources import PromptSource, build_tokenizer
-        from longstraw.rl.rewards import make_reward
-
         tune_allocator()  # glibc: freed tensors leave the resident set (see longstraw.profiling.tune_allocator)
         self.cfg = cfg
-        self.echo = echo
         self.run_dir = Path(run_dir or cfg.train.out_dir)
         self.gcfg = grpo_config(cfg)
-        self.device = resolve_device(cfg.model.device, "model.device")
+        # one process, or one rank of a torchrun job ([parallel]; a bad layout is refused here, before anything)
+        self.job = Job.start(cfg, resolve_device(cfg.model.device, "model.device"))
+        self.device = self.job.device
+        self.echo = echo if self.job.is_main else _quiet
         self.start_step = 0
         self.opt_step = 0
         self._lock = RunDirLock(self.run_dir)
-        self._lock.check()  # another trainer writing this directory: refused, naming its pid (nothing written)
-        self._check_run_dir(resume)
-        # everything that can reject the user's input runs before anything is written
-        self.tokenizer = build_tokenizer(cfg)
-        self.reward_fn = make_reward(cfg.reward.fn, **cfg.reward.options)
-        check_tracking(cfg)  # train.wandb without the wandb package
-        self.source = PromptSource(cfg, self.tokenizer)
-        self.source.check()
-        self.memory = self._check_memory()  # the planner's verdict (cfg.train.memory_check = "error": may refuse)
-        ckpt = latest_checkpoint(self.run_dir) if resume else None
-        st = self._resume_state(ckpt) if ckpt is not None else None  # damaged or finished: refused here
-        if ckpt is not None or cfg.model.path:  # weights to read: read (and so checked) before anything is written
-            self._load_models(ckpt, st)
-        self._open_run_dir(resume, ckpt)  # created, probed for writing, locked
+        self.reward_fn = None
         try:
-            with self._writing("config.toml"):
-                write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: e.g. a longer train.steps
-            if not resume and not cfg.model.path:
-                with self._writing("the tokenizer"):
-                    self.tokenizer.save(self.run_dir / "tokenizer")
-            if ckpt is None and not cfg.model.path:
-                with self._writing("the initial model"):
-                    self._load_models(None, None)  # a built-in model: written into the run once, then loaded
-            if st is not None:
-                with self._writing("metrics.jsonl"):
-                    truncate_metrics(self.run_dir, self.start_step)
-        except BaseException:
-            self.close()
+            self._setup(resume)
+        except BaseException as e:
+            self.close(ok=isinstance(e, JobError))  # an error every rank raises alike: the job ends cleanly
             raise
+
+    def _setup(self, resume: bool) -> None:
+        from longstraw.rl.rewards import make_reward
+        from longstraw.rl.sources import PromptSource, build_tokenizer
+
+        cfg, job = self.cfg, self.job
+        # everything that can reject the user's input runs before anything is written (every rank checks what it
+        # reads; an error on any rank is an error on all)
+        with job.together():
+            if job.is_main:
+                self._lock.check()  # another trainer writing this directory: refused, naming its pid
+            self._check_run_dir(resume)
+            self.tokenizer = build_tokenizer(cfg)
+            self.reward_fn = make_reward(cfg.reward.fn, **cfg.reward.options)
+            check_tracking(cfg)  # train.wandb without the wandb package
+            self.source = PromptSource(cfg, self.tokenizer)
+            self.source.check()
+            # the planner's verdict (cfg.train.memory_check = "error": may refuse); rank 0 plans for every rank
+            self.memory = self._check_memory() if job.is_main else None
+            ckpt = latest_checkpoint(self.run_dir) if resume else None
+            st = self._resume_state(ckpt) if ckpt is not None else None  # damaged or finished: refused here
+        if ckpt is not None or cfg.model.path:  # weights to read: read (and so checked) before anything is written
+            with job.together():
+                self._load_models(ckpt, st)
+        with job.together(main_only=True) as mine:
+            if mine:
+                self._open_run_dir(resume, ckpt)  # created, probed for writing, locked
+        with job.together(main_only=True) as mine:
+            if mine:
+                with self._writing("config.toml"):
+                    write_atomic(self.run_dir / "config.toml", dump_config(cfg))  # on resume: e.g. more train.steps
+                if not resume and not cfg.model.path:
+                    with self._writing("the tokenizer"):
+                        self.tokenizer.save(self.run_dir / "tokenizer")
+                if ckpt is None and not cfg.model.path:
+                    with self._writing("the initial model"):
+                        self._initial_model_dir()  # a built-in model: written into the run once, then loaded
+                if st is not None:
+                    with self._writing("metrics.jsonl"):
+                        truncate_metrics(self.run_dir, self.start_step)
+        if ckpt is None and not cfg.model.path:
+            with job.together():
+                self._load_models(None, None)
         if st is not None:
-            echo(f"resuming {self.run_dir} from {ckpt.name} (step {self.start_step})")
+            self.echo(f"resuming {self.run_dir} from {ckpt.name} (step {self.start_step})")
         else:
             torch.manual_seed(cfg.train.seed)
         self.sampling = self._sampling()
         self.baseline_bytes = current_bytes(self.device)  # after loading: weights, tokenizer, framework
 
     # ------------------------------------------------------------------ setup
-    def close(self) -> None:
-        """Release the run directory's lock and stop the reward worker (``train`` does this when it ends)."""
+    def close(self, ok: bool = True) -> None:
+        """Release the run directory's lock and stop the reward worker (``train`` does this when it ends); end the
+        process group if this trainer started it (``ok``: every rank gets here alike, so it ends with a barrier)."""
         self._lock.release()
-        self.reward_fn.close()
+        if self.reward_fn is not None:
+            self.reward_fn.close()
+        self.job.close(ok)
 
     def _open_run_dir(self, resume: bool, ckpt: Path | None) -> None:
         """Create the run directory, check that it can be written, lock it; the first write comes after this."""
@@ -215,7 +258,8 @@ class Trainer:
         return st
 
     def _load_models(self, ckpt: Path | None, st: dict | None) -> None:
-        """Model, reference model and optimiser; with a checkpoint, its weights, optimiser and RNG state."""
+        """Model, reference model and optimiser; with a checkpoint, its weights, optimiser and RNG state (a sharded
+        checkpoint's through DCP, whatever this run's layout)."""
         try:
             self.model = self._build_model(ckpt)
         except ModelTooLargeError:
@@ -227,13 +271,28 @@ class Trainer:
         self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 else None
         o = self.cfg.optim
         self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
-        if st is not None:
-            try:
-                self.opt.load_state_dict(st["optimizer"])
-                set_rng_state(st["rng"])
-                self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
-            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
-                raise damaged_checkpoint(ckpt, f"trainer.pt does not fit this run: {type(e).__name__}: {e}") from None
+        if st is None:
+            return
+        if st.get("format") == "sharded":  # the model's and optimiser's shards: read into this layout
+            load_sharded_state(ckpt, self.model, self.opt, optimizer_state=bool(st.get("optimizer_state", True)))
+        try:
+            if st.get("format") != "sharded":
+                if self.job.sharded:  # a one-process checkpoint: its full optimiser state, sharded here
+                    load_full_optimizer_state(self.model, self.opt, st["optimizer"])
+                else:
+                    self.opt.load_state_dict(st["optimizer"])
+            set_rng_state(self._rng_of_rank(st))
+            self.start_step, self.opt_step = int(st["step"]), int(st["opt_step"])
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+            raise damaged_checkpoint(ckpt, f"trainer.pt does not fit this run: {type(e).__name__}: {e}") from None
+
+    def _rng_of_rank(self, st: dict) -> dict:
+        """This rank's RNG state: the one its rank saved when the job has the same number of ranks, else rank 0's
+        (the trainer's own randomness comes from derived seeds, not these generators: docs/DISTRIBUTED.md)."""
+        ranks = st.get("rng_ranks")
+        if isinstance(ranks, list) and len(ranks) == self.job.world:
+            return ranks[self.job.rank]
+        return st["rng"]
 
     def _check_run_dir(self, resume: bool) -> None:
         if resume:
@@ -265,8 +324,11 @@ class Trainer:
         d = self.cfg.data
         prompt_len = max(self.source.longest_prompt, d.prompt_len if d.task else 0)
         response_len = self.source.longest_response if d.offline else self.cfg.rollout.sampling.max_new_tokens
+        job = self.job
         return check_run_memory(self.cfg, self._model_hf_config(), prompt_len, response_len, self.device,
-                                echo=self.echo)
+                                echo=self.echo, shard=job.world // self.cfg.parallel.replicate if job.sharded else 1,
+                                cp=job.cp_size, replicas=job.dp_size,
+                                ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
     def _initial_model_dir(self) -> Path:
         """The checkpoint the run starts from (for built-in models: written once into the run directory)."""
@@ -304,7 +366,8 @@ class Trainer:
     def _meter(self) -> PhaseMeter:
         """A fresh meter for one engine call: with train.progress, a phase (a long prompt's prefill, the reverse
         pass, decoding) that runs longer than a few seconds shows a progress bar under the step bar."""
-        return PhaseMeter(self.device, progress=delayed_bar() if self.cfg.train.progress else None)
+        show = self.cfg.train.progress and self.job.is_main
+        return PhaseMeter(self.device, progress=delayed_bar() if show else None)
 
     # ------------------------------------------------------------------ one step
     def _text_of(self, ids: Tensor) -> str:
@@ -330,8 +393,11 @@ class Trainer:
                           meter=self._meter())
             responses, old, state, reasons = ro.responses, ro.logprobs, ro.prompt_state, ro.finish_reasons
             texts = [self._text_of(r) for r in responses]
-            results = score_rewards(self.reward_fn, texts, [item.answer] * len(texts), [item.meta] * len(texts),
-                                    timeout_s=self.cfg.reward.timeout_s)
+            # the CP ranks of a replica hold the same responses: its CP rank 0 scores them for all (a user reward
+            # that times out or is not deterministic cannot make the ranks' advantages differ)
+            results = self.job.from_cp_rank0(
+                score_rewards(self.reward_fn, texts, [item.answer] * len(texts), [item.meta] * len(texts),
+                              timeout_s=self.cfg.reward.timeout_s) if self.job.cp_rank == 0 else None)
             rewards = [r.value for r in results]
             errors = sum(r.error is not None for r in results)
         adv = group_advantages(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
@@ -340,124 +406,210 @@ class Trainer:
         return Group(item.prompt_ids, responses, texts, rewards, adv, old, ref, state, errors, reasons)
 
     def _update(self, groups: list[Group]) -> dict:
-        a = self.cfg.algorithm
+        """``ppo_epochs`` optimiser steps over this replica's ``groups``; the metrics of the first, over the step's
+        groups on every replica."""
+        a, job = self.cfg.algorithm, self.job
         lens = [r.numel() for g in groups for r in g.responses]
-        denom = loss_denominator(lens, self.gcfg.loss_agg_mode, self.gcfg.loss_scale_factor)
+        all_lens = [n for rep in job.replicas(lens) for n in rep]  # every replica's responses, in prompt order
+        denom = loss_denominator(all_lens, self.gcfg.loss_agg_mode, self.gcfg.loss_scale_factor)
+        # the gradient convention over replicas is their MEAN (init_distributed): D_step / D sums them instead
+        scale = denom / job.dp_size
         needs_all = self.gcfg.kl_coef > 0 or self.gcfg.entropy_coef > 0
+        # a group whose advantages are all zero contributes exactly zero gradient: skipped, unless another replica
+        # has more groups to back-propagate (then it runs, so that every replica makes the same engine calls)
+        active = [g for g in groups if needs_all or not bool((g.advantages == 0).all())]
+        n_calls = max(job.replicas(len(active))) if job.sharded else len(active)
+        is_active = {id(g) for g in active}
+        calls = active + [g for g in groups if id(g) not in is_active][: n_calls - len(active)]
         out: dict = {}
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # the optimiser's parameters, not model.parameters(): under FSDP2 a module group that has not resharded
+        # since its last forward (the embedding and final norm after decoding) is registered with its gathered
+        # parameters, whose .grad is not the sharded gradient the optimiser steps on
+        params = [p for g in self.opt.param_groups for p in g["params"]]
         for epoch in range(a.ppo_epochs):
-            self.model.zero_grad(set_to_none=True)
-            loss, clip, ppo_kl, kl, ent, st_bytes, peak = 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0
-            n_active = 0
-            for g in groups:
-                if not needs_all and bool((g.advantages == 0).all()):
-                    continue  # contributes exactly zero gradient
+            self.opt.zero_grad(set_to_none=True)
+            sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl": 0.0, "entropy": 0.0, "active": 0}
+            st_bytes, peak = 0, 0
+            for g in calls:
                 st = grpo_backward(self.model, g.prompt_ids, g.responses, g.advantages, self.gcfg,
-                                   old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=denom,
+                                   old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=scale,
                                    prompt_state=g.prompt_state if epoch == 0 else None, meter=self._meter())
                 g.prompt_state = None
-                n_active += 1
-                w = st.num_tokens
-                loss += st.loss
-                clip += st.metrics.get("pg_clipfrac", 0.0) * w
-                ppo_kl += st.metrics.get("ppo_kl", 0.0) * w
-                kl += st.metrics.get("kl", 0.0) * w
-                ent += st.metrics.get("entropy", 0.0) * w
                 st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes)
                 peak = max(peak, max(st.peak_memory.values(), default=0))
+                if id(g) not in is_active:
+                    continue  # a zero call: no metrics
+                w = st.num_tokens
+                sums["active"] += 1
+                sums["loss"] += st.loss
+                for k in ("pg_clipfrac", "ppo_kl", "kl", "entropy"):
+                    sums[k] += st.metrics.get(k, 0.0) * w
+            n_active = sum(job.replicas(sums["active"])) if job.distributed else sums["active"]
+            if n_active and job.distributed and not job.sharded:  # whole gradients: their mean over replicas
+                self._mean_over_replicas(params)
             total_opt = self.cfg.train.steps * a.ppo_epochs
             lr = self.cfg.optim.lr * lr_factor(self.opt_step, self.cfg.optim.warmup_steps, total_opt,
                                                self.cfg.optim.min_lr_ratio)
             set_lr(self.opt, lr)
-            gnorm = clip_grad_norm(params, self.cfg.optim.grad_clip) if n_active else 0.0
+            gnorm = clip_grad_norm(params, self.cfg.optim.grad_clip) if n_active else 0.0  # the global norm
             if n_active:
                 self.opt.step()
             self.opt_step += 1
             if epoch == 0:
-                n = max(1, sum(lens))
-                out = {"loss": loss, "pg_clipfrac": clip / n, "ppo_kl": ppo_kl / n, "grad_norm": gnorm, "lr": lr,
-                       "prompt_state_bytes": st_bytes, "train_peak_bytes": peak, "active_groups": n_active}
+                reps = job.gather((sums, st_bytes, peak))
+                total = {k: sum(r[0][k] for r in reps[:: job.cp_size]) for k in sums}
+                n = max(1, sum(all_lens))
+                out = {"loss": total["loss"] / job.dp_size, "pg_clipfrac": total["pg_clipfrac"] / n,
+                       "ppo_kl": total["ppo_kl"] / n, "grad_norm": gnorm, "lr": lr,
+                       "prompt_state_bytes": max(r[1] for r in reps), "train_peak_bytes": max(r[2] for r in reps),
+                       "active_groups": total["active"]}
                 if self.gcfg.kl_coef > 0:
-                    out["kl"] = kl / n
+                    out["kl"] = total["kl"] / n
                 if self.gcfg.entropy_coef > 0:
-                    out["entropy"] = ent / n
+                    out["entropy"] = total["entropy"] / n
         return out
+
+    def _mean_over_replicas(self, params: list) -> None:
+        """Without FSDP each replica holds its own groups' whole gradient: average them. A parameter that some
+        replica's groups reached and this one's did not gets a zero gradient first (every rank then all-reduces the
+        same parameters); one that no replica reached keeps no gradient, as in one process (AdamW skips it)."""
+        import torch.distributed as dist
+
+        from longstraw.distributed import all_reduce_data_parallel
+
+        ctx = self.job.ctx
+        if ctx.dp_size == 1:
+            return
+        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=ctx.device)
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX, group=ctx.dp.group)
+        for p, r in zip(params, reached.tolist()):
+            if r and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_data_parallel(self.model, ctx)
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         meter = PhaseMeter(self.device)
         with meter.phase("rollout"):
-            groups = [self._collect(step, k) for k in range(self.cfg.algorithm.prompts_per_step)]
+            groups = [self._collect(step, k) for k in self.job.local_prompts(self.cfg.algorithm.prompts_per_step)]
         t1 = time.perf_counter()
         with meter.phase("train"):
             upd = self._update(groups)
         t2 = time.perf_counter()
-        rewards = [r for g in groups for r in g.rewards]
-        lens = [r.numel() for g in groups for r in g.responses]
+        peak_bytes = max(meter.peak_bytes.values())
+        mine = {"rewards": [r for g in groups for r in g.rewards], "errors": sum(g.reward_errors for g in groups),
+                "lens": [r.numel() for g in groups for r in g.responses],
+                "prompt_len": max(int(g.prompt_ids.numel()) for g in groups), "sample": groups[0].texts[0][:64],
+                "peak": peak_bytes, "above": peak_bytes - self.baseline_bytes}
+        ranks = self.job.gather(mine)
+        reps = ranks[:: self.job.cp_size]  # one per replica, in prompt order
+        rewards = [r for rep in reps for r in rep["rewards"]]
+        lens = [n for rep in reps for n in rep["lens"]]
         m = {
             "step": step + 1,
             "reward_mean": sum(rewards) / len(rewards),
             "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
             "reward_max": max(rewards),
             "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "reward_errors": sum(g.reward_errors for g in groups),
+            "reward_errors": sum(rep["errors"] for rep in reps),
             "response_len": sum(lens) / len(lens),
-            "prompt_len": max(int(g.prompt_ids.numel()) for g in groups),
+            "prompt_len": max(rep["prompt_len"] for rep in reps),
             **upd,
             "rollout_s": t1 - t0,
             "train_s": t2 - t1,
             "step_s": t2 - t0,
-            "peak_memory_bytes": max(meter.peak_bytes.values()),
-            "peak_above_start_bytes": max(meter.peak_bytes.values()) - self.baseline_bytes,
-            "sample": groups[0].texts[0][:64],
+            "peak_memory_bytes": max(r["peak"] for r in ranks),  # the largest of any rank
+            "peak_above_start_bytes": max(r["above"] for r in ranks),
+            "sample": reps[0]["sample"],
         }
         return m
 
     # ------------------------------------------------------------------ the loop
     def _save(self, step_done: int) -> Path:
-        state = {"step": step_done, "opt_step": self.opt_step, "optimizer": self.opt.state_dict(),
-                 "rng": rng_state(), "data_position": step_done * self.cfg.algorithm.prompts_per_step}
+        job = self.job
+        rngs = job.gather(rng_state())
+        state = {"step": step_done, "opt_step": self.opt_step, "rng": rngs[0],
+                 "data_position": step_done * self.cfg.algorithm.prompts_per_step}
+        if job.distributed:
+            state.update(rng_ranks=rngs, world_size=job.world,
+                         parallel={"cp": job.cp_size, "fsdp": job.sharded, "replicate": self.cfg.parallel.replicate})
         extra = {}
         tok_dir = self.run_dir / "tokenizer"
         if tok_dir.is_dir():
             extra = {f.name: f for f in tok_dir.iterdir() if f.is_file()}
         elif self.cfg.model.path:  # the checkpoint's own tokenizer: each saved model directory is servable
             extra = tokenizer_files(self.cfg.model.path)
-        with self._writing(f"checkpoint {step_done}"):
-            return save_checkpoint(self.run_dir, step_done, self.model, state, keep_last=self.cfg.train.keep_last,
-                                   extra_files=extra)
+        if job.sharded:  # every rank writes its shards (their errors agreed on inside: the same on every rank)
+            try:
+                with self._writing(f"checkpoint {step_done}"):
+                    return save_sharded_checkpoint(self.run_dir, step_done, self.model, self.opt, state,
+                                                   keep_last=self.cfg.train.keep_last, extra_files=extra)
+            except JobError as e:
+                raise JobError(str(self._write_error(f"checkpoint {step_done} ", OSError(0, str(e))))) from None
+        state["optimizer"] = self.opt.state_dict()  # whole on every rank: rank 0's is the job's
+        final = None
+        with job.together(main_only=True) as mine:
+            if mine:
+                with self._writing(f"checkpoint {step_done}"):
+                    final = save_checkpoint(self.run_dir, step_done, self.model, state,
+                                            keep_last=self.cfg.train.keep_last, extra_files=extra)
+        return final or self.run_dir / "checkpoints" / f"step-{step_done:08d}"
 
     def train(self, *, on_step: Callable[[dict], None] | None = None) -> RunSummary:
         """Run the steps from the start (or the resumed checkpoint) to ``train.steps``; the run directory's lock is
-        held throughout and released at the end (see :meth:`close`)."""
-        self._lock.acquire()  # held since __init__; taken again if an earlier train() released it
+        held throughout and released at the end (see :meth:`close`). Under torchrun: on every rank."""
+        if self.job.is_main:
+            self._lock.acquire()  # held since __init__; taken again if an earlier train() released it
+        clean = False
         try:
-            return self._train(on_step)
+            summary = self._train(on_step)
+            clean = True
+            return summary
+        except JobError:
+            clean = True  # every rank raises it at the same point
+            raise
         except OSError as e:  # metrics.jsonl, plots, TensorBoard: a full disk is one line, not a traceback
             if e.filename is None:  # not a file (a closed pipe on stdout): left to the caller
                 raise
             raise self._write_error("", e) from None
         finally:
-            self.close()
+            self.close(clean)
+
+    @contextmanager
+    def _main_writes(self):
+        """Rank 0's writes (metrics, TensorBoard, W&B, plots, the progress bar), agreed on by the job: a failed
+        write is one ValueError naming it and the last complete checkpoint, on every rank."""
+        with self.job.together(main_only=True) as mine:
+            try:
+                yield mine
+            except OSError as e:
+                if e.filename is None:
+                    raise
+                raise self._write_error("", e) from None
 
     def _train(self, on_step: Callable[[dict], None] | None) -> RunSummary:
         t = self.cfg.train
-        writers = make_writers(self.cfg, self.run_dir)  # TensorBoard, W&B (train.tensorboard, train.wandb)
-        bar = _progress(t.steps, self.start_step, t.progress)
+        writers = []
+        with self._main_writes() as mine:
+            if mine:
+                writers = make_writers(self.cfg, self.run_dir)  # TensorBoard, W&B (train.tensorboard, train.wandb)
+        bar = _progress(t.steps, self.start_step, t.progress) if self.job.is_main else None
         last_ckpt = latest_checkpoint(self.run_dir)
         try:
             for step in range(self.start_step, t.steps):
                 m = self.step(step)
-                append_metrics(self.run_dir, m)
-                log_metrics(writers, m)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", solved=f"{m['solved']:.2f}",
-                                    peak=f"{m['peak_memory_bytes'] / 2**20:.0f}MiB", refresh=False)
-                elif (step + 1) % t.log_every == 0:
-                    self.echo(f"step {m['step']}/{t.steps} reward {m['reward_mean']:.3f} loss {m['loss']:.4f} "
-                              f"peak {m['peak_memory_bytes'] / 2**20:.0f} MiB {m['step_s']:.2f}s")
+                with self._main_writes() as mine:
+                    if mine:
+                        append_metrics(self.run_dir, m)
+                        log_metrics(writers, m)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", solved=f"{m['solved']:.2f}",
+                                            peak=f"{m['peak_memory_bytes'] / 2**20:.0f}MiB", refresh=False)
+                        elif (step + 1) % t.log_every == 0:
+                            self.echo(f"step {m['step']}/{t.steps} reward {m['reward_mean']:.3f} loss "
+                                      f"{m['loss']:.4f} peak {m['peak_memory_bytes'] / 2**20:.0f} MiB "
+                                      f"{m['step_s']:.2f}s")
                 if on_step is not None:
                     on_step(m)
                 if (t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps:
@@ -467,10 +619,11 @@ class Trainer:
                 bar.close()
             close_writers(writers)
         plots = []
-        if t.plots:
-            from longstraw.rl.plots import plot_run
+        with self._main_writes() as mine:
+            if mine and t.plots:
+                from longstraw.rl.plots import plot_run
 
-            plots = plot_run(self.run_dir)
+                plots = plot_run(self.run_dir)
         return self.summary(plots, last_ckpt)
 
     def summary(self, plots: list[Path], last_ckpt: Path | None) -> RunSummary:

@@ -1,0 +1,194 @@
+"""``longstraw train`` on several gloo ranks against one process, float64, the same global batch.
+
+The runs (built-in tiny-dense model in float64, 2 prompts per step, 3 steps, a checkpoint after every step):
+
+* one process (no torchrun environment);
+* 4 ranks: 2 data-parallel replicas x 2 context-parallel ranks, FSDP2 over all 4 (``python -m longstraw train`` as
+  plain processes with torchrun's environment, as ``tests/distributed/cp_launcher.py`` does).
+
+Sampling seeds come from ``(train.seed, step, prompt index)``, so each prompt's responses are the same whichever
+replica takes it; CP rank 0 samples for its group. Responses stop at any lowercase letter (their lengths differ, so
+the token-mean loss is not zero), and the reward (``rw.py`` below) is constant for prompts with an odd answer: with
+``data.seed = 1`` step 1 has one group with zero advantages (that replica back-propagates it anyway, so that both
+make the same engine calls), step 2 two active groups, step 3 none (no optimiser step).
+
+Checked: metrics (loss, rewards, gradient norm, ...) and final weights of the 4-rank run equal the one-process run's
+to 1e-8 relative; a 4-rank run killed during its second checkpoint and resumed continues bit for bit; a 2-rank job
+(with and without FSDP) and one process resume from the 4-rank sharded checkpoint within float precision; an FSDP model's HF export loads
+in transformers with the sharded model's logits; bad ``[parallel]`` values are one line; two "nodes" of two ranks
+each under torchrun with a c10d rendezvous train and rank 0 writes the metrics.
+"""
+
+import fcntl
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_launch import free_port, launch, run_commands, train
+from safetensors.torch import load_file
+
+from longstraw.checkpoint.training import checkpoint_dirs
+from longstraw.rl.runlog import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REWARD = '''def fn(response, answer, **meta):
+    if int(answer) % 2:
+        return 0.5  # the same for every response: the group's advantages are all zero
+    return (sum(response.encode("utf-8", "replace")) % 13) / 12.0
+'''
+LETTERS = "[" + ",".join(f'"{c}"' for c in "abcdefghijklmnopqrstuvwxyz") + "]"
+SETS = ['model.builtin="tiny-dense"', 'model.dtype="float64"', "data.prompt_len=96", "data.max_prompt_len=128",
+        "data.seed=1", "rollout.group_size=4", "rollout.max_new_tokens=6", f"rollout.stop_strings={LETTERS}",
+        "algorithm.prefill_chunk=16", "algorithm.prompts_per_step=2", "optim.lr=1e-2", "optim.warmup_steps=1",
+        "train.steps=3", "train.save_every=1", "train.keep_last=3", "train.progress=false", "train.plots=false",
+        "train.tensorboard=false", 'train.memory_check="off"']
+# what a run's layout changes without changing what it computes: wall times, memory, per-rank state bytes
+VOLATILE = {"rollout_s", "train_s", "step_s", "peak_memory_bytes", "train_peak_bytes", "peak_above_start_bytes",
+            "prompt_state_bytes"}
+
+
+def _args(out: Path, *extra: str) -> list[str]:
+    return [x for s in SETS + [f'reward.fn="{out.parent / "rw.py"}:fn"', f'train.out_dir="{out}"', *extra]
+            for x in ("--set", s)]
+
+
+def _ok(ranks, what):
+    bad = [(i, r.returncode, r.stderr[-3000:]) for i, r in enumerate(ranks) if r.returncode != 0]
+    assert not bad, f"{what}: {bad}"
+
+
+def _weights(run: Path) -> dict:
+    model = checkpoint_dirs(run)[-1] / "model"
+    out = {}
+    for f in model.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _stable(rows):
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
+
+
+def _close(got: list[dict], want: list[dict], rel: float = 1e-8, abs_: float = 1e-13) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(_stable(got), _stable(want)):
+        assert g.keys() == w.keys()
+        for k, v in w.items():
+            if isinstance(v, float):
+                assert abs(g[k] - v) <= rel * abs(v) + abs_, (w["step"], k, g[k], v)
+            else:
+                assert g[k] == v, (w["step"], k, g[k], v)
+
+
+def _close_weights(got: dict, want: dict, rel: float = 1e-8) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        err = (got[k] - want[k]).abs().max().item()
+        assert err <= rel * want[k].abs().max().item(), (k, err)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, worker_id):
+    """The one-process and the 4-rank run, made once per session even when the tests of this module land on
+    several xdist workers (``--dist loadgroup`` does not keep them together with pytest 9: xdist 3.8 renames
+    ``item._nodeid``, which pytest 9 no longer reads): the first worker runs them under a lock, the others reuse."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base
+    root = shared / "train-dist"
+    with open(shared / "train-dist.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "done.json").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            (root / "rw.py").write_text(REWARD)
+            _ok(train(0, _args(root / "one")), "one process")
+            four_ranks = train(4, _args(root / "four", "parallel.cp=2"))
+            _ok(four_ranks, "4 ranks")
+            (root / "done.json").write_text(json.dumps([r.stdout for r in four_ranks]))
+    return root, root / "one", root / "four", json.loads((root / "done.json").read_text())
+
+
+def test_four_ranks_give_the_one_process_metrics_and_weights(runs):
+    _, one, four, stdouts = runs
+    a, b = read_metrics(one), read_metrics(four)
+    assert [r["active_groups"] for r in a] == [1, 2, 0]  # step 1: one replica runs a zero-advantage group
+    assert all(r["reward_std"] > 0 for r in a[:2]) and a[0]["loss"] != 0 and a[0]["grad_norm"] > 0
+    _close(b, a)
+    _close_weights(_weights(four), _weights(one))
+    # rank 0 speaks for the job; every checkpoint is sharded, with the HF export beside it
+    assert "done: 3 steps" in stdouts[0] and not any("done" in out for out in stdouts[1:])
+    ckpt = checkpoint_dirs(four)[-1]
+    assert sorted(f.name for f in (ckpt / "sharded").iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in
+                                                                                    range(4)]
+    st = torch.load(ckpt / "trainer.pt", weights_only=True)
+    assert st["format"] == "sharded" and len(st["rng_ranks"]) == 4 and "optimizer" not in st
+    index = json.loads((ckpt / "model" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4  # one file per rank here (a tiny model)
+    import longstraw
+
+    model = longstraw.load_model(ckpt / "model")  # what `longstraw generate --model` reads
+    assert model.hf_config["model_type"] == "llama"
+
+
+def test_killed_mid_checkpoint_then_resumed_on_four_ranks_continues_bit_for_bit(runs, tmp_path):
+    root, _, four, _ = runs
+    shutil.copy(root / "rw.py", tmp_path / "rw.py")
+    run = tmp_path / "killed"
+    killed = train(4, _args(run, "parallel.cp=2"), env={"LONGSTRAW_FAULT": "kill-during-save:2"})
+    assert [r.returncode for r in killed] == [-9] * 4, [r.stderr[-2000:] for r in killed]
+    assert [c.name for c in checkpoint_dirs(run)] == ["step-00000001"]  # the last complete one survives
+    assert list((run / "checkpoints").glob(".tmp-*"))  # the torn one stays a temp dir
+    _ok(launch(4, ["-m", "longstraw", "train", "--resume", str(run)]), "resume on 4 ranks")
+    assert _stable(read_metrics(run)) == _stable(read_metrics(four))
+    a, b = _weights(run), _weights(four)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_from_a_four_rank_checkpoint_on_two_ranks_and_in_one_process(runs, tmp_path):
+    _, _, four, _ = runs
+    # 2 ranks: 2 replicas of one rank each, FSDP over 2; the same without FSDP (every rank holds the whole model,
+    # the replicas' gradients averaged; its checkpoints in the one-process format); one process
+    for name, world, extra in (("two", 2, []), ("two-whole", 2, ["parallel.fsdp=false"]), ("single", 0, [])):
+        run = tmp_path / f"from-four-{name}"
+        shutil.copytree(four, run)
+        for c in checkpoint_dirs(run)[1:]:
+            shutil.rmtree(c)
+        sets = [x for s in ["parallel.cp=1", *extra] for x in ("--set", s)]
+        _ok(train(world, ["--resume", str(run), *sets]), f"resume {name}")
+        _close(read_metrics(run), read_metrics(four))
+        _close_weights(_weights(run), _weights(four))
+
+
+def test_bad_parallel_values_are_one_line_from_rank_zero(tmp_path):
+    (tmp_path / "rw.py").write_text(REWARD)
+    for extra, want in ((["parallel.cp=3"], "parallel.cp=3 does not divide the job's 2 ranks; allowed: 1, 2"),
+                        (["parallel.cp=1", "algorithm.prompts_per_step=3"],
+                         "algorithm.prompts_per_step=3 does not split evenly over the 2 data-parallel replicas "
+                         "(world 2 / parallel.cp=1); make it a multiple of 2 (or raise parallel.cp)")):
+        ranks = train(2, _args(tmp_path / "run", *extra))
+        assert [r.returncode for r in ranks] == [2, 2]
+        assert ranks[0].stderr.strip() == f"longstraw: error: {want}"
+        assert "error" not in ranks[1].stderr
+        assert not (tmp_path / "run").exists()
+
+
+def test_two_nodes_under_torchrun(tmp_path):
+    """Two torchrun invocations as two "nodes" of two ranks on 127.0.0.1, a c10d rendezvous; replicate = 2 nodes
+    (HSDP: parameters sharded within a node, replicated across them), cp = 2."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    run = tmp_path / "run"
+    port = free_port()
+    args = _args(run, "parallel.cp=2", "parallel.replicate=2", "train.steps=2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+           "-m", "longstraw", "train", *args]
+    nodes = run_commands([cmd[:5] + ["--node_rank", str(n)] + cmd[5:] for n in (0, 1)], timeout_s=400)
+    _ok(nodes, "two nodes")
+    assert sum("done: 2 steps" in n.stdout for n in nodes) == 1  # rank 0 (on whichever node) reports
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    assert [c.name for c in checkpoint_dirs(run)] == ["step-00000001", "step-00000002"]
