@@ -33,6 +33,7 @@ The engine's prefill and reverse pass are single loops over these; a prompt stat
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -264,5 +265,23 @@ class Placement:
         largest count, the extra ones idle (``engine/lockstep.py``). In one process: ``steps``."""
         return steps
 
+    def finish(self, model: Any) -> None:
+        """Called when a public engine call (``generate``, ``score``, ``grpo_backward``) returns or fails: leave the
+        model's parameters as the optimiser holds them (under FSDP: every unit resharded). Nothing in one process."""
+
 
 LOCAL = Placement()
+
+
+def finishes_placement(fn):
+    """Decorator of a public engine call whose first argument is the model: ``model.placement.finish(model)`` when
+    it returns or raises."""
+
+    @functools.wraps(fn)
+    def call(model, *args, **kwargs):
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            model.placement.finish(model)
+
+    return call

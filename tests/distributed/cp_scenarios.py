@@ -203,6 +203,27 @@ def op_blocks(paths):
     return {"out": out.detach(), "dq": q.grad, "dkc": kc.grad, "dvc": vc.grad, "dk": sk, "dv": sv, "positions": pos}
 
 
+def registered_shards(paths):
+    """After every public engine call (generate with and without a kept state, score, grpo_backward, on a dense
+    model and the hybrid) each of ``model.parameters()`` is the sharded DTensor the optimiser holds: no FSDP unit is
+    left registered with its gathered parameters. Per family and call: the names of the parameters that are not."""
+    out = {}
+    for family in ("llama", "hybrid"):
+        model = _load(paths[family], True)
+        prompt, responses, adv = group(5, 23, [4, 1, 6])
+        sp = longstraw.SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=5, seed=3)
+        cfg = longstraw.GRPOConfig(prefill_chunk=4, temperature=0.9)
+        calls = [("generate", lambda: longstraw.generate(model, prompt, 2, sp, prefill_chunk=4)),
+                 ("generate_keep", lambda: longstraw.generate(model, prompt, 2, sp, prefill_chunk=4, keep_state=True,
+                                                             exact_state=True)),
+                 ("score", lambda: longstraw.score(model, prompt, responses, cfg)),
+                 ("grpo_backward", lambda: longstraw.grpo_backward(model, prompt, responses, adv, cfg))]
+        for name, call in calls:
+            call()
+            out[f"{family}:{name}"] = [n for n, p in model.named_parameters() if not hasattr(p, "full_tensor")]
+    return out
+
+
 def master_weights(paths):
     """A bf16 model under FSDP2: fp32 master shards (fp32 gradients and optimiser state), bf16 compute. An SGD update
     far below bf16's resolution survives in the fp32 masters and is lost with bf16 shards (master_dtype=bf16)."""
@@ -256,6 +277,7 @@ SCENARIOS = {
     "bf16_exact": lambda p: grpo_two_groups(p, dtype="bfloat16", chunk=4),
     "hybrid_fp32_exact": lambda p: grpo_two_groups(p, family="hybrid", dtype="float32"),
     "master_weights": lambda p: master_weights(p),
+    "registered_shards": registered_shards,
     "op_blocks": lambda p: op_blocks(p),
     "low_precision": lambda p: low_precision(p),
     "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),

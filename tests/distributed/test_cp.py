@@ -49,10 +49,10 @@ MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached"
 # FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each
 # kind (dense, hybrid, MLA), float64 and float32/bf16; data-parallel replicas with prompts of different lengths
 FSDP_CP1_W2 = ["exact", "detached", "hybrid_exact", "v3_exact", "fp32_exact", "bf16_exact", "dp_sum_fsdp",
-               "generate", "score", "master_weights"]
+               "generate", "score", "master_weights", "registered_shards"]
 FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsdp", "hybrid_dp_sum_fsdp",
                "v3_dp_sum_fsdp"]
-FSDP_CP2_W2 = ["exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact"]
+FSDP_CP2_W2 = ["exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact", "registered_shards"]
 FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact"]
 HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate])
@@ -60,7 +60,8 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
         "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
         "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2)}
-_NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights")
+_NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
+             "registered_shards")
 GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 if not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
 # lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties
@@ -253,6 +254,12 @@ def check_bad_inputs(ranks, job):
         assert errs[bad] == f"cp={bad} does not divide the world size {world}; allowed: {allowed}"
 
 
+def check_registered_shards(ranks):
+    for r, got in enumerate(_result(ranks, "registered_shards")):
+        for call, gathered in got.items():
+            assert not gathered, f"rank {r}: after {call}, parameters registered gathered, not sharded: {gathered}"
+
+
 def _job(job):
     """``(world, cp, fsdp, scenarios, replicate)`` of a job."""
     world, cp, fsdp, names, *rest = JOBS[job]
@@ -289,7 +296,8 @@ def _check(job, name, ranks, single):
     checks = {"score": lambda: check_score(ranks, single), "state_bytes": lambda: check_state_bytes(ranks, single, job),
               "op_blocks": lambda: check_op_blocks(ranks, single), "bad_inputs": lambda: check_bad_inputs(ranks, job),
               "low_precision": lambda: check_low_precision(ranks, single),
-              "master_weights": lambda: check_master_weights(ranks)}
+              "master_weights": lambda: check_master_weights(ranks),
+              "registered_shards": lambda: check_registered_shards(ranks)}
     if name in checks:
         checks[name]()
     if name.endswith("_score"):  # the MoE families' variants of these checks

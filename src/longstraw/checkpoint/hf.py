@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from longstraw import distributed
 from longstraw.devices import device_memory, resolve_device
-from longstraw.distributed.fsdp import is_sharded, local_rows
+from longstraw.distributed.fsdp import is_sharded, local_rows, reshard
 from longstraw.models import registry
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
@@ -459,17 +459,6 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
             source = getattr(model, "source_dir", None)
             if source is not None:
                 _copy_tokenizer(Path(source), p)
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Register every FSDP2 unit's sharded parameters again (not a collective). A unit whose last forward did not
-    end in a reshard (the embedding / final norm / LM head group after decoding) is registered with its gathered
-    parameters until its next pass: ``named_parameters()`` would then give those, which are not the ones the
-    optimiser holds. No-op for a model without FSDP."""
-    from longstraw.distributed.fsdp import fsdp_modules
-
-    for m in fsdp_modules(model):
-        m.reshard()
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

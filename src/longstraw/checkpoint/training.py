@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from longstraw.checkpoint.hf import reshard, save_model
+from longstraw.checkpoint.hf import save_model
+from longstraw.distributed.fsdp import reshard
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 LOCK_FILE = ".lock"

@@ -102,6 +102,18 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters and register its shards again (not a collective; a no-op for a
+    unit already sharded and for a model without FSDP).
+
+    Needed because the embedding / final norm / LM head group reshards only when all three have run in one pass
+    (or at the root's next post-forward): after a call that ends with ``lm_head(...)`` outside the backbone (decoding,
+    the log-prob op) it stays gathered, and ``model.parameters()`` would then give the gathered tensors, not the
+    shards the optimiser holds. The engine's public calls end with it (``ContextParallel.finish``)."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
 def local_rows(param: torch.Tensor) -> tuple[int, int] | None:
     """Rows ``[a, b)`` of dim 0 of the full tensor that this rank's local shard of ``param`` holds; None for a
     tensor that is not sharded (this rank holds all of it).

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm, ParallelContext, max_over_job
 from longstraw.distributed.cp_state import ShardedPromptState, shard_layout, shard_states
+from longstraw.distributed.fsdp import reshard
 from longstraw.state import Placement
 
 __all__ = ["ContextParallel", "check_same_group", "all_reduce_data_parallel"]
@@ -91,6 +92,12 @@ class ContextParallel(Placement):
         """The most steps any rank runs in this phase when FSDP's collectives span data-parallel replicas (which take
         different prompts); the others pad with idle steps. Otherwise ``steps``."""
         return max_over_job(steps, self.ctx) if self.fsdp and self.ctx.dp_size > 1 else steps
+
+    def finish(self, model) -> None:
+        """Reshard every FSDP unit (:func:`longstraw.distributed.fsdp.reshard`): the embedding / norm / LM head
+        group stays gathered after a call that ends with the LM head."""
+        if self.fsdp:
+            reshard(model)
 
     def __repr__(self) -> str:
         return (f"ContextParallel(cp={self.ctx.cp.size}, cp_rank={self.ctx.cp.rank}, dp={self.ctx.dp_size}, "

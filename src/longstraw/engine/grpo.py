@@ -32,7 +32,7 @@ from longstraw.engine.replay import branch_batches, branch_logprobs, replay
 from longstraw.losses import loss_denominator
 from longstraw.models.transformer import CausalLM
 from longstraw.profiling import PhaseMeter
-from longstraw.state import PromptState
+from longstraw.state import PromptState, finishes_placement
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -46,6 +46,7 @@ def build_prompt_state(model: CausalLM, prompt_ids: Tensor, cfg: GRPOConfig, exa
         return prefill(model, prompt_ids[:-1], cfg.prefill_chunk, exact=exact, report=report)
 
 
+@finishes_placement
 def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], advantages, cfg: GRPOConfig,
                   old_logprobs: list[Tensor] | None = None, ref_logprobs: list[Tensor] | None = None,
                   loss_scale: float | None = None, prompt_state: PromptState | None = None,
@@ -100,6 +101,7 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
 
 
 @torch.no_grad()
+@finishes_placement
 def score(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], cfg: GRPOConfig | None = None,
           with_entropy: bool = False, prompt_state: PromptState | None = None, meter: PhaseMeter | None = None):
     """Float32 log-probs of each response given the prompt (the prompt run once). Returns a list of ``[n_i]``

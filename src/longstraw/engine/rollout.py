@@ -30,7 +30,7 @@ from longstraw.engine.lockstep import idle_decode_step
 from longstraw.engine.prefill import prefill
 from longstraw.models.transformer import CausalLM
 from longstraw.profiling import PhaseMeter
-from longstraw.state import PromptState
+from longstraw.state import PromptState, finishes_placement
 
 
 @dataclass
@@ -73,6 +73,7 @@ def _stop_string_hit(decode: Callable[[list[int]], str], ids: list[int], stops: 
 
 
 @torch.no_grad()
+@finishes_placement
 def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConfig, *,
              prompt_state: PromptState | None = None, prefill_chunk: int = 4096,
              decode: Callable[[list[int]], str] | None = None, keep_state: bool = False,
