@@ -98,3 +98,59 @@ class HostAdamW(torch.optim.Optimizer):
                     local.add_((exp_avg / denom).mul_(-step_size).to(local.device, dtype=local.dtype,
                                                                     non_blocking=True))
         return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer.state_dict()`` with the host tensors of an FSDP-sharded parameter presented as
+        DTensors of the parameter's mesh and placements (their local tensors stay the host tensors, nothing is
+        copied): ``torch.distributed.checkpoint`` then writes each rank's shard and reshards on load, as it does for
+        torch's AdamW; a plain host tensor would be taken for a replicated one and written by one rank only."""
+        from torch.distributed.tensor import DTensor
+
+        sd = super().state_dict()
+        params = self._params()
+        for i, st in list(sd["state"].items()):
+            p = params[i]
+            if isinstance(p, DTensor):
+                sd["state"][i] = {k: v if k == "step" else DTensor.from_local(
+                    v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                    for k, v in st.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` gave (or ``torch.optim.AdamW``'s state of the same parameters): the moments
+        and masters go into host memory (pinned with CUDA), in the dtypes :meth:`step` keeps them in (torch's own
+        load would move them to the parameters' devices and dtypes); a DTensor's local shard is taken."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
+                                                        for a, b in zip(groups, self.param_groups)):
+            raise ValueError("the optimiser state does not match this optimiser's parameter groups: "
+                             f"{[len(g['params']) for g in groups]} parameters saved, "
+                             f"{[len(g['params']) for g in self.param_groups]} here")
+        index = {}
+        for saved, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            index.update(zip(saved["params"], group["params"]))
+        self.state.clear()
+        for key, st in state_dict["state"].items():
+            p = index[key]
+            local = _local(p)
+            new = {}
+            for name, v in st.items():
+                v = _local(v)
+                if name == "step":
+                    new[name] = v.detach().to("cpu", torch.float32).clone()
+                    continue
+                if tuple(v.shape) != tuple(local.shape):
+                    raise ValueError(f"optimiser state {name!r} has shape {tuple(v.shape)}, this rank's parameter "
+                                     f"{tuple(local.shape)}")
+                dtype = torch.float32 if (self.master_on_host or name == "master") else local.dtype
+                new[name] = _host_zeros(local.shape, dtype)
+                new[name].copy_(v.detach())
+            if self.master_on_host and "master" not in new:  # an on-device optimiser's state: masters from here
+                new["master"] = _host_zeros(local.shape, torch.float32)
+                new["master"].copy_(local.detach())
+            self.state[p] = new

@@ -224,6 +224,54 @@ def registered_shards(paths):
     return out
 
 
+def offload_dcp(paths):
+    """HostAdamW (AdamW's moments on the host) over FSDP shards through a sharded (DCP) checkpoint: two steps, save,
+    a fresh model and optimiser loaded from it hold the same shards and moments, and one more step on each gives the
+    same weights. Returns the checkpoint and the full (gathered) moments and weights for the one-process load."""
+    from pathlib import Path
+
+    from longstraw.checkpoint.training import load_sharded_state, save_sharded_checkpoint
+    from longstraw.offload import HostAdamW
+
+    ctx = distributed.get_context()
+    cfg = longstraw.GRPOConfig(prefill_chunk=4)
+
+    def made():
+        model = _load(paths["llama"], True)
+        return model, HostAdamW(list(model.parameters()), lr=1e-2, weight_decay=0.1)
+
+    def step(model, opt, seed):
+        prompt, responses, adv = group(seed, 19, [3, 5])
+        opt.zero_grad(set_to_none=True)
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+        opt.step()
+
+    model, opt = made()
+    for seed in (5, 6):
+        step(model, opt, seed)
+    run = Path(paths["llama"]).with_name(Path(paths["llama"]).name + f"-offload-w{ctx.world_size}")
+    ckpt = save_sharded_checkpoint(run, 2, model, opt, {"step": 2, "opt_step": 2})
+    names = {p: n for n, p in model.named_parameters()}
+    moments = {f"{names[p]}.{k}": _full_of(p, v) for p, st in opt.state.items() for k, v in st.items() if k != "step"}
+    model2, opt2 = made()
+    load_sharded_state(ckpt, model2, opt2)
+    same_state = all(torch.equal(opt.state[p][k], opt2.state[q][k]) and opt2.state[q][k].device.type == "cpu"
+                     for p, q in zip(model.parameters(), model2.parameters()) for k in opt.state[p])
+    step(model, opt, 7)
+    step(model2, opt2, 7)
+    same_step = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), model2.parameters()))
+    return {"checkpoint": str(ckpt), "model": str(paths["llama"]), "moments": moments, "same_state": same_state, "same_step": same_step,
+            "weights": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
+def _full_of(param, local):
+    """The full tensor of a host-held optimiser state shard of an FSDP parameter (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride()).full_tensor()
+
+
 def master_weights(paths):
     """A bf16 model under FSDP2: fp32 master shards (fp32 gradients and optimiser state), bf16 compute. An SGD update
     far below bf16's resolution survives in the fp32 masters and is lost with bf16 shards (master_dtype=bf16)."""
@@ -278,6 +326,7 @@ SCENARIOS = {
     "hybrid_fp32_exact": lambda p: grpo_two_groups(p, family="hybrid", dtype="float32"),
     "master_weights": lambda p: master_weights(p),
     "registered_shards": registered_shards,
+    "offload_dcp": offload_dcp,
     "op_blocks": lambda p: op_blocks(p),
     "low_precision": lambda p: low_precision(p),
     "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),

@@ -49,7 +49,7 @@ MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached"
 # FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each
 # kind (dense, hybrid, MLA), float64 and float32/bf16; data-parallel replicas with prompts of different lengths
 FSDP_CP1_W2 = ["exact", "detached", "hybrid_exact", "v3_exact", "fp32_exact", "bf16_exact", "dp_sum_fsdp",
-               "generate", "score", "master_weights", "registered_shards"]
+               "generate", "score", "master_weights", "registered_shards", "offload_dcp"]
 FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsdp", "hybrid_dp_sum_fsdp",
                "v3_dp_sum_fsdp"]
 FSDP_CP2_W2 = ["exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact", "registered_shards"]
@@ -61,7 +61,7 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
         "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2)}
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
-             "registered_shards")
+             "registered_shards", "offload_dcp")
 GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 if not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
 # lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties
@@ -254,6 +254,24 @@ def check_bad_inputs(ranks, job):
         assert errs[bad] == f"cp={bad} does not divide the world size {world}; allowed: {allowed}"
 
 
+def check_offload_dcp(ranks):
+    """The sharded checkpoint of HostAdamW's host-held moments: reloaded on the same ranks the same shards and the
+    same next step; loaded in one process (DCP resharding 2 ranks -> 1) the moments and weights the job holds."""
+    from longstraw.checkpoint.training import load_sharded_state
+    from longstraw.offload import HostAdamW
+
+    got = _result(ranks, "offload_dcp")
+    assert all(g["same_state"] and g["same_step"] for g in got)
+    model = longstraw.load_model(got[0]["model"])
+    opt = HostAdamW(list(model.parameters()), lr=1e-2, weight_decay=0.1)
+    load_sharded_state(got[0]["checkpoint"], model, opt)
+    names = {p: n for n, p in model.named_parameters()}
+    mine = {f"{names[p]}.{k}": v for p, st in opt.state.items() for k, v in st.items() if k != "step"}
+    assert mine.keys() == got[0]["moments"].keys() and mine
+    for k, v in mine.items():
+        assert v.device.type == "cpu" and torch.equal(v, got[0]["moments"][k]), k
+
+
 def check_registered_shards(ranks):
     for r, got in enumerate(_result(ranks, "registered_shards")):
         for call, gathered in got.items():
@@ -297,7 +315,8 @@ def _check(job, name, ranks, single):
               "op_blocks": lambda: check_op_blocks(ranks, single), "bad_inputs": lambda: check_bad_inputs(ranks, job),
               "low_precision": lambda: check_low_precision(ranks, single),
               "master_weights": lambda: check_master_weights(ranks),
-              "registered_shards": lambda: check_registered_shards(ranks)}
+              "registered_shards": lambda: check_registered_shards(ranks),
+              "offload_dcp": lambda: check_offload_dcp(ranks)}
     if name in checks:
         checks[name]()
     if name.endswith("_score"):  # the MoE families' variants of these checks

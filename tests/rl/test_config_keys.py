@@ -95,7 +95,8 @@ def test_every_key_of_every_section_is_read_by_a_real_run(tmp_path, monkeypatch)
         ['data.task=""', f'data.path="{prompts}"', 'data.prompt_key="q"', 'data.answer_key="a"',
          'reward.fn="exact_match"', "reward.options={case_sensitive=false}", 'train.memory_check="off"',
          "train.progress=true", 'rollout.stop_strings=["\\n"]'],
-        ['data.task=""', f'data.path="{rollouts}"', "data.offline=true", "train.progress=false"],
+        ['data.task=""', f'data.path="{rollouts}"', "data.offline=true", "train.progress=false",
+         'model.dtype="bfloat16"'],  # master weights
         # under torchrun ([parallel] read to join the job): a job of one rank, in this process
         ["train.progress=false", 'train.memory_check="off"'],
     ]

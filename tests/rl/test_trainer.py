@@ -127,3 +127,34 @@ def test_a_failed_write_during_the_run_is_one_value_error(tmp_path, monkeypatch)
     monkeypatch.setattr(trainer_mod, "append_metrics", real)
     Trainer(cfg, resume=True, echo=lambda *_: None).train()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("master_weights,offload", [("true", "none"), pytest.param("false", "none", marks=pytest.mark.slow),
+                                                    pytest.param("true", "moments", marks=pytest.mark.slow),
+                                                    ("true", "masters")])
+def test_bf16_model_precision_and_offload_resume_exactly(tmp_path, master_weights, offload):
+    """model.dtype = bfloat16: float32 master weights by default (bf16 compute, float32 gradients and AdamW moments),
+    everything in bf16 with master_weights = false, the AdamW state in host memory with optim.offload (masters: the
+    float32 masters too, the model's parameters bf16). Each resumes bit for bit: 2 steps + 1 resumed = 3 straight."""
+    (tmp_path / "rw.py").write_text("def fn(response, answer, **meta):\n"
+                                    "    return (sum(response.encode('utf-8', 'replace')) % 13) / 12.0\n")
+    sets = ["model.dtype=\"bfloat16\"", f"model.master_weights={master_weights}", f"optim.offload=\"{offload}\"",
+            "train.save_every=1", "optim.lr=1e-2", f"reward.fn=\"{tmp_path / 'rw.py'}:fn\""]  # rewards that vary
+    straight = Trainer(_cfg(tmp_path / "a", "train.steps=3", *sets), resume=False, echo=lambda *_: None)
+    straight.train()
+    params = list(straight.model.parameters())
+    want = torch.float32 if (master_weights == "true" and offload != "masters") else torch.bfloat16
+    assert {p.dtype for p in params} == {want}
+    assert straight.model.compute_dtype == (torch.bfloat16 if want == torch.float32 else None)
+    assert type(straight.opt).__name__ == ("AdamW" if offload == "none" else "HostAdamW")
+    moments = {s["exp_avg"].dtype for s in straight.opt.state.values()}
+    assert moments == {torch.float32 if (want == torch.float32 or offload == "masters") else torch.bfloat16}
+    Trainer(_cfg(tmp_path / "b", "train.steps=2", *sets), resume=False, echo=lambda *_: None).train()
+    resumed = Trainer(_cfg(tmp_path / "b", "train.steps=3", *sets), resume=True, echo=lambda *_: None)
+    resumed.train()
+    assert _stable(read_metrics(tmp_path / "b")) == _stable(read_metrics(tmp_path / "a"))
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b), n
+    if offload == "masters":
+        for p, q in zip(params, resumed.model.parameters()):
+            assert torch.equal(straight.opt.state[p]["master"], resumed.opt.state[q]["master"])

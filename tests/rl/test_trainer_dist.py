@@ -164,6 +164,17 @@ def test_resume_from_a_four_rank_checkpoint_on_two_ranks_and_in_one_process(runs
         _close_weights(_weights(run), _weights(four))
 
 
+def test_host_optimizer_state_on_two_ranks_gives_the_one_process_run(runs, tmp_path):
+    """optim.offload = "moments": AdamW's moments of each rank's FSDP shards in host memory, checkpointed sharded."""
+    root, one, _, _ = runs
+    shutil.copy(root / "rw.py", tmp_path / "rw.py")
+    run = tmp_path / "offload"
+    _ok(train(2, _args(run, "parallel.cp=1", 'optim.offload="moments"')), "offload on 2 ranks")
+    _close(read_metrics(run), read_metrics(one))
+    _close_weights(_weights(run), _weights(one))
+    assert (checkpoint_dirs(run)[-1] / "sharded" / ".metadata").exists()
+
+
 def test_bad_parallel_values_are_one_line_from_rank_zero(tmp_path):
     (tmp_path / "rw.py").write_text(REWARD)
     for extra, want in ((["parallel.cp=3"], "parallel.cp=3 does not divide the job's 2 ranks; allowed: 1, 2"),

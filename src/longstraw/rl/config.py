@@ -56,6 +56,12 @@ class MemoryCheck(str, Enum):
     OFF = "off"
 
 
+class OptimOffload(str, Enum):
+    NONE = "none"
+    MOMENTS = "moments"
+    MASTERS = "masters"
+
+
 class WandbMode(str, Enum):
     ONLINE = "online"
     OFFLINE = "offline"
@@ -87,10 +93,15 @@ class ModelSection(_Section):
                          "built-in random model named by model.builtin")
     builtin: str = _key("tiny-hybrid", "the built-in random model used when model.path is empty: tiny-hybrid "
                                        "(Gated DeltaNet + attention, Qwen3.5-style) or tiny-dense (Llama-style)")
-    dtype: str = _key("float32", "the parameters' dtype: float32, float64, bfloat16 or float16")
+    dtype: str = _key("float32", "the model's dtype (its compute dtype; the checkpoint is read into it): float32, "
+                                 "float64, bfloat16 or float16 (bfloat16/float16: see model.master_weights)")
     compute_dtype: str | None = _key(None, "autocast compute dtype over float32 parameters: bfloat16 or float16 "
                                            "(float32 gradient accumulation, low-precision compute); none: the "
                                            "parameters' dtype")
+    master_weights: bool = _key(True, "with a bfloat16/float16 model.dtype: keep float32 master weights (so float32 "
+                                      "gradients and AdamW moments; sharded under FSDP) and compute in model.dtype; "
+                                      "false: parameters, gradients and optimiser state all in model.dtype (half "
+                                      "the memory; updates below its resolution are lost)")
     device: str = _key("cpu", "cpu, cuda, cuda:N or mps; checked against this machine when the config is loaded")
 
 
@@ -173,6 +184,10 @@ class OptimSection(_Section):
     warmup_steps: int = _key(10, "optimiser steps of linear warm-up from lr / warmup_steps to lr")
     min_lr_ratio: float = _key(0.1, "the cosine decays to lr * min_lr_ratio at the last optimiser step, in [0, 1]")
     grad_clip: float = _key(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    offload: OptimOffload = _key(OptimOffload.NONE, "AdamW's state in host memory: none; moments (the two moments "
+                                                    "on the host, the update computed there); masters (also the "
+                                                    "float32 master weights on the host, the device keeping "
+                                                    "model.dtype: needs a bfloat16/float16 model.dtype)")
 
 
 @dataclass(frozen=True)
@@ -606,6 +621,9 @@ def validate(cfg: RunConfig) -> None:
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    _require(o.offload != OptimOffload.MASTERS or m.dtype in ("bfloat16", "float16"),
+             f"optim.offload='masters' keeps float32 master weights on the host for a bfloat16/float16 model.dtype; "
+             f"model.dtype={m.dtype!r} (use optim.offload='moments')")
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _require(t.save_every >= 0, f"train.save_every={t.save_every} must be >= 0")
     _require(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1")

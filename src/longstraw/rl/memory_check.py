@@ -66,14 +66,15 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
 
 def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_len: int, device: torch.device,
                      echo: Callable[[str], None] = print, *, shard: int = 1, cp: int = 1, replicas: int = 1,
-                     ranks_per_host: int = 1) -> MemoryVerdict | None:
+                     ranks_per_host: int = 1, master_dtype: str = "auto") -> MemoryVerdict | None:
     """Plan the run's peak memory and compare it with ``train.memory_limit`` (or the device's memory).
 
     ``prompt_len`` / ``response_len``: the longest the run will see. Returns None when ``train.memory_check`` is
     "off". Raises ValueError when it is "error" and the run does not fit; echoes one verdict line otherwise (and
     the advice when it does not fit). A torchrun job's layout: ``shard`` ranks share each parameter (FSDP), ``cp``
     each prompt, ``replicas`` split a step's prompts; ``ranks_per_host`` share a CPU host's memory (the limit per
-    rank is its share). Without FSDP the planner counts whole parameters and the whole prompt state (it has no
+    rank is its share). ``master_dtype``: what the trained parameters are held in (the planner's; ``optim.offload``
+    is read from ``cfg``). Without FSDP the planner counts whole parameters and the whole prompt state (it has no
     context parallelism without sharded parameters): an upper bound.
     """
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
@@ -85,7 +86,8 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
-              cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1)
+              cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1, master_dtype=master_dtype,
+              optimizer_offload=cfg.optim.offload != "none")
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}

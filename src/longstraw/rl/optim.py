@@ -16,12 +16,24 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(params, lr: float, betas, weight_decay: float, eps: float) -> torch.optim.AdamW:
+def make_optimizer(params, lr: float, betas, weight_decay: float, eps: float,
+                   offload: str = "none") -> torch.optim.Optimizer:
+    """AdamW over the trainable ``params`` (matrices decayed, norms and biases not). ``offload``: ``"none"``
+    (torch's AdamW, its state beside the parameters), ``"moments"`` (:class:`~longstraw.offload.HostAdamW`: the
+    moments in host memory) or ``"masters"`` (also float32 master weights on the host)."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps)
+    groups = [g for g in groups if g["params"]]
+    offload = getattr(offload, "value", offload)
+    if offload == "none":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    if offload not in ("moments", "masters"):
+        raise ValueError(f"offload={offload!r}; allowed: 'none', 'moments', 'masters'")
+    from longstraw.offload import HostAdamW
+
+    return HostAdamW(groups, lr=lr, betas=tuple(betas), eps=eps, master_on_host=offload == "masters")
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

@@ -270,7 +270,7 @@ class Trainer:
             raise damaged_checkpoint(ckpt, f"model/: {e}") from None
         self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 else None
         o = self.cfg.optim
-        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps)
+        self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps, o.offload)
         if st is None:
             return
         if st.get("format") == "sharded":  # the model's and optimiser's shards: read into this layout
@@ -326,7 +326,8 @@ class Trainer:
         response_len = self.source.longest_response if d.offline else self.cfg.rollout.sampling.max_new_tokens
         job = self.job
         return check_run_memory(self.cfg, self._model_hf_config(), prompt_len, response_len, self.device,
-                                echo=self.echo, shard=job.world // self.cfg.parallel.replicate if job.sharded else 1,
+                                echo=self.echo, master_dtype=self._master_dtype(),
+                                shard=job.world // self.cfg.parallel.replicate if job.sharded else 1,
                                 cp=job.cp_size, replicas=job.dp_size,
                                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
@@ -347,9 +348,18 @@ class Trainer:
             self.tokenizer.save(d)
         return d
 
+    def _master_dtype(self) -> str:
+        """What the trained parameters are held in: float32 master weights for a bfloat16/float16 model.dtype
+        (unless model.master_weights = false, or optim.offload = "masters" keeps them on the host), else
+        model.dtype."""
+        m = self.cfg.model
+        if m.dtype in ("bfloat16", "float16") and m.master_weights and self.cfg.optim.offload != "masters":
+            return "float32"
+        return m.dtype
+
     def _build_model(self, ckpt: Path | None):
         src = ckpt / "model" if ckpt is not None else self._initial_model_dir()
-        model = load_model(src, dtype=self.cfg.model.dtype, device=self.device)
+        model = load_model(src, dtype=self.cfg.model.dtype, device=self.device, master_dtype=self._master_dtype())
         model.train()
         return model
 
