@@ -5,6 +5,7 @@ replayed one at a time with autograd against it; in exact mode a reverse pass ca
 prompt. See docs/DESIGN.md.
 """
 
+from longstraw.checkpoint.adapter import add_lora, load_adapter, lora_grads, save_adapter
 from longstraw.checkpoint.hf import build_model, hf_grads, load_model, save_model
 from longstraw.distributed import init_distributed, shutdown_distributed
 from longstraw.engine.config import GRPOConfig, GRPOStats, PromptGrad, SamplingConfig
@@ -22,6 +23,10 @@ __all__ = [
     "load_model",
     "save_model",
     "hf_grads",
+    "add_lora",
+    "load_adapter",
+    "save_adapter",
+    "lora_grads",
     "build_model",
     "supported_model_types",
     "PromptState",

@@ -170,6 +170,22 @@ def _is_sharded(t: torch.Tensor) -> bool:
     return hasattr(t, "full_tensor") and hasattr(t, "device_mesh")
 
 
+@dataclass(frozen=True)
+class Computed:
+    """A tensor of the export made when its turn comes (a LoRA-merged weight): ``shape`` and ``dtype`` for the
+    plan, ``make()`` for the full tensor (a collective on a sharded model, called on every rank in plan order)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: object = field(repr=False)
+
+
+def _whole(t) -> torch.Tensor:
+    if isinstance(t, Computed):
+        return t.make()
+    return t.full_tensor() if _is_sharded(t) else t  # a collective of the shard group: every rank joins
+
+
 def write_export(named: list[tuple[str, torch.Tensor]], wmap, items: list[Item], files: list[File], rank: int,
                  directory: Path) -> BaseException | None:
     """Write this rank's files of the plan into ``directory``; every rank calls it (the gathers are collectives).
@@ -180,7 +196,7 @@ def write_export(named: list[tuple[str, torch.Tensor]], wmap, items: list[Item],
     err: BaseException | None = None
     for it in items:
         _, t = named[it.index]
-        full = t.full_tensor() if _is_sharded(t) else t  # a collective of the shard group: every rank joins
+        full = _whole(t)
         if it.owner != rank or err is not None:
             del full
             continue

@@ -261,7 +261,8 @@ def _master_dtype(dtype: torch.dtype, master_dtype: str | torch.dtype | None) ->
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, *, allow_pickle: bool = False,
-               master_dtype: str | torch.dtype | None = None) -> CausalLM:
+               master_dtype: str | torch.dtype | None = None, lora=None, adapter: str | os.PathLike | None = None,
+               lora_seed: int | None = None) -> CausalLM:
     """Load an HF checkpoint directory into a LongStraw model, with the process's parallelism applied.
 
     dtype: the compute dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
@@ -276,6 +277,13 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     device type other than that of the mesh the parameters are sharded over (on CUDA: a device other than the
     rank's own; pass ``"cuda"``).
     The model's ``source_dir`` is ``path`` (:func:`save_model` copies the tokenizer files from it).
+
+    LoRA (:mod:`longstraw.checkpoint.adapter`): ``lora=dict(rank=..., alpha=..., target_modules=..., dropout=...,
+    modules_to_save=...)`` adds fresh adapters (PEFT's initialisation; ``lora_seed`` seeds the ``A`` matrices, drawn
+    whole so every rank and layout gets the same), ``adapter=DIR`` the adapters of a PEFT adapter directory with its
+    values. Either way they are added on the meta device before the model is sharded, so FSDP2 shards them with
+    their layers; the frozen base keeps ``dtype`` (no master copy, gradient or optimiser state), the adapters take
+    ``master_dtype``.
 
     Sharded loading: the model is built on the meta device and :func:`longstraw.distributed.parallelize` applied
     to it there (after ``init_distributed(fsdp=True)`` FSDP2 turns the sharded parameters into meta DTensors);
@@ -301,9 +309,15 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     master = _master_dtype(dtype, master_dtype)
     device = resolve_device(device if device is not None else "cpu", "device")
 
+    settings = _lora_settings(lora, adapter)
+
     with torch.device("meta"):
         model = family.build(cfg)
     model.to(dtype)
+    if settings is not None:
+        from longstraw.models.lora import add_adapters
+
+        add_adapters(model, settings)  # on meta: nothing drawn yet; the base is frozen
     ctx = distributed.get_context()
     if master is not None and master != dtype and not (ctx is not None and ctx.fsdp):
         model.use_master_weights(dtype, master)  # on meta: free; FSDP's own policy does it under FSDP
@@ -354,9 +368,36 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     finally:
         if isinstance(reader, _SafetensorsReader):
             reader.release()
+    if settings is not None:
+        from longstraw.checkpoint.adapter import fill_adapter, init_adapters
+
+        if adapter is not None:
+            fill_adapter(model, Path(adapter))
+        else:
+            init_adapters(model, lora_seed if lora_seed is not None else _shared_seed(model))
     model.eval()
     model.source_dir = p
     return model
+
+
+def _lora_settings(lora, adapter):
+    if lora is None and adapter is None:
+        return None
+    from longstraw.checkpoint.adapter import adapter_settings, settings_from
+
+    if lora is not None and adapter is not None:
+        raise ValueError("load_model: give lora= (fresh adapters) or adapter= (a PEFT adapter directory), not both")
+    return adapter_settings(adapter) if adapter is not None else settings_from(lora)
+
+
+def _shared_seed(model: CausalLM) -> int | None:
+    """None in one process (the global generator draws the adapters); on a sharded model rank 0's draw of a seed
+    from the global generator, broadcast, so every rank initialises the same adapters."""
+    if not any(is_sharded(t) for t in model.parameters()):
+        return None
+    seed = [int(torch.randint(0, 2**62, (1,)).item())]
+    torch.distributed.broadcast_object_list(seed, src=0)
+    return seed[0]
 
 
 def build_model(cfg: dict) -> CausalLM:
@@ -408,9 +449,15 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copytree(src / name, dst / name)
 
 
-def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+               merge_lora: bool = False) -> None:
     """Write ``model`` as an HF checkpoint directory (config.json + safetensors, sharded above max_shard_size),
     with the tokenizer files of the directory the model was loaded from (``model.source_dir``), if any.
+
+    A model with LoRA adapters: ``merge_lora=True`` writes each adapted weight merged (``W + s B A``, computed in
+    float32, written in the weight's dtype), a plain checkpoint any HF loader reads; by default the base weights are
+    written as they are (with any ``modules_to_save`` modules as trained) and the adapters are left out
+    (``longstraw.save_adapter`` writes them).
 
     Tensors are written one at a time as streams (:mod:`longstraw.checkpoint.export`): besides the model, one
     tensor's copy in host memory. On an FSDP-sharded model (``init_distributed(fsdp=True)``) this is a collective:
@@ -434,6 +481,14 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     if model.spec.tie_word_embeddings:
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
     sharded = any(is_sharded(t) for _, t in named)
+    if merge_lora:
+        from longstraw.checkpoint.adapter import merged_weights
+        from longstraw.checkpoint.export import Computed
+
+        merged = merged_weights(model)
+        if not merged:
+            raise ValueError("save_model(merge_lora=True): the model has no LoRA adapters to merge")
+        named = [(n, Computed(*merged[n]) if n in merged else t) for n, t in named]
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if sharded else (0, 1)
     items, files = plan_export(named, wmap, world, limit)
     with together(main_only=True, collective=sharded) as mine:

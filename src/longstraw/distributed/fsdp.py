@@ -72,7 +72,8 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
         if master not in (compute, torch.float32):
             raise ValueError(f"master_dtype={master} must be float32 or the compute dtype {compute}")
         if master != compute:
-            model.to(master)  # on the meta device: free; the checkpoint's bf16 values are cast when loaded
+            model.cast_trained(master)  # on meta: free (the checkpoint's values are cast when loaded); frozen
+            # parameters (a LoRA model's base) keep the compute dtype: no master copy, gradient or optimiser state
         # cast_forward_inputs=False: a layer's inputs include the prompt state (float32 recurrent states, float32
         # gradient sinks filled in place), which must reach it as they are
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)

@@ -30,6 +30,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.prompt_backward import prompt_backward
 from longstraw.engine.replay import branch_batches, branch_logprobs, replay
 from longstraw.losses import loss_denominator
+from longstraw.models.lora import active_dropout
 from longstraw.models.transformer import CausalLM
 from longstraw.profiling import PhaseMeter
 from longstraw.state import PromptState, finishes_placement
@@ -64,6 +65,10 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         raise ValueError(f"cfg must be a longstraw.GRPOConfig, got {type(cfg).__name__}")
     adv, old, ref = validate_step(model, prompt_ids, responses, advantages, old_logprobs, ref_logprobs, cfg)
     check_state(prompt_state, prompt_ids)
+    if cfg.exact and active_dropout(model):
+        raise ValueError(f"prompt_grad='exact' with LoRA dropout active ({active_dropout(model)[0]}, ...): the reverse "
+                         "pass recomputes the prompt and would draw other dropout masks than the prefill, so the "
+                         "gradient would be inexact; use lora dropout 0, prompt_grad='detached', or model.eval()")
     if loss_scale is not None and not (isinstance(loss_scale, (int, float)) and loss_scale > 0
                                        and math.isfinite(loss_scale)):
         raise ValueError(f"loss_scale={loss_scale!r} must be a finite number > 0")

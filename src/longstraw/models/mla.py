@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from longstraw.models.lora import linear_weight
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RopeParams, apply_rope, apply_rope_interleaved
 from longstraw.models.context import CallContext
@@ -373,8 +374,9 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, lat, q_resid
 
     def _weights(self) -> tuple[Tensor, Tensor]:
-        """``W_UK [H, dn, r]`` and ``W_UV [H, dv, r]``: views of ``kv_b_proj.weight``."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
+        """``W_UK [H, dn, r]`` and ``W_UV [H, dv, r]``: views of ``kv_b_proj``'s weight (with its LoRA adapter
+        folded in, when it has one: ``models.lora.linear_weight``)."""
+        w = linear_weight(self.kv_b_proj).view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn :]
 
     def absorbed_query(self, q_nope: Tensor, q_pe: Tensor) -> Tensor:

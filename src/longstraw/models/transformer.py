@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from longstraw.models.context import CallContext
+from longstraw.models.lora import is_adapter_param
 from longstraw.models.rope import RotaryEmbedding
 from longstraw.ops.logprobs import token_logprobs
 from longstraw.state import LOCAL, Placement
@@ -160,8 +161,8 @@ class CausalLM(nn.Module):
 
     def named_weights(self) -> list[tuple[str, Tensor]]:
         """Every tensor a checkpoint holds, by in-memory name: the parameters (a tied LM head once, as its
-        embedding), then the persistent buffers (DeepSeek/GLM's router ``e_score_correction_bias``)."""
-        out = list(self.named_parameters())
+        embedding; LoRA adapters are not the checkpoint's: ``models.lora``), then the persistent buffers (DeepSeek/GLM's router ``e_score_correction_bias``)."""
+        out = [(n, p) for n, p in self.named_parameters() if not is_adapter_param(n)]  # adapters: not the model's
         for mname, module in self.named_modules():
             for bname, buf in module.named_buffers(recurse=False):
                 if buf is not None and bname not in module._non_persistent_buffers_set:
@@ -212,11 +213,24 @@ class CausalLM(nn.Module):
             return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
 
     def use_master_weights(self, compute_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> None:
-        """Keep the parameters in ``master_dtype`` (what the optimiser updates: float32 master weights, gradients and
-        moments) and compute every pass in ``compute_dtype`` under autocast: mixed precision in one process. (Under
-        FSDP2 the same split comes from its MixedPrecisionPolicy instead: ``distributed.apply_fsdp``.)"""
-        self.to(master_dtype)
+        """Keep the trained parameters in ``master_dtype`` (what the optimiser updates: float32 master weights,
+        gradients and moments; frozen ones stay as they are: :meth:`cast_trained`) and compute every pass in
+        ``compute_dtype`` under autocast: mixed precision in one process. (Under FSDP2 the same split comes from its
+        MixedPrecisionPolicy instead: ``distributed.apply_fsdp``.)"""
+        self.cast_trained(master_dtype)
         self.compute_dtype = compute_dtype if compute_dtype != master_dtype else None
+
+    def cast_trained(self, dtype: torch.dtype) -> None:
+        """Hold the trained parameters in ``dtype`` (master weights): the whole model when every parameter is
+        trained (``self.to(dtype)``, buffers' own rules kept), else only those with ``requires_grad`` (LoRA: the
+        frozen base keeps the compute dtype, the adapters become ``dtype``). Works on the meta device."""
+        params = list(self.parameters())
+        if all(p.requires_grad for p in params):
+            self.to(dtype)
+            return
+        for p in params:
+            if p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """HF-like full forward: ``input_ids [B, T]`` -> logits ``[B, T, vocab]``."""

@@ -1,0 +1,362 @@
+"""LoRA adapters in PEFT's format: add them, read and write ``adapter_config.json`` + ``adapter_model.safetensors``,
+and the adapters' gradients under PEFT's names.
+
+PEFT saves an adapter tensor as ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` (the adapter name
+removed), ``<module>`` being the module's name in transformers' model, which is the name of the same module here
+(``models.weights``: our module tree mirrors transformers'); a module trained whole (``modules_to_save``) as
+``base_model.model.<module>.<param>``. vLLM's LoRA loader reads the same files. On load the family's checkpoint
+renames apply to the module part too, so an adapter trained on a multimodal Qwen3.5 checkpoint
+(``model.language_model.layers...``) loads into the text model.
+
+Sharded models (FSDP2): adapters must exist before the model is sharded, so they are created by
+``load_model(path, lora=..., adapter=...)`` (on the meta device, before ``parallelize``); :func:`add_lora` on an
+already-sharded model is refused with that advice. :func:`load_adapter` then fills the adapters a sharded model
+already has (each rank its rows), and :func:`save_adapter` / :func:`lora_grads` gather each tensor whole in turn
+(collectives: call them on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from longstraw.distributed.fsdp import is_sharded, local_rows
+from longstraw.models.lora import (ALL_LINEAR, LoraSettings, LoRALinear, adapted_modules, add_adapters,
+                                   is_adapter_param)
+from longstraw.models.registry import family_for
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def _check_model(model) -> None:
+    if getattr(model, "spec", None) is None:
+        raise ValueError(f"expected a LongStraw model (longstraw.load_model), got {type(model).__name__}")
+
+
+def _sharded(model) -> bool:
+    return any(is_sharded(p) for p in model.parameters())
+
+
+def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str, dropout: float = 0.0, *,
+             use_rslora: bool = False, modules_to_save: Sequence[str] = (), rank_pattern: Mapping | None = None,
+             alpha_pattern: Mapping | None = None, seed: int | None = None):
+    """Add LoRA adapters to ``model`` in place (PEFT's ``get_peft_model`` with a ``LoraConfig`` of the same
+    fields) and return it.
+
+    target_modules: transformers' module names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``,
+    ``up_proj``, ``down_proj``; the Gated DeltaNet projections ``in_proj_qkvz``, ``in_proj_ba``, ``in_proj_qkv``,
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``; the MLA projections ``q_a_proj``, ``q_b_proj``,
+    ``kv_a_proj_with_mqa``, ``kv_b_proj``; DSA's indexer ``wq_b``, ``wk``, ``weights_proj``): a module matches when
+    its name is the target or ends with ``.`` + target (so ``gate_proj`` also takes the shared expert's); one string
+    is a regular expression over whole module names, or ``"all-linear"``. Routed experts are fused 3-D tensors here
+    and cannot be targeted yet. ``modules_to_save``: modules trained whole besides the adapters (e.g.
+    ``["embed_tokens"]``). Initialisation as PEFT's (``B = 0``: the model is unchanged); ``seed``: draw the ``A``
+    matrices from a generator seeded with it (module by module in name order) instead of the global generator.
+    Every base parameter is frozen. A ValueError names a bad value (a target that matches nothing, with the names
+    that can be targeted) and changes nothing.
+
+    On a model sharded by FSDP2 adapters cannot be added afterwards: pass ``lora=`` to :func:`longstraw.load_model`.
+    """
+    _check_model(model)
+    settings = LoraSettings(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=dropout,
+                            use_rslora=use_rslora, modules_to_save=tuple(modules_to_save or ()),
+                            rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
+    _add(model, settings, seed)
+    return model
+
+
+def _add(model, settings: LoraSettings, seed: int | None) -> list[str]:
+    if _sharded(model):
+        raise ValueError("add_lora on a model already sharded by FSDP2: adapters must exist before sharding; load it "
+                         "with longstraw.load_model(path, lora=dict(rank=..., alpha=..., target_modules=...)) or "
+                         "load_model(path, adapter=ADAPTER_DIR)")
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    targets = add_adapters(model, settings, generator=gen)
+    compute = getattr(model, "compute_dtype", None)
+    if compute is not None:  # master weights in one process: the frozen base needs no float32 copy
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(compute)
+    return targets
+
+
+def lora_settings(model) -> LoraSettings | None:
+    """The adapters' settings of ``model`` (None: it has none)."""
+    return getattr(model, "lora_settings", None) if adapted_modules(model) else None
+
+
+def settings_from(spec) -> LoraSettings:
+    """``LoraSettings`` from one: a :class:`LoraSettings`, a dict with ``add_lora``'s keyword names (``rank``,
+    ``alpha``, ``target_modules``, ``dropout``, ``use_rslora``, ``modules_to_save``, ``rank_pattern``,
+    ``alpha_pattern``) or PEFT's (``r``, ``lora_alpha``, ``lora_dropout``...)."""
+    if isinstance(spec, LoraSettings):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"lora={spec!r} must be a dict of add_lora's arguments (rank, alpha, target_modules, ...)")
+    names = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
+    fields = {"r", "lora_alpha", "target_modules", "lora_dropout", "use_rslora", "modules_to_save", "rank_pattern",
+              "alpha_pattern"}
+    out = {}
+    for k, v in spec.items():
+        key = names.get(k, k)
+        if key not in fields:
+            raise ValueError(f"lora: unknown key {k!r}; allowed: rank, alpha, target_modules, dropout, use_rslora, "
+                             "modules_to_save, rank_pattern, alpha_pattern")
+        out[key] = v
+    for need in ("r", "lora_alpha", "target_modules"):
+        if need not in out:
+            raise ValueError(f"lora: {dict((v, k) for k, v in names.items()).get(need, need)!r} is required")
+    if "modules_to_save" in out:
+        out["modules_to_save"] = tuple(out["modules_to_save"] or ())
+    if out.get("target_modules") is not None and not isinstance(out["target_modules"], str):
+        out["target_modules"] = tuple(out["target_modules"])
+    return LoraSettings(**out)
+
+
+# ---------------------------------------------------------------------------------------------- PEFT's format
+def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
+    f = path / ADAPTER_CONFIG
+    if not f.is_file():
+        raise ValueError(f"{str(path)!r} is not a PEFT adapter directory: it has no {ADAPTER_CONFIG}")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: cannot read the adapter config ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f}: expected a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LoRA adapters (peft_type 'LORA') load")
+    unsupported = {"use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
+                   "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "target_parameters": (None, []),
+                   "trainable_token_indices": (None,), "lora_bias": (False, None), "use_qalora": (False, None),
+                   "megatron_config": (None,), "alora_invocation_tokens": (None,), "arrow_config": (None,)}
+    for key, ok in unsupported.items():
+        if key in cfg and cfg[key] not in ok:
+            raise ValueError(f"{f}: {key}={cfg[key]!r} is not supported (allowed: {ok[0]!r})")
+    target = cfg.get("target_modules")
+    if isinstance(target, list):
+        target = tuple(sorted(target))
+    try:
+        settings = LoraSettings(r=cfg.get("r", 8), lora_alpha=cfg.get("lora_alpha", 8), target_modules=target,
+                                lora_dropout=cfg.get("lora_dropout", 0.0) or 0.0,
+                                use_rslora=bool(cfg.get("use_rslora", False)),
+                                modules_to_save=tuple(cfg.get("modules_to_save") or ()),
+                                rank_pattern=dict(cfg.get("rank_pattern") or {}),
+                                alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
+    except ValueError as e:
+        raise ValueError(f"{f}: {e}") from None
+    return settings, cfg
+
+
+def adapter_settings(path: str | os.PathLike) -> LoraSettings:
+    """The :class:`LoraSettings` of a PEFT adapter directory (its ``adapter_config.json``, checked)."""
+    return _peft_config(Path(path))[0]
+
+
+def _trained_params(model) -> dict[str, torch.Tensor]:
+    """Adapter parameters and those of ``modules_to_save``: what an adapter file holds, by in-memory name."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad or is_adapter_param(n)}
+
+
+def _key(wmap, name: str) -> str:
+    """PEFT's saved key of our parameter ``name``."""
+    return PREFIX + next(iter(wmap.save_tensors([(name, None)])))[0]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def save_adapter(model, path: str | os.PathLike) -> None:
+    """Write ``model``'s adapters as a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``), loadable by ``peft.PeftModel.from_pretrained`` and vLLM's LoRA support. Written
+    atomically (a temporary directory renamed over ``path``; an existing adapter directory there is replaced, any
+    other existing directory is refused). On an FSDP2 model a collective: call it on every rank (rank 0 writes)."""
+    _check_model(model)
+    settings = lora_settings(model)
+    if settings is None:
+        raise ValueError("save_adapter: the model has no LoRA adapters (longstraw.add_lora adds them)")
+    p = Path(path)
+    if p.exists() and (not p.is_dir() or (any(p.iterdir()) and not (p / ADAPTER_CONFIG).is_file())):
+        raise ValueError(f"save_adapter: {str(p)!r} exists and is not an adapter directory; give a new or an "
+                         "adapter directory")
+    wmap = family_for(model.spec.model_type).weights(model.hf_config)
+    tensors = {}
+    with torch.no_grad():
+        for name, t in _trained_params(model).items():
+            full = _full(t.detach())  # every rank joins each gather
+            tensors[_key(wmap, name)] = full.to("cpu").contiguous()
+    rank = torch.distributed.get_rank() if _sharded(model) else 0
+    if rank == 0:
+        cfg = peft_config_dict(settings, getattr(model, "source_dir", None))
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for f in (tmp / ADAPTER_WEIGHTS, tmp / ADAPTER_CONFIG):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if p.exists():
+            old = p.with_name(f".{p.name}.old-{os.getpid()}")
+            os.replace(p, old)
+        os.replace(tmp, p)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    if _sharded(model):
+        torch.distributed.barrier()
+
+
+def peft_config_dict(settings: LoraSettings, base: str | os.PathLike | None = None) -> dict:
+    """PEFT's ``adapter_config.json`` for ``settings`` (a LoRA config for a causal LM)."""
+    t = settings.target_modules
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base) if base else None,
+            "r": settings.r, "lora_alpha": settings.lora_alpha, "lora_dropout": settings.lora_dropout,
+            "target_modules": t if isinstance(t, str) else sorted(t), "bias": "none",
+            "use_rslora": settings.use_rslora, "modules_to_save": list(settings.modules_to_save) or None,
+            "rank_pattern": dict(settings.rank_pattern), "alpha_pattern": dict(settings.alpha_pattern),
+            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_dora": False,
+            "layers_to_transform": None, "layers_pattern": None, "revision": None}
+
+
+def load_adapter(model, path: str | os.PathLike):
+    """Read a PEFT adapter directory into ``model`` and return it: the adapters its config names are created (as
+    :func:`add_lora` would, base frozen) unless the model has the same ones already, then filled from
+    ``adapter_model.safetensors``. Keys are PEFT's (``base_model.model.<module>.lora_A.weight``; the family's
+    checkpoint renames apply); a missing or unexpected tensor or a shape mismatch is a ValueError naming it, checked
+    before any value is written. On an FSDP2 model the adapters must exist already (``load_model(path,
+    adapter=...)`` creates them); each rank fills its rows."""
+    _check_model(model)
+    p = Path(path)
+    settings, _ = _peft_config(p)
+    have = lora_settings(model)
+    if have is None:
+        _add(model, settings, None)
+    elif _comparable(have) != _comparable(settings):
+        raise ValueError(f"load_adapter: the model's adapters ({_describe(have)}) differ from {str(p)!r}'s "
+                         f"({_describe(settings)})")
+    fill_adapter(model, p)
+    return model
+
+
+def _comparable(s: LoraSettings) -> tuple:
+    t = s.target_modules if isinstance(s.target_modules, str) else tuple(sorted(s.target_modules))
+    return (s.r, float(s.lora_alpha), t, bool(s.use_rslora), tuple(sorted(s.modules_to_save)),
+            tuple(sorted(s.rank_pattern.items())), tuple(sorted(s.alpha_pattern.items())))
+
+
+def _describe(s: LoraSettings) -> str:
+    return f"r={s.r}, alpha={s.lora_alpha}, target_modules={s.target_modules!r}"
+
+
+def fill_adapter(model, path: Path) -> None:
+    """Copy the adapter file's tensors into the model's adapters (and ``modules_to_save`` parameters)."""
+    f = path / ADAPTER_WEIGHTS
+    if not f.is_file():
+        raise ValueError(f"{str(path)!r} has no {ADAPTER_WEIGHTS}")
+    wmap = family_for(model.spec.model_type).weights(model.hf_config)
+    params = _trained_params(model)
+    try:
+        handle = safe_open(str(f), framework="pt", device="cpu")
+        keys = list(handle.keys())
+    except Exception as e:  # noqa: BLE001 - a truncated or garbage file
+        raise ValueError(f"{f}: cannot read the adapter ({type(e).__name__}: {e})") from None
+    found, unexpected = {}, []
+    for k in keys:
+        inner = k[len(PREFIX):] if k.startswith(PREFIX) else k
+        inner = inner.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        name = wmap.param_name(inner)
+        if name is None:
+            continue
+        if name not in params:
+            unexpected.append(k)
+            continue
+        found[name] = k
+    if unexpected:
+        raise ValueError(f"{f}: tensors the model's adapters do not have: {', '.join(sorted(unexpected)[:10])}")
+    missing = sorted(set(params) - set(found))
+    if missing:
+        raise ValueError(f"{f}: adapter tensors missing: {', '.join(_key(wmap, n) for n in missing[:10])}")
+    for name, k in found.items():
+        shape = tuple(handle.get_slice(k).get_shape())
+        if shape != tuple(params[name].shape):
+            raise ValueError(f"{f}: {k} has shape {shape}, the model's adapter {tuple(params[name].shape)}")
+    with torch.no_grad():
+        for name, k in found.items():
+            fill(params[name], handle.get_tensor(k))
+
+
+def fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full tensor ``full`` into ``param`` (a DTensor: this rank's rows), converting its dtype."""
+    rows = local_rows(param)
+    local = param.to_local() if is_sharded(param) else param
+    if rows is not None:
+        full = full[rows[0]:rows[1]]
+    if local.numel():
+        local.copy_(full)
+
+
+def init_adapters(model, seed: int | None) -> None:
+    """PEFT's initialisation of every adapter of a materialised (possibly sharded) model: ``A`` Kaiming-uniform,
+    drawn whole from a generator seeded with ``seed`` module by module in name order (so every rank and every
+    layout draws the same values), ``B = 0``; ``seed`` None: the global generator, one process only."""
+    mods = sorted(adapted_modules(model).items())
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for _, m in mods:
+            if not is_sharded(m.lora_A.weight):
+                m.reset_lora_parameters(gen)
+                continue
+            if gen is None:
+                raise ValueError("initialising the adapters of a sharded model needs a seed (every rank draws them)")
+            a = m.lora_A.weight
+            bound = 1.0 / (a.shape[1] ** 0.5)
+            fill(a, torch.empty(tuple(a.shape), dtype=torch.float64).uniform_(-bound, bound, generator=gen))
+            fill(m.lora_B.weight, torch.zeros(tuple(m.lora_B.weight.shape), dtype=torch.float64))
+
+
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    """The adapters' current gradients (and those of ``modules_to_save``), full tensors keyed exactly as PEFT keys
+    them in ``adapter_model.safetensors`` (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
+    Parameters without a gradient are left out; on an FSDP2 model every rank must call it (each gradient is
+    gathered)."""
+    _check_model(model)
+    if lora_settings(model) is None:
+        raise ValueError("lora_grads: the model has no LoRA adapters (longstraw.add_lora adds them)")
+    wmap = family_for(model.spec.model_type).weights(model.hf_config)
+    out = {}
+    for name, prm in _trained_params(model).items():
+        if prm.grad is not None:
+            out[_key(wmap, name)] = _full(prm.grad)
+    return out
+
+
+def merged_weights(model) -> dict[str, tuple]:
+    """For :func:`longstraw.save_model` with ``merge_lora=True``: ``{weight name: (shape, dtype, make)}`` where
+    ``make()`` returns the merged full weight ``W + s B A`` (a collective on a sharded model)."""
+    out = {}
+    for name, m in adapted_modules(model).items():
+        out[f"{name}.weight"] = (tuple(m.weight.shape), m.weight.dtype, _merger(m))
+    return out
+
+
+def _merger(m: LoRALinear):
+    def make() -> torch.Tensor:
+        w, a, b = _full(m.weight.detach()), _full(m.lora_A.weight.detach()), _full(m.lora_B.weight.detach())
+        acc = torch.float64 if w.dtype == torch.float64 else torch.float32
+        return (w.to(acc) + (b.to(acc) @ a.to(acc)) * m.scaling).to(w.dtype)
+    return make
+
+
+__all__ = ["add_lora", "load_adapter", "save_adapter", "lora_grads", "adapter_settings", "peft_config_dict",
+           "ALL_LINEAR"]

@@ -1,0 +1,262 @@
+"""LoRA adapters on a LongStraw model, laid out as PEFT lays them out (pure modules: no files, no distribution).
+
+A targeted projection ``y = x W^T + b`` (``W [out, in]``) becomes ``y = x W^T + b + s * B(A(dropout(x)))`` with
+``A = lora_A.weight [r, in]``, ``B = lora_B.weight [out, r]`` and ``s = alpha / r`` (``alpha / sqrt(r)`` with
+rsLoRA), exactly PEFT's ``lora.Linear`` forward. The projection keeps its own name and parameters (``q_proj.weight``
+stays ``q_proj.weight``), the adapters sit beside it as ``q_proj.lora_A`` / ``q_proj.lora_B``: so a model's
+parameter names, minus the ``.lora_A.weight`` / ``.lora_B.weight`` ones, are still its checkpoint's, and an adapter
+tensor's name is PEFT's saved key without the ``base_model.model.`` prefix.
+
+Initialisation is PEFT's default: ``A`` Kaiming-uniform (``a = sqrt(5)``, as ``nn.Linear``), ``B = 0``, so a fresh
+adapter leaves the model's outputs unchanged. Every base parameter is frozen (``requires_grad = False``), except the
+modules named in ``modules_to_save`` (PEFT's name for other modules trained whole, e.g. the embedding).
+
+Layers that use a projection's weight other than by calling it (the absorbed MLA form reads ``kv_b_proj.weight``
+per head) call :func:`linear_weight`, which returns ``W + s B A`` for an adapted projection.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+ALL_LINEAR = "all-linear"
+"""PEFT's shorthand: every linear layer but the output layer (the LM head)."""
+
+_ADAPTER_PARAM = re.compile(r".*\.lora_[AB]\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What PEFT's ``LoraConfig`` says about the adapters (the fields LongStraw reads and writes).
+
+    ``target_modules``: a list of module names, each matching a module whose name is it or ends with ``.`` + it
+    (PEFT's rule), or one string: a regular expression a whole module name must match, or ``"all-linear"``.
+    ``rank_pattern`` / ``alpha_pattern``: per-module ranks / alphas (a key matches a module name as PEFT matches it:
+    the name ends with the key, a regular expression)."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str
+    lora_dropout: float = 0.0
+    use_rslora: bool = False
+    modules_to_save: tuple[str, ...] = ()
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoRA rank={self.r!r} must be an integer >= 1")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise ValueError(f"LoRA alpha={self.lora_alpha!r} must be a number > 0")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"LoRA dropout={self.lora_dropout!r} must be in [0, 1)")
+        t = self.target_modules
+        if isinstance(t, str):
+            if not t:
+                raise ValueError("LoRA target_modules='' names no module; give a list of names, a regular "
+                                 "expression or 'all-linear'")
+            if t != ALL_LINEAR:
+                try:
+                    re.compile(t)
+                except re.error as e:
+                    raise ValueError(f"LoRA target_modules={t!r} is not a regular expression: {e}") from None
+        else:
+            names = tuple(t) if t is not None else ()
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"LoRA target_modules={t!r} must be a non-empty list of module names, a regular "
+                                 "expression or 'all-linear'")
+            object.__setattr__(self, "target_modules", names)
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
+        for k, v in self.rank_pattern.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LoRA rank_pattern[{k!r}]={v!r} must be an integer >= 1")
+
+    def rank_alpha(self, name: str) -> tuple[int, float]:
+        """The rank and alpha of the adapter on module ``name`` (the patterns first, as PEFT resolves them)."""
+        r = _pattern_value(self.rank_pattern, name, self.r)
+        a = _pattern_value(self.alpha_pattern, name, self.lora_alpha)
+        return r, a
+
+    def scaling(self, r: int, alpha: float) -> float:
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _pattern_value(pattern: dict, name: str, default):
+    for key, value in pattern.items():  # PEFT: re.match(rf"(.*\.)?({key})$", name)
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a LoRA adapter: ``forward(x [..., in]) -> [..., out]``. It shares the base layer's
+    ``weight`` / ``bias`` parameters (their names stay the layer's) and adds ``lora_A [r, in]``, ``lora_B [out, r]``
+    (``nn.Linear`` modules, as PEFT names them), ``scaling`` and ``lora_dropout``."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, scaling: float, dropout: float = 0.0):
+        nn.Module.__init__(self)  # no fresh weight: the base layer's parameters are taken over as they are
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.r, self.lora_alpha, self.scaling = r, alpha, scaling
+        dd = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, **dd)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, **dd)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        if base.weight.device.type != "meta":
+            self.reset_lora_parameters()
+
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's default initialisation: ``A`` Kaiming-uniform with ``a = sqrt(5)``, ``B = 0`` (``generator``:
+        draw ``A`` from it, on the CPU, instead of the global generator)."""
+        with torch.no_grad():
+            a = self.lora_A.weight
+            if generator is None:
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            else:
+                bound = 1.0 / math.sqrt(a.shape[1])  # kaiming_uniform_ with a = sqrt(5): gain sqrt(1/3)
+                a.copy_(torch.empty(a.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
+            self.lora_B.weight.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = nn.functional.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def delta_weight(self) -> Tensor:
+        """``s B A`` ``[out, in]``: what merging adds to ``weight``."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, lora_alpha={self.lora_alpha}"
+
+
+def linear_weight(layer: nn.Linear) -> Tensor:
+    """The weight ``[out, in]`` that ``layer(x)`` applies: ``W + s B A`` for an adapted layer (differentiable in the
+    adapters), ``W`` otherwise. For layers that read a projection's weight instead of calling it.
+
+    Refused for an adapted layer with an active dropout: its forward has no single weight."""
+    if isinstance(layer, LoRALinear):
+        if layer.training and isinstance(layer.lora_dropout, nn.Dropout):
+            raise ValueError(f"a LoRA adapter with dropout={layer.lora_dropout.p} has no single weight to absorb; "
+                             "use lora dropout 0 on this projection (or evaluate in eval mode)")
+        return layer.weight + layer.delta_weight().to(layer.weight.dtype)
+    return layer.weight
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether parameter ``name`` is an adapter's (``...lora_A.weight`` / ``...lora_B.weight``)."""
+    return bool(_ADAPTER_PARAM.fullmatch(name))
+
+
+def linear_modules(model: nn.Module) -> list[str]:
+    """Names of the linear layers an adapter can go on: every plain ``nn.Linear`` (the LM head is not one; routed
+    experts are fused 3-D tensors, not linear layers)."""
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear or type(m) is LoRALinear]
+
+
+def _matches(target: tuple[str, ...] | str, name: str) -> bool:
+    if isinstance(target, str):
+        return target == ALL_LINEAR or re.fullmatch(target, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target)
+
+
+def lora_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """The names of the modules ``settings.target_modules`` puts adapters on (ValueError naming a listed target
+    that matches no linear layer, or a non-linear module that a target names, with what can be targeted)."""
+    linear = linear_modules(model)
+    linear_set = set(linear)
+    t = settings.target_modules
+    if isinstance(t, str) and t == ALL_LINEAR:
+        return linear
+    if isinstance(t, str):
+        other = [n for n, _ in model.named_modules() if n and n not in linear_set and re.fullmatch(t, n)]
+        hits = [n for n in linear if _matches(t, n)]
+        if other and not hits:
+            raise ValueError(f"LoRA target_modules={t!r} matches only modules that are not linear layers (e.g. "
+                             f"{other[0]!r}); {_allowed(linear)}")
+        if not hits:
+            raise ValueError(f"LoRA target_modules={t!r} matches no module of this model; {_allowed(linear)}")
+        return hits
+    hits = [n for n in linear if _matches(t, n)]
+    for target in t:
+        if any(n == target or n.endswith("." + target) for n in linear):
+            continue
+        other = [n for n, _ in model.named_modules() if n and (n == target or n.endswith("." + target))]
+        if target in ("lm_head", "embed_tokens"):
+            raise ValueError(f"LoRA target {target!r}: adapters on the {target} are not supported; train it whole "
+                             f"with modules_to_save=[{target!r}]")
+        if other and "experts" in other[0].rsplit(".", 1)[-1]:
+            raise ValueError(f"LoRA target {target!r} names routed experts ({other[0]}), which are fused 3-D "
+                             "tensors here; adapters on routed experts are not supported yet (the shared expert's "
+                             "gate_proj/up_proj/down_proj are linear layers and can be targeted)")
+        if other:
+            raise ValueError(f"LoRA target {target!r} names {other[0]!r}, a {type(dict(model.named_modules())[other[0]]).__name__}"
+                             f", not a linear layer; {_allowed(linear)}")
+        raise ValueError(f"LoRA target {target!r} matches no module of this model; {_allowed(linear)}")
+    return hits
+
+
+def _allowed(linear: Sequence[str]) -> str:
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    return f"its linear layers are named {', '.join(kinds)} (or give 'all-linear')"
+
+
+def _frozen_except(model: nn.Module, keep: Iterable[str]) -> list[str]:
+    """Freeze every parameter but the adapters and those of the modules named in ``keep`` (PEFT's
+    ``modules_to_save`` rule: a module whose name is it or ends with ``.`` + it). Returns the kept module names."""
+    keep = tuple(keep)
+    modules = dict(model.named_modules())
+    kept = []
+    for k in keep:
+        names = [n for n in modules if n and (n == k or n.endswith("." + k))]
+        if not names:
+            raise ValueError(f"modules_to_save entry {k!r} matches no module of this model (e.g. 'embed_tokens', "
+                             "'lm_head', 'norm')")
+        kept += names
+    for n, p in model.named_parameters():
+        p.requires_grad_(is_adapter_param(n) or any(n.startswith(m + ".") for m in kept))
+    return kept
+
+
+def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Generator | None = None) -> list[str]:
+    """Replace every targeted ``nn.Linear`` of ``model`` by a :class:`LoRALinear` around its parameters and freeze
+    the base (see the module docstring). Returns the adapted module names. ``generator``: draw the ``A`` matrices
+    from it (module by module, in name order) instead of the global generator. The adapters take the base layer's
+    dtype and device (on the meta device nothing is drawn: call :func:`reset_adapters` once materialised)."""
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("this model already has LoRA adapters (one adapter per model is supported)")
+    targets = lora_targets(model, settings)
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        base = getattr(parent, child)
+        r, alpha = settings.rank_alpha(name)
+        layer = LoRALinear(base, r, alpha, settings.scaling(r, alpha), settings.lora_dropout)
+        if generator is not None and base.weight.device.type != "meta":
+            layer.reset_lora_parameters(generator)
+        layer.train(base.training)
+        setattr(parent, child, layer)
+    _frozen_except(model, settings.modules_to_save)
+    model.lora_settings = settings
+    return targets
+
+
+def reset_adapters(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    """Initialise every adapter of ``model`` as PEFT does (module by module, in name order)."""
+    for _, m in sorted(((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)), key=lambda x: x[0]):
+        m.reset_lora_parameters(generator)
+
+
+def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def active_dropout(model: nn.Module) -> list[str]:
+    """Adapted modules whose dropout is active now (``p > 0`` in training mode)."""
+    return [n for n, m in adapted_modules(model).items() if m.training and isinstance(m.lora_dropout, nn.Dropout)]
