@@ -27,7 +27,7 @@ $(VENV)/.base: $(BIN)/python pyproject.toml
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	@echo "==> installing the test extras: transformers, pytest, pytest-xdist, pytest-timeout, pyarrow"
+	@echo "==> installing the test extras: transformers, pytest, pytest-xdist, pytest-timeout, pyarrow, peft"
 	$(PIP) -q -e ".[test,plot]"
 	@touch $@
 	@echo "==> $(VENV) is ready; running the tests"
