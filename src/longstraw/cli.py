@@ -163,7 +163,7 @@ def cmd_generate(args) -> int:
 
     prompt = _read_prompt(args)
     device = resolve_device(args.device, "--device")
-    model = longstraw.load_model(args.model, dtype=args.dtype, device=device)
+    model = longstraw.load_model(args.model, dtype=args.dtype, device=device, adapter=args.adapter)
     tok = load_tokenizer(args.model)
     ids = _encode(tok, render_prompt(tok, prompt))
     stops = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
@@ -224,7 +224,7 @@ def cmd_score(args) -> int:
     out = _out_path(args.out) if args.out else None
     device = resolve_device(args.device, "--device")
     groups = load_rollouts(args.data)
-    model = longstraw.load_model(args.model, dtype=args.dtype, device=device)
+    model = longstraw.load_model(args.model, dtype=args.dtype, device=device, adapter=args.adapter)
     tok = load_tokenizer(args.model)
     cfg = longstraw.GRPOConfig(prefill_chunk=args.prefill_chunk, temperature=args.temperature)
     work = []
@@ -361,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("score", cmd_score, "log-probs of responses (a rollouts JSONL) under a checkpoint")):
         g = sub.add_parser(name, help=helptext)
         g.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors + tokenizer)")
+        g.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory to apply to --model (a LoRA "
+                                                       "run's RUN/checkpoints/step-N/adapter)")
         g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                        help="parameter dtype (default: the checkpoint's dtype, else float32)")
         g.add_argument("--device", default="cpu", help="where to run: cpu, cuda, cuda:N or mps")

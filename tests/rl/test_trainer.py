@@ -158,3 +158,35 @@ def test_bf16_model_precision_and_offload_resume_exactly(tmp_path, master_weight
     if offload == "masters":
         for p, q in zip(params, resumed.model.parameters()):
             assert torch.equal(straight.opt.state[p]["master"], resumed.opt.state[q]["master"])
+
+
+def test_lora_run_trains_only_adapters_checkpoints_them_and_resumes_exactly(tmp_path):
+    """[lora]: the base frozen (no gradient, no optimiser state), the adapters trained; a checkpoint holds adapter/
+    (a PEFT adapter directory) and no model/; 2 steps + 1 resumed = 3 straight, bit for bit; the adapter applied to
+    the base with load_model(adapter=) gives the trained model's log-probs."""
+    import longstraw
+
+    (tmp_path / "rw.py").write_text("def fn(response, answer, **meta):\n"
+                                    "    return (sum(response.encode('utf-8', 'replace')) % 13) / 12.0\n")
+    sets = ["lora.rank=4", 'lora.target_modules=["q_proj","v_proj","down_proj","in_proj_qkv","out_proj"]',
+            'lora.modules_to_save=["norm"]', "train.save_every=1", "optim.lr=5e-2",
+            f"reward.fn=\"{tmp_path / 'rw.py'}:fn\""]
+    straight = Trainer(_cfg(tmp_path / "a", "train.steps=3", *sets), resume=False, echo=lambda *_: None)
+    straight.train()
+    trained = {n for n, p in straight.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n or n == "model.norm.weight" for n in trained)
+    assert {id(p) for p in straight.opt.state} <= {id(p) for p in straight.model.parameters() if p.requires_grad}
+    assert any(".lora_B." in n and p.abs().max() > 0 for n, p in straight.model.named_parameters())  # it learned
+    ckpt = checkpoint_dirs(tmp_path / "a")[-1]
+    assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and not (ckpt / "model").exists()
+    Trainer(_cfg(tmp_path / "b", "train.steps=2", *sets), resume=False, echo=lambda *_: None).train()
+    resumed = Trainer(_cfg(tmp_path / "b", "train.steps=3", *sets), resume=True, echo=lambda *_: None)
+    resumed.train()
+    assert _stable(read_metrics(tmp_path / "b")) == _stable(read_metrics(tmp_path / "a"))
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), n
+    served = longstraw.load_model(tmp_path / "a" / "initial_model", adapter=ckpt / "adapter")
+    ids = torch.randint(0, served.spec.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    straight.model.eval()
+    with torch.no_grad():
+        assert torch.equal(served(ids), straight.model(ids))

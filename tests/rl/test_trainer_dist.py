@@ -175,6 +175,32 @@ def test_host_optimizer_state_on_two_ranks_gives_the_one_process_run(runs, tmp_p
     assert (checkpoint_dirs(run)[-1] / "sharded" / ".metadata").exists()
 
 
+def test_lora_on_four_ranks_gives_the_one_process_run(runs, tmp_path):
+    """[lora] under torchrun (2 replicas x 2 CP, FSDP2 sharding the frozen base and the adapters): the metrics and
+    the adapters equal a one-process LoRA run; checkpoints hold the sharded adapter state and adapter/ (PEFT)."""
+    root = runs[0]
+    shutil.copy(root / "rw.py", tmp_path / "rw.py")
+    lora = ["lora.rank=4", "lora.alpha=8", 'lora.modules_to_save=["norm"]']
+    _ok(train(0, _args(tmp_path / "one", *lora)), "LoRA, one process")
+    _ok(train(4, _args(tmp_path / "four", "parallel.cp=2", *lora)), "LoRA, 4 ranks")
+    _close(read_metrics(tmp_path / "four"), read_metrics(tmp_path / "one"))
+    adapters = []
+    for run in ("one", "four"):
+        ckpt = checkpoint_dirs(tmp_path / run)[-1]
+        assert not (ckpt / "model").exists()
+        adapters.append(load_file(ckpt / "adapter" / "adapter_model.safetensors"))
+    _close_weights(adapters[1], adapters[0])
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapters[0].items())
+    assert "base_model.model.model.norm.weight" in adapters[0]
+    # resumed from the 4-rank checkpoint of step 2 on 2 ranks (DCP reshards the adapters and their AdamW state)
+    run = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "four", run)
+    shutil.rmtree(checkpoint_dirs(run)[-1])
+    _ok(train(2, ["--resume", str(run), "--set", "parallel.cp=1"]), "LoRA resumed on 2 ranks")
+    _close(read_metrics(run), read_metrics(tmp_path / "one"))
+    _close_weights(load_file(checkpoint_dirs(run)[-1] / "adapter" / "adapter_model.safetensors"), adapters[0])
+
+
 def test_bad_parallel_values_are_one_line_from_rank_zero(tmp_path):
     (tmp_path / "rw.py").write_text(REWARD)
     for extra, want in ((["parallel.cp=3"], "parallel.cp=3 does not divide the job's 2 ranks; allowed: 1, 2"),

@@ -1,7 +1,8 @@
 """Training checkpoints that survive a crash at any moment.
 
 ``RUN/checkpoints/step-00000042/`` holds ``model/`` (an HF checkpoint directory: vLLM or transformers serve it as
-is) and ``trainer.pt`` (optimiser and scheduler state, RNG states, step, data position). A checkpoint is written
+is; a LoRA run's holds ``adapter/`` instead, a PEFT adapter directory, the frozen base being where the run started)
+and ``trainer.pt`` (optimiser and scheduler state, RNG states, step, data position). A checkpoint is written
 into ``.tmp-step-...`` beside it, every file fsynced, then the directory is renamed into place and the parent
 fsynced: a run killed mid-save leaves the previous complete checkpoint untouched and at worst a ``.tmp-`` directory
 that the next save removes. Only the last ``keep_last`` checkpoints are kept.
@@ -100,9 +101,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict, 
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    save_model(model, tmp / "model")
+    out = _save_weights(model, tmp)
     for name, src in (extra_files or {}).items():
-        shutil.copy2(src, tmp / "model" / name)
+        shutil.copy2(src, out / name)
     torch.save(trainer_state, tmp / "trainer.pt")
     _maybe_fault(step)
     _fsync_tree(tmp)
@@ -116,6 +117,35 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict, 
 
 
 SHARDED_DIR = "sharded"  # the DCP files of a sharded checkpoint
+ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: its adapters as a PEFT adapter directory (no model/)
+
+
+def _has_adapters(model) -> bool:
+    from longstraw.checkpoint.adapter import lora_settings
+
+    return lora_settings(model) is not None
+
+
+def _save_weights(model, tmp: Path) -> Path:
+    """``tmp/model`` (the HF export) or, for a model with LoRA adapters, ``tmp/adapter`` (a PEFT adapter
+    directory; the frozen base is where the run started). A collective on a sharded model. Returns the directory."""
+    if _has_adapters(model):
+        from longstraw.checkpoint.adapter import save_adapter
+
+        save_adapter(model, tmp / ADAPTER_DIR)
+        return tmp / ADAPTER_DIR
+    save_model(model, tmp / "model")
+    return tmp / "model"
+
+
+def _state_options(model, setting: bool = False):
+    """DCP state-dict options: a LoRA model's frozen base is not the checkpoint's (only what is trained; setting
+    it back is then not strict about the frozen keys, which DCP's ``load`` already checked are all there)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if not _has_adapters(model):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=not setting)
 
 
 def _dcp_error(what: str, e: BaseException) -> ValueError:
@@ -151,19 +181,20 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, tr
             tmp.mkdir()
     has_optimizer_state = bool(optimizer.state)  # before the first step there is none: nothing to save
     reshard(model)  # the optimiser's (sharded) parameters registered, whatever ran last
-    state = {"model": get_model_state_dict(model)}
+    opts = _state_options(model)
+    state = {"model": get_model_state_dict(model, options=opts)}
     if has_optimizer_state:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=opts)
     try:
         save(state, storage_writer=FileSystemWriter(tmp / SHARDED_DIR))  # each rank its shards; fsynced
     except CheckpointException as e:
         raise JobError(str(_dcp_error(f"cannot write {tmp / SHARDED_DIR}", e))) from None
     del state
-    save_model(model, tmp / "model")  # the HF export, written by all ranks without a gather on one
+    out = _save_weights(model, tmp)  # the HF export (or adapters), written by all ranks without a gather on one
     with together(main_only=True) as mine:
         if mine:
             for name, src in (extra_files or {}).items():
-                shutil.copy2(src, tmp / "model" / name)
+                shutil.copy2(src, out / name)
             torch.save({**trainer_state, "format": "sharded", "optimizer_state": has_optimizer_state},
                        tmp / "trainer.pt")
     _maybe_fault(step)  # every rank: the job dies with the checkpoint complete but not yet renamed
@@ -192,18 +223,20 @@ def load_sharded_state(ckpt_dir: str | Path, model, optimizer, *, optimizer_stat
 
     where = Path(ckpt_dir) / SHARDED_DIR
     reshard(model)
-    state = {"model": get_model_state_dict(model)}
+    opts = _state_options(model)
+    state = {"model": get_model_state_dict(model, options=opts)}
     if optimizer_state:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=opts)
     try:
         with warnings.catch_warnings():  # one process: DCP says it assumes so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             load(state, storage_reader=FileSystemReader(where))
     except CheckpointException as e:
         raise damaged_checkpoint(ckpt_dir, str(_dcp_error(SHARDED_DIR, e))) from None
-    set_model_state_dict(model, state["model"])
+    set_opts = _state_options(model, setting=True)
+    set_model_state_dict(model, state["model"], options=set_opts)
     if optimizer_state:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=set_opts)
 
 
 def load_full_optimizer_state(model, optimizer, state: dict) -> None:

@@ -30,6 +30,14 @@ ALL_LINEAR = "all-linear"
 
 _ADAPTER_PARAM = re.compile(r".*\.lora_[AB]\.weight$")
 
+KNOWN_PROJECTIONS = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # attention, MLP, shared experts
+    "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",  # Gated DeltaNet
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
+    "wq_b", "wk", "weights_proj", "shared_expert_gate"})
+"""Projection names of the supported families. A target list may name ones this model lacks (as PEFT allows: one
+list for several architectures) as long as some target matches; any other name must match a module here."""
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -187,6 +195,8 @@ def lora_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
     for target in t:
         if any(n == target or n.endswith("." + target) for n in linear):
             continue
+        if hits and target in KNOWN_PROJECTIONS:
+            continue  # another family's projection (one target list for hybrids and dense models), as PEFT allows
         other = [n for n, _ in model.named_modules() if n and (n == target or n.endswith("." + target))]
         if target in ("lm_head", "embed_tokens"):
             raise ValueError(f"LoRA target {target!r}: adapters on the {target} are not supported; train it whole "

@@ -1,8 +1,8 @@
 """The training run's configuration: typed sections, validated, read from TOML, written beside the run.
 
 A run config is a :class:`RunConfig` of sections (``model``, ``data``, ``rollout``, ``reward``, ``algorithm``,
-``optim``, ``train``, ``parallel``), each a frozen dataclass. Two sections embed the engine's own settings instead of restating
-them: ``algorithm.grpo`` is a :class:`~longstraw.engine.config.GRPOConfig` and ``rollout.sampling`` a
+``optim``, ``lora``, ``train``, ``parallel``), each a frozen dataclass. Two sections embed the engine's own settings
+instead of restating them: ``algorithm.grpo`` is a :class:`~longstraw.engine.config.GRPOConfig` and ``rollout.sampling`` a
 :class:`~longstraw.engine.config.SamplingConfig`, so those settings' defaults, types and range checks are defined
 once, in the engine. The TOML stays flat for users (``[algorithm] clip_ratio_low = 0.2``, ``[rollout]
 temperature = 1.0``): the loader routes each key to the embedded config and :func:`dump_config` writes it back flat.
@@ -191,6 +191,39 @@ class OptimSection(_Section):
 
 
 @dataclass(frozen=True)
+class LoraSection(_Section):
+    """LoRA adapters instead of a full fine-tune (PEFT's format and names: ``longstraw.add_lora``): the base is
+    frozen in model.dtype (no gradients, master weights or optimiser state), the adapters are trained, and
+    checkpoints hold ``adapter/`` (a PEFT adapter directory: vLLM and PEFT load it) instead of the whole model."""
+
+    rank: int | None = _key(None, "the adapters' rank r; \"none\": no adapters (a full fine-tune)")
+    alpha: float | None = _key(None, "the scaling numerator: adapters add alpha / rank * B A x (alpha / sqrt(rank) "
+                                     "with use_rslora); \"none\": twice the rank")
+    target_modules: tuple[str, ...] = _key(("all-linear",), "the projections that get adapters, by transformers' "
+                                           "module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                           "down_proj; in_proj_qkvz, in_proj_ba, in_proj_qkv, in_proj_z, in_proj_b, "
+                                           "in_proj_a, out_proj of Gated DeltaNet; q_a_proj, q_b_proj, "
+                                           "kv_a_proj_with_mqa, kv_b_proj of MLA), or [\"all-linear\"]: every "
+                                           "linear layer but the LM head")
+    dropout: float = _key(0.0, "dropout on the adapters' input, in [0, 1) (needs algorithm.prompt_grad = "
+                               "\"detached\": the exact reverse pass recomputes the prompt)")
+    use_rslora: bool = _key(False, "rank-stabilised LoRA: scale by alpha / sqrt(rank)")
+    modules_to_save: tuple[str, ...] = _key((), "modules trained whole besides the adapters, e.g. "
+                                                "[\"embed_tokens\", \"lm_head\"]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def settings(self) -> dict:
+        """``load_model(lora=...)``'s dict (add_lora's names)."""
+        t = self.target_modules
+        return {"rank": self.rank, "alpha": self.alpha if self.alpha is not None else 2.0 * self.rank,
+                "target_modules": "all-linear" if tuple(t) == ("all-linear",) else tuple(t),
+                "dropout": self.dropout, "use_rslora": self.use_rslora, "modules_to_save": tuple(self.modules_to_save)}
+
+
+@dataclass(frozen=True)
 class TrainSection(_Section):
     """The loop: steps, seed, run directory, checkpoints, logging, and the memory check before the run."""
 
@@ -241,6 +274,7 @@ SECTIONS = {
     "reward": RewardSection,
     "algorithm": AlgorithmSection,
     "optim": OptimSection,
+    "lora": LoraSection,
     "train": TrainSection,
     "parallel": ParallelSection,  # room for ep (expert parallelism) beside cp
 }
@@ -275,6 +309,7 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
 
@@ -624,6 +659,25 @@ def validate(cfg: RunConfig) -> None:
     _require(o.offload != OptimOffload.MASTERS or m.dtype in ("bfloat16", "float16"),
              f"optim.offload='masters' keeps float32 master weights on the host for a bfloat16/float16 model.dtype; "
              f"model.dtype={m.dtype!r} (use optim.offload='moments')")
+    lo = cfg.lora
+    if lo.enabled:
+        from longstraw.models.lora import LoraSettings
+
+        _require(lo.rank >= 1, f"lora.rank={lo.rank} must be >= 1 (or \"none\": no adapters)")
+        _require(lo.alpha is None or lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0 (or \"none\": 2 * rank)")
+        _require(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout} must be in [0, 1)")
+        _require(len(lo.target_modules) > 0 and all(lo.target_modules),
+                 f"lora.target_modules={list(lo.target_modules)} must name at least one module (or "
+                 "[\"all-linear\"])")
+        _require(lo.dropout == 0 or not a.grpo.exact,
+                 f"lora.dropout={lo.dropout} needs algorithm.prompt_grad = \"detached\": the exact reverse pass "
+                 "recomputes the prompt and would draw other dropout masks (or set lora.dropout = 0)")
+        try:
+            s_ = lo.settings()
+            LoraSettings(r=s_["rank"], lora_alpha=s_["alpha"], target_modules=s_["target_modules"],
+                         lora_dropout=s_["dropout"])
+        except ValueError as e:
+            raise ValueError(str(e).replace("LoRA target_modules", "lora.target_modules")) from None
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _require(t.save_every >= 0, f"train.save_every={t.save_every} must be >= 0")
     _require(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1")

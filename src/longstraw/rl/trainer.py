@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from longstraw.checkpoint.hf import ModelTooLargeError, load_model, parse_dtype, save_model, tokenizer_files
+from longstraw.checkpoint.training import ADAPTER_DIR
 from longstraw.checkpoint.training import RunDirLock, check_writable, damaged_checkpoint, latest_checkpoint, \
     load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
     save_sharded_checkpoint, set_rng_state
@@ -358,8 +359,15 @@ class Trainer:
         return m.dtype
 
     def _build_model(self, ckpt: Path | None):
-        src = ckpt / "model" if ckpt is not None else self._initial_model_dir()
-        model = load_model(src, dtype=self.cfg.model.dtype, device=self.device, master_dtype=self._master_dtype())
+        kw = dict(dtype=self.cfg.model.dtype, device=self.device, master_dtype=self._master_dtype())
+        if self.cfg.lora.enabled:  # the frozen base from where the run started, the adapters from the checkpoint
+            if ckpt is not None:
+                kw["adapter"] = ckpt / ADAPTER_DIR
+            else:
+                kw.update(lora=self.cfg.lora.settings(), lora_seed=_derive_seed(self.cfg.train.seed, 0x10A))
+            model = load_model(self._initial_model_dir(), **kw)
+        else:
+            model = load_model(ckpt / "model" if ckpt is not None else self._initial_model_dir(), **kw)
         model.train()
         return model
 
