@@ -190,3 +190,23 @@ def test_lora_run_trains_only_adapters_checkpoints_them_and_resumes_exactly(tmp_
     straight.model.eval()
     with torch.no_grad():
         assert torch.equal(served(ids), straight.model(ids))
+
+
+def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
+    """kl_coef > 0 with [lora]: no second model; the reference log-probs (adapters off) are the initial model's."""
+    from longstraw.engine.grpo import score
+    from longstraw.models.lora import adapters_disabled
+
+    (tmp_path / "rw.py").write_text("def fn(response, answer, **meta):\n"
+                                    "    return (sum(response.encode('utf-8', 'replace')) % 13) / 12.0\n")
+    t = Trainer(_cfg(tmp_path / "a", "train.steps=2", "lora.rank=4", "algorithm.kl_coef=0.05", "optim.lr=5e-2",
+                     f"reward.fn=\"{tmp_path / 'rw.py'}:fn\""), resume=False, echo=lambda *_: None)
+    t.train()
+    assert t.ref_model is None and any(p.abs().max() > 0 for n, p in t.model.named_parameters() if "lora_B" in n)
+    base = t._reference_model()
+    ids = torch.randint(0, base.spec.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    with adapters_disabled(t.model):
+        off = score(t.model, ids[:16], [ids[16:]], t.gcfg)
+    assert torch.equal(off[0], score(base, ids[:16], [ids[16:]], t.gcfg)[0])
+    assert not torch.equal(score(t.model, ids[:16], [ids[16:]], t.gcfg)[0], off[0])
+    assert read_metrics(tmp_path / "a")[-1]["kl"] != 0

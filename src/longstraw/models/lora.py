@@ -17,6 +17,7 @@ per head) call :func:`linear_weight`, which returns ``W + s B A`` for an adapted
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -132,8 +133,12 @@ class LoRALinear(nn.Linear):
                 a.copy_(torch.empty(a.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
             self.lora_B.weight.zero_()
 
+    disabled = False  # adapters_disabled(): the base layer alone (a LoRA run's reference model)
+
     def forward(self, x: Tensor) -> Tensor:
         out = nn.functional.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def delta_weight(self) -> Tensor:
@@ -149,7 +154,7 @@ def linear_weight(layer: nn.Linear) -> Tensor:
     adapters), ``W`` otherwise. For layers that read a projection's weight instead of calling it.
 
     Refused for an adapted layer with an active dropout: its forward has no single weight."""
-    if isinstance(layer, LoRALinear):
+    if isinstance(layer, LoRALinear) and not layer.disabled:
         if layer.training and isinstance(layer.lora_dropout, nn.Dropout):
             raise ValueError(f"a LoRA adapter with dropout={layer.lora_dropout.p} has no single weight to absorb; "
                              "use lora dropout 0 on this projection (or evaluate in eval mode)")
@@ -270,3 +275,17 @@ def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
 def active_dropout(model: nn.Module) -> list[str]:
     """Adapted modules whose dropout is active now (``p > 0`` in training mode)."""
     return [n for n, m in adapted_modules(model).items() if m.training and isinstance(m.lora_dropout, nn.Dropout)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within it ``model`` computes as its base (every adapter skipped; PEFT's ``disable_adapter()``): a LoRA run's
+    reference model without a second copy of the weights. Not the base when ``modules_to_save`` modules were trained."""
+    mods = list(adapted_modules(model).values())
+    for m in mods:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.disabled = False

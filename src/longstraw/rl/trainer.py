@@ -49,11 +49,11 @@ import torch
 from torch import Tensor
 
 from longstraw.checkpoint.hf import ModelTooLargeError, load_model, parse_dtype, save_model, tokenizer_files
-from longstraw.checkpoint.training import ADAPTER_DIR
-from longstraw.checkpoint.training import RunDirLock, check_writable, damaged_checkpoint, latest_checkpoint, \
-    load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
+from longstraw.checkpoint.training import ADAPTER_DIR, RunDirLock, check_writable, damaged_checkpoint, \
+    latest_checkpoint, load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
     save_sharded_checkpoint, set_rng_state
 from longstraw.devices import resolve_device
+from longstraw.models.lora import adapters_disabled
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
 from longstraw.profiling import PhaseMeter, current_bytes, delayed_bar, tune_allocator
@@ -269,7 +269,10 @@ class Trainer:
             if ckpt is None:
                 raise
             raise damaged_checkpoint(ckpt, f"model/: {e}") from None
-        self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 else None
+        # the KL reference: a frozen copy of the initial model; a LoRA run whose only trained modules are adapters
+        # scores with its adapters off instead (the same model, no second copy of the weights)
+        own_ref = self.cfg.lora.enabled and not self.cfg.lora.modules_to_save
+        self.ref_model = self._reference_model() if self.gcfg.kl_coef > 0 and not own_ref else None
         o = self.cfg.optim
         self.opt = make_optimizer(self.model.parameters(), o.lr, o.betas, o.weight_decay, o.eps, o.offload)
         if st is None:
@@ -419,8 +422,12 @@ class Trainer:
             rewards = [r.value for r in results]
             errors = sum(r.error is not None for r in results)
         adv = group_advantages(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
-        ref = (score(self.ref_model, item.prompt_ids, responses, self.gcfg, meter=self._meter())
-               if self.ref_model is not None else None)
+        ref = None
+        if self.ref_model is not None:
+            ref = score(self.ref_model, item.prompt_ids, responses, self.gcfg, meter=self._meter())
+        elif self.gcfg.kl_coef > 0:  # LoRA: the reference is the frozen base, the policy with its adapters off
+            with adapters_disabled(self.model):
+                ref = score(self.model, item.prompt_ids, responses, self.gcfg, meter=self._meter())
         return Group(item.prompt_ids, responses, texts, rewards, adv, old, ref, state, errors, reasons)
 
     def _update(self, groups: list[Group]) -> dict:
