@@ -96,7 +96,9 @@ def test_every_key_of_every_section_is_read_by_a_real_run(tmp_path, monkeypatch)
          'reward.fn="exact_match"', "reward.options={case_sensitive=false}", 'train.memory_check="off"',
          "train.progress=true", 'rollout.stop_strings=["\\n"]'],
         ['data.task=""', f'data.path="{rollouts}"', "data.offline=true", "train.progress=false",
-         'model.dtype="bfloat16"'],  # master weights
+         'model.dtype="bfloat16"',  # master weights (of the adapters: the LoRA run)
+         "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", 'algorithm.prompt_grad="detached"', "lora.use_rslora=true",
+         'lora.target_modules=["q_proj","down_proj"]', 'lora.modules_to_save=["norm"]'],
         # under torchrun ([parallel] read to join the job): a job of one rank, in this process
         ["train.progress=false", 'train.memory_check="off"'],
     ]

@@ -68,6 +68,8 @@ class LMHead(nn.Linear):
 
     def forward(self, hidden: Tensor, targets: Tensor | None = None, *, temperature: float = 1.0,
                 chunk_size: int = 1024, with_entropy: bool = False):
+        if hidden.dtype != self.weight.dtype:  # a frozen bf16 head (LoRA) after float32 master-weight layers: the
+            hidden = hidden.to(self.weight.dtype)  # head's dtype is its compute dtype (the op accumulates in fp32)
         if targets is None:
             return nn.functional.linear(hidden, self.weight, self.bias)
         return token_logprobs(hidden, self.weight, targets, bias=self.bias, temperature=temperature,

@@ -215,13 +215,6 @@ class LoraSection(_Section):
     def enabled(self) -> bool:
         return self.rank is not None
 
-    def settings(self) -> dict:
-        """``load_model(lora=...)``'s dict (add_lora's names)."""
-        t = self.target_modules
-        return {"rank": self.rank, "alpha": self.alpha if self.alpha is not None else 2.0 * self.rank,
-                "target_modules": "all-linear" if tuple(t) == ("all-linear",) else tuple(t),
-                "dropout": self.dropout, "use_rslora": self.use_rslora, "modules_to_save": tuple(self.modules_to_save)}
-
 
 @dataclass(frozen=True)
 class TrainSection(_Section):
@@ -673,9 +666,8 @@ def validate(cfg: RunConfig) -> None:
                  f"lora.dropout={lo.dropout} needs algorithm.prompt_grad = \"detached\": the exact reverse pass "
                  "recomputes the prompt and would draw other dropout masks (or set lora.dropout = 0)")
         try:
-            s_ = lo.settings()
-            LoraSettings(r=s_["rank"], lora_alpha=s_["alpha"], target_modules=s_["target_modules"],
-                         lora_dropout=s_["dropout"])
+            t_ = "all-linear" if tuple(lo.target_modules) == ("all-linear",) else tuple(lo.target_modules)
+            LoraSettings(r=lo.rank, lora_alpha=lo.alpha or 2.0 * lo.rank, target_modules=t_, lora_dropout=lo.dropout)
         except ValueError as e:
             raise ValueError(str(e).replace("LoRA target_modules", "lora.target_modules")) from None
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")

@@ -113,6 +113,14 @@ def _derive_seed(*parts: int) -> int:
     return h & 0x7FFFFFFF
 
 
+def lora_settings(lo) -> dict:
+    """``load_model(lora=...)``'s dict (add_lora's names) for the run's ``[lora]`` section."""
+    t = lo.target_modules
+    return {"rank": lo.rank, "alpha": lo.alpha if lo.alpha is not None else 2.0 * lo.rank,
+            "target_modules": "all-linear" if tuple(t) == ("all-linear",) else tuple(t),
+            "dropout": lo.dropout, "use_rslora": lo.use_rslora, "modules_to_save": tuple(lo.modules_to_save)}
+
+
 def builtin_model_config(name: str, vocab_size: int, max_positions: int) -> dict:
     """HF config dicts of the built-in random models (saved as real checkpoints, then loaded)."""
     if name == "tiny-dense":
@@ -367,7 +375,7 @@ class Trainer:
             if ckpt is not None:
                 kw["adapter"] = ckpt / ADAPTER_DIR
             else:
-                kw.update(lora=self.cfg.lora.settings(), lora_seed=_derive_seed(self.cfg.train.seed, 0x10A))
+                kw.update(lora=lora_settings(self.cfg.lora), lora_seed=_derive_seed(self.cfg.train.seed, 0x10A))
             model = load_model(self._initial_model_dir(), **kw)
         else:
             model = load_model(ckpt / "model" if ckpt is not None else self._initial_model_dir(), **kw)
