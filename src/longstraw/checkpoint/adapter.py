@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from longstraw.distributed.fsdp import is_sharded, local_rows
 from longstraw.models.lora import (ALL_LINEAR, LoraSettings, LoRALinear, adapted_modules, add_adapters,
-                                   is_adapter_param)
+                                   is_adapter_param, kept_modules, lora_targets, trained_ids)
 from longstraw.models.registry import family_for
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -167,6 +167,14 @@ def _trained_params(model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad or is_adapter_param(n)}
 
 
+def _tied_aliases(model, params: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Other names of the parameters ``params`` holds (a tied LM head: ``{"lm_head.weight":
+    "model.embed_tokens.weight"}`` when the embedding is trained whole), alias -> name."""
+    names = {id(p): n for n, p in params.items()}
+    return {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in names and n not in params}
+
+
 def _key(wmap, name: str) -> str:
     """PEFT's saved key of our parameter ``name``."""
     return PREFIX + next(iter(wmap.save_tensors([(name, None)])))[0]
@@ -191,13 +199,19 @@ def save_adapter(model, path: str | os.PathLike) -> None:
                          "adapter directory")
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
     tensors = {}
+    trained = _trained_params(model)
     with torch.no_grad():
-        for name, t in _trained_params(model).items():
+        for name, t in trained.items():
             full = _full(t.detach())  # every rank joins each gather
             tensors[_key(wmap, name)] = full.to("cpu").contiguous()
+    # a trained embedding tied to the LM head: PEFT keeps them tied only with ensure_weight_tying, and then reads
+    # (and writes) the LM head's tensor too
+    aliases = _tied_aliases(model, trained)
+    for alias, name in aliases.items():
+        tensors[_key(wmap, alias)] = tensors[_key(wmap, name)].clone()
     rank = torch.distributed.get_rank() if _sharded(model) else 0
     if rank == 0:
-        cfg = peft_config_dict(settings, getattr(model, "source_dir", None))
+        cfg = peft_config_dict(settings, getattr(model, "source_dir", None), tied=bool(aliases))
         tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -217,8 +231,9 @@ def save_adapter(model, path: str | os.PathLike) -> None:
         torch.distributed.barrier()
 
 
-def peft_config_dict(settings: LoraSettings, base: str | os.PathLike | None = None) -> dict:
-    """PEFT's ``adapter_config.json`` for ``settings`` (a LoRA config for a causal LM)."""
+def peft_config_dict(settings: LoraSettings, base: str | os.PathLike | None = None, tied: bool = False) -> dict:
+    """PEFT's ``adapter_config.json`` for ``settings`` (a LoRA config for a causal LM). ``tied``: a module trained
+    whole is tied to another (the embedding to the LM head), which PEFT keeps so with ``ensure_weight_tying``."""
     t = settings.target_modules
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base) if base else None,
             "r": settings.r, "lora_alpha": settings.lora_alpha, "lora_dropout": settings.lora_dropout,
@@ -226,7 +241,7 @@ def peft_config_dict(settings: LoraSettings, base: str | os.PathLike | None = No
             "use_rslora": settings.use_rslora, "modules_to_save": list(settings.modules_to_save) or None,
             "rank_pattern": dict(settings.rank_pattern), "alpha_pattern": dict(settings.alpha_pattern),
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_dora": False,
-            "layers_to_transform": None, "layers_pattern": None, "revision": None}
+            "layers_to_transform": None, "layers_pattern": None, "revision": None, "ensure_weight_tying": tied}
 
 
 def load_adapter(model, path: str | os.PathLike):
@@ -234,13 +249,14 @@ def load_adapter(model, path: str | os.PathLike):
     :func:`add_lora` would, base frozen) unless the model has the same ones already, then filled from
     ``adapter_model.safetensors``. Keys are PEFT's (``base_model.model.<module>.lora_A.weight``; the family's
     checkpoint renames apply); a missing or unexpected tensor or a shape mismatch is a ValueError naming it, checked
-    before any value is written. On an FSDP2 model the adapters must exist already (``load_model(path,
-    adapter=...)`` creates them); each rank fills its rows."""
+    before any adapter is added or value written. On an FSDP2 model the adapters must exist already
+    (``load_model(path, adapter=...)`` creates them); each rank fills its rows."""
     _check_model(model)
     p = Path(path)
     settings, _ = _peft_config(p)
     have = lora_settings(model)
     if have is None:
+        _check_file(model, p, *_planned(model, settings))  # the file fits the adapters: checked before adding them
         _add(model, settings, None)
     elif _comparable(have) != _comparable(settings):
         raise ValueError(f"load_adapter: the model's adapters ({_describe(have)}) differ from {str(p)!r}'s "
@@ -261,11 +277,42 @@ def _describe(s: LoraSettings) -> str:
 
 def fill_adapter(model, path: Path) -> None:
     """Copy the adapter file's tensors into the model's adapters (and ``modules_to_save`` parameters)."""
+    params = _trained_params(model)
+    handle, found = _check_file(model, path, {n: tuple(t.shape) for n, t in params.items()},
+                                _tied_aliases(model, params))
+    with torch.no_grad():
+        for name, k in found.items():
+            fill(params[name], handle.get_tensor(k))
+
+
+def _planned(model, settings: LoraSettings) -> tuple[dict[str, tuple], dict[str, str]]:
+    """What :func:`_check_file` checks a file against, for the adapters ``settings`` would add to ``model``: the
+    shapes of the tensors they train, by parameter name, and the tied aliases of those."""
+    modules = dict(model.named_modules())
+    shapes = {}
+    for name in lora_targets(model, settings):
+        r, _ = settings.rank_alpha(name)
+        shapes[f"{name}.lora_A.weight"] = (r, modules[name].in_features)
+        shapes[f"{name}.lora_B.weight"] = (modules[name].out_features, r)
+    ids = trained_ids(model, kept_modules(model, settings.modules_to_save))
+    whole = {n: t for n, t in model.named_parameters() if id(t) in ids}
+    shapes.update({n: tuple(t.shape) for n, t in whole.items()})
+    return shapes, _tied_aliases(model, whole)
+
+
+def _check_file(model, path: Path, shapes: dict[str, tuple], aliases: dict[str, str]):
+    """Check the adapter file in ``path`` against the trained tensors' ``shapes`` (by parameter name; ``aliases``:
+    their tied names): every tensor present, none unexpected, each of its shape. Returns (open file, {parameter
+    name: file key})."""
     f = path / ADAPTER_WEIGHTS
     if not f.is_file():
         raise ValueError(f"{str(path)!r} has no {ADAPTER_WEIGHTS}")
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
-    params = _trained_params(model)
+    if aliases and not _peft_config(path)[1].get("ensure_weight_tying", False):
+        alias, name = next(iter(aliases.items()))
+        raise ValueError(f"{path / ADAPTER_CONFIG}: the adapter trains {name} whole without ensure_weight_tying, so "
+                         f"PEFT unties it from {alias} (only the copy in {name} is trained); this model ties them "
+                         "and cannot hold that adapter")
     try:
         handle = safe_open(str(f), framework="pt", device="cpu")
         keys = list(handle.keys())
@@ -276,24 +323,22 @@ def fill_adapter(model, path: Path) -> None:
         inner = k[len(PREFIX):] if k.startswith(PREFIX) else k
         inner = inner.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
         name = wmap.param_name(inner)
-        if name is None:
+        if name is None or name in aliases:  # PEFT's copy of a tied tensor (the LM head of a trained embedding)
             continue
-        if name not in params:
+        if name not in shapes:
             unexpected.append(k)
             continue
         found[name] = k
     if unexpected:
         raise ValueError(f"{f}: tensors the model's adapters do not have: {', '.join(sorted(unexpected)[:10])}")
-    missing = sorted(set(params) - set(found))
+    missing = sorted(set(shapes) - set(found))
     if missing:
         raise ValueError(f"{f}: adapter tensors missing: {', '.join(_key(wmap, n) for n in missing[:10])}")
     for name, k in found.items():
         shape = tuple(handle.get_slice(k).get_shape())
-        if shape != tuple(params[name].shape):
-            raise ValueError(f"{f}: {k} has shape {shape}, the model's adapter {tuple(params[name].shape)}")
-    with torch.no_grad():
-        for name, k in found.items():
-            fill(params[name], handle.get_tensor(k))
+        if shape != shapes[name]:
+            raise ValueError(f"{f}: {k} has shape {shape}, the model's adapter {shapes[name]}")
+    return handle, found
 
 
 def fill(param: torch.Tensor, full: torch.Tensor) -> None:

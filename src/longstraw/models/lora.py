@@ -222,21 +222,35 @@ def _allowed(linear: Sequence[str]) -> str:
     return f"its linear layers are named {', '.join(kinds)} (or give 'all-linear')"
 
 
-def _frozen_except(model: nn.Module, keep: Iterable[str]) -> list[str]:
-    """Freeze every parameter but the adapters and those of the modules named in ``keep`` (PEFT's
-    ``modules_to_save`` rule: a module whose name is it or ends with ``.`` + it). Returns the kept module names."""
-    keep = tuple(keep)
+def kept_modules(model: nn.Module, keep: Iterable[str]) -> list[str]:
+    """The names of the modules ``keep`` (``modules_to_save``) names (PEFT's rule: a module whose name is it or ends
+    with ``.`` + it); ValueError for an entry that names none."""
     modules = dict(model.named_modules())
     kept = []
-    for k in keep:
+    for k in tuple(keep):
         names = [n for n in modules if n and (n == k or n.endswith("." + k))]
         if not names:
             raise ValueError(f"modules_to_save entry {k!r} matches no module of this model (e.g. 'embed_tokens', "
                              "'lm_head', 'norm')")
         kept += names
-    for n, p in model.named_parameters():
-        p.requires_grad_(is_adapter_param(n) or any(n.startswith(m + ".") for m in kept))
     return kept
+
+
+def _frozen_except(model: nn.Module, keep: Iterable[str]) -> list[str]:
+    """Freeze every parameter but the adapters and those of the modules named in ``keep`` (:func:`kept_modules`).
+    Returns the kept module names."""
+    kept = kept_modules(model, keep)
+    ids = trained_ids(model, kept)
+    for p in model.parameters():
+        p.requires_grad_(id(p) in ids)
+    return kept
+
+
+def trained_ids(model: nn.Module, kept: Sequence[str]) -> set[int]:
+    """``id()`` of the adapters and of the parameters of the modules ``kept``, under any of their names (a tied
+    parameter is trained when either of its modules is kept)."""
+    return {id(p) for n, p in model.named_parameters(remove_duplicate=False)
+            if is_adapter_param(n) or any(n.startswith(m + ".") for m in kept)}
 
 
 def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Generator | None = None) -> list[str]:
@@ -247,16 +261,17 @@ def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Gene
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters (one adapter per model is supported)")
     targets = lora_targets(model, settings)
+    kept_modules(model, settings.modules_to_save)  # checked before anything changes
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
         r, alpha = settings.rank_alpha(name)
         layer = LoRALinear(base, r, alpha, settings.scaling(r, alpha), settings.lora_dropout)
-        if generator is not None and base.weight.device.type != "meta":
-            layer.reset_lora_parameters(generator)
         layer.train(base.training)
         setattr(parent, child, layer)
+    if generator is not None and next(model.parameters()).device.type != "meta":
+        reset_adapters(model, generator)  # in name order, as checkpoint.adapter.init_adapters draws them
     _frozen_except(model, settings.modules_to_save)
     model.lora_settings = settings
     return targets
