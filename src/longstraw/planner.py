@@ -19,10 +19,14 @@ Breakdown (bytes per device):
 
 ``weights``, ``grads``, ``optimizer`` the parameters (master weights), their gradients and AdamW's two moments, in
                        the master dtype (float32 for a bf16/fp16 model, else its own dtype), sharded over the
-                       FSDP group when ``gpus > 1``; ``optimizer`` is 0 on the device with ``optimizer_offload``
+                       FSDP group when ``gpus > 1``; ``optimizer`` is 0 on the device with ``optimizer_offload``.
+                       With LoRA (``lora=``) only the trained parameters (the adapters and ``modules_to_save``)
+                       have a master copy, a gradient and moments; the frozen base counts in ``weights`` only, in
+                       the compute dtype, sharded alike (``Plan.settings["lora"]`` splits ``weights``)
 ``gathered``           FSDP's transient full-size buffers: the all-gathered parameters of the current and the
                        prefetched unit in the compute dtype (or the embedding + LM-head group, whichever is
                        larger), plus one unit's unsharded gradient and its float32 copy before the reduce-scatter
+                       (of its trained parameters only: with LoRA, the adapters')
 ``prompt_state``       the stored state of the prompt (after prefill)
 ``prompt_state_grad``  its gradient buffers (exact mode)
 ``prefill_chunk``      transient peak above the state while one chunk is prefilled (and, in exact mode, while a
@@ -34,6 +38,13 @@ Breakdown (bytes per device):
 branch_graph + logits)``. With ``gpus > 1`` (``fsdp``, the default there) FSDP2 shards every parameter over
 ``gpus / replicate`` ranks (``replicate`` > 1: HSDP); with context parallelism ``cp`` the prompt state and its
 gradient are divided by ``cp`` (sharded by position). ``Plan.assumptions`` says what shards what, in which dtypes.
+
+LoRA: the meta model gets its adapters exactly as a run's does (``models.lora.add_adapters``: the same targets,
+shapes and frozen parameters for every family and target rule), and the dry run runs through them, so the
+activations of the adapter path are counted where they live: the ``x A^T`` ``[tokens, r]`` each adapted layer
+keeps for its backward, the adapter's ``[tokens, out]`` outputs while they are added (prefill and recomputed
+chunks included), and, with dropout in detached mode, the dropped copy of each adapted layer's input; and what
+it no longer allocates is gone too (no weight gradient of a frozen layer in the backward).
 
 ``max_prompt_len`` and long prompts: beyond two prefill chunks and one attention block, the transients stop growing
 and the state grows linearly (K/V per position, recurrent states per chunk), so two dry runs give the line for
@@ -154,9 +165,12 @@ class Plan:
         return None if self.limit_bytes is None else self.peak_bytes <= self.limit_bytes
 
     def to_json(self) -> dict:
-        return {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
-                "max_prompt_len": self.max_prompt_len, "fits": self.fits,
-                "assumptions": self.settings.get("assumptions", {})}
+        out = {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
+               "max_prompt_len": self.max_prompt_len, "fits": self.fits,
+               "assumptions": self.settings.get("assumptions", {})}
+        if "lora" in self.settings:  # a LoRA plan: what was adapted, and how ``weights`` splits
+            out["lora"] = dict(self.settings["lora"])
+        return out
 
 
 def _meta_model(hf_config: dict, dtype: torch.dtype):
@@ -193,7 +207,8 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, cfg) -> dict[
     responses = [torch.zeros(response_len, dtype=torch.long) for _ in range(n)]
     ref = [torch.zeros(response_len) for _ in range(n)] if cfg.kl_coef else None
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
+        if p.requires_grad:  # (a LoRA model's frozen base has none)
+            p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
     w, _ = model.head()
     vocab = w.shape[0]
     meter = LiveMeter(LiveBytes())
@@ -247,10 +262,14 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
-                 master_dtype: str, optimizer_states: int, optimizer_offload: bool) -> tuple[dict, dict]:
-    """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, and what was
-    assumed (which group shards what, in which dtype)."""
+                 master_dtype: str, optimizer_states: int, optimizer_offload: bool) -> tuple[dict, dict, dict]:
+    """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, what was assumed
+    (which group shards what, in which dtype) and how ``weights`` splits (frozen / adapters / other trained). The
+    trained parameters (``requires_grad``: every one, or a LoRA model's adapters and ``modules_to_save``) are held
+    in the master dtype with a gradient and the moments; the frozen ones (a LoRA model's base) in the compute
+    dtype, weights only."""
     from longstraw.checkpoint.hf import parse_dtype
+    from longstraw.models.lora import is_adapter_param
 
     fsdp = gpus > 1 if fsdp is None else fsdp
     if fsdp and gpus // replicate < 2:
@@ -259,46 +278,65 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         master = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
     else:
         master = parse_dtype(master_dtype)
-    n = sum(p.numel() for p in model.parameters())
-    layer_n = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers), default=0)
+
+    def count(params, trained: bool) -> int:
+        return sum(p.numel() for p in params if p.requires_grad == trained)
+
+    params = list(model.parameters())
+    n, frozen = count(params, True), count(params, False)  # n: trained parameters
+    layer_all = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers), default=0)
+    layer_n = max((count(layer.parameters(), True) for layer in model.layers), default=0)
     b = model.model
-    ends_n = sum(p.numel() for p in {id(p): p for m in (b.embed_tokens, b.norm, model.lm_head)
-                                     for p in m.parameters()}.values())
+    ends = list({id(p): p for m in (b.embed_tokens, b.norm, model.lm_head) for p in m.parameters()}.values())
+    ends_all, ends_n = sum(p.numel() for p in ends), count(ends, True)
     shard = gpus // replicate if fsdp else 1
     mb, cb = _dtype_bytes(master), _dtype_bytes(compute)
-    fixed = {"weights": n * mb // shard, "grads": n * mb // shard,
+    adapter_n = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    split = {"frozen_params": frozen, "adapter_params": adapter_n, "saved_params": n - adapter_n,
+             "frozen_weight_bytes": frozen * cb // shard, "adapter_weight_bytes": adapter_n * mb // shard,
+             "saved_weight_bytes": (n - adapter_n) * mb // shard}
+    weights = split["frozen_weight_bytes"] + split["adapter_weight_bytes"] + split["saved_weight_bytes"]
+    fixed = {"weights": weights, "grads": n * mb // shard,
              "optimizer": 0 if optimizer_offload else optimizer_states * n * mb // shard, "gathered": 0}
     if fsdp:  # two units gathered (current + prefetched), or the embedding/head group; one unit's gradient
-        unit = max(2 * layer_n, ends_n)  # unsharded (compute dtype) and its float32 copy for the reduction
+        unit = max(2 * layer_all, ends_all)  # unsharded (compute dtype) and its float32 copy for the reduction
         fixed["gathered"] = unit * cb + max(layer_n, ends_n) * (cb + 4)
     elif master != compute:  # one process with master weights: autocast's compute-dtype copies of one layer
         fixed["gathered"] = layer_n * cb
+    m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
+    where = (f"sharded over {shard} GPUs (FSDP2" + (f", HSDP x{replicate})" if replicate > 1 else ")")
+             if fsdp else "whole on every GPU")
+    of = f"of the {n:,} trained parameters only, " if frozen else ""
     assumptions = {
-        "parameters": f"{n:,} in {str(master).removeprefix('torch.')} (master) "
-                      + (f"sharded over {shard} GPUs (FSDP2" + (f", HSDP x{replicate})" if replicate > 1 else ")")
-                         if fsdp else "whole on every GPU"),
-        "compute_dtype": str(compute).removeprefix("torch."),
-        "gradients": f"{str(master).removeprefix('torch.')}, " + (f"reduce-scattered over {shard} GPUs" if fsdp
-                                                                  else "whole"),
-        "optimizer": (f"AdamW, {optimizer_states} moments in {str(master).removeprefix('torch.')}, "
+        "parameters": (f"{n:,} in {m} (master) " + where if not frozen else
+                       f"{frozen:,} frozen in {c} (weights only) + {n:,} trained in {m} (master), {where}"),
+        "compute_dtype": c,
+        "gradients": f"{m}, {of}" + (f"reduce-scattered over {shard} GPUs" if fsdp else "whole"),
+        "optimizer": (f"AdamW, {optimizer_states} moments in {m}, {of}"
                       + ("in host memory" if optimizer_offload else f"sharded over {shard} GPUs" if fsdp else "whole")),
         "prompt_state": f"split by position over cp={cp} ranks" if cp > 1 else "whole on each data-parallel replica",
         "data_parallel_replicas": gpus // cp,
     }
-    return fixed, assumptions
+    return fixed, assumptions, split
 
 
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
          optimizer_states: int = 2, fsdp: bool | None = None, replicate: int = 1, master_dtype: str = "auto",
-         optimizer_offload: bool = False) -> Plan:
+         optimizer_offload: bool = False, lora=None) -> Plan:
     """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
     ``hf_config``, computing in ``dtype`` (see module docstring). ``gpu_mem`` in bytes gives the verdict
     (``Plan.fits``) and ``max_prompt_len``. ``fsdp`` (default: ``gpus > 1``), ``replicate``: FSDP2 over the GPUs as
     ``init_distributed`` sets it up; ``master_dtype``: ``"auto"`` (float32 master weights, gradients and moments for
     a bf16/fp16 model, as FSDP runs it and as the trainer does), or ``"float32"``, ``"bfloat16"``, ...;
-    ``optimizer_offload``: AdamW's moments in host memory. ValueError for a prompt + response longer than the model
-    takes."""
+    ``optimizer_offload``: AdamW's moments in host memory. ``lora``: plan a LoRA run (a
+    ``models.lora.LoraSettings``, or a dict of ``add_lora``'s arguments: ``rank``, ``alpha``, ``target_modules``,
+    ``dropout``, ``modules_to_save``, ...): the adapters are added to the meta model as a run adds them, the frozen
+    base counts as weights only (compute dtype), the adapters and ``modules_to_save`` as trained parameters (master
+    dtype, gradients, moments), and the dry run goes through the adapters (module docstring);
+    ``Plan.settings["lora"]`` says what was adapted and splits ``weights``. ValueError for a prompt + response
+    longer than the model takes, or a LoRA setting the model refuses (a target that matches none of its linear
+    layers, with the names it has)."""
     from longstraw.checkpoint.hf import parse_dtype
     from longstraw.engine.config import GRPOConfig
 
@@ -317,17 +355,31 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if gpu_mem is not None and not (isinstance(gpu_mem, (int, float)) and math.isfinite(gpu_mem) and gpu_mem > 0):
         raise ValueError(f"gpu_mem={gpu_mem!r} must be a finite number of bytes > 0")
     dt = parse_dtype(dtype)
+    lora_settings = None
+    if lora is not None:
+        from longstraw.checkpoint.adapter import settings_from
+
+        lora_settings = settings_from(lora)
+        if lora_settings.lora_dropout > 0 and cfg.exact:  # as grpo_backward refuses it, before any dry run
+            raise ValueError(f"LoRA dropout={lora_settings.lora_dropout:g} with prompt_grad='exact': the reverse "
+                             "pass recomputes the prompt and would draw other dropout masks; plan LoRA dropout 0 "
+                             "or prompt_grad='detached'")
     model = _meta_model(hf_config, dt)
+    pbytes = _param_bytes(model)  # the model's own parameters, without adapters, in the compute dtype
+    layer = _layer_bytes(model)
+    adapted: list[str] = []
+    if lora_settings is not None:
+        from longstraw.models.lora import add_adapters
+
+        adapted = add_adapters(model, lora_settings)  # on meta: the run's targets, shapes and frozen parameters
     model.spec.check_length(prompt_len + response_len, f"a prompt of {prompt_len} tokens and a response of "
                                                         f"{response_len}")
     longest = model.spec.max_position_embeddings - response_len
     if model.spec.sliding_window is not None:
         longest = min(longest, model.spec.sliding_window - response_len)
-    fixed, assumptions = _fixed_bytes(model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate,
-                                      master_dtype=master_dtype, optimizer_states=optimizer_states,
-                                      optimizer_offload=optimizer_offload)
-    pbytes = _param_bytes(model)
-    layer = _layer_bytes(model)
+    fixed, assumptions, split = _fixed_bytes(model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate,
+                                             master_dtype=master_dtype, optimizer_states=optimizer_states,
+                                             optimizer_offload=optimizer_offload)
 
     cache: dict[int, dict[str, int]] = {}
 
@@ -369,6 +421,12 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
                     checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer,
                     assumptions=assumptions)
+    if lora_settings is not None:
+        t = lora_settings.target_modules
+        settings["lora"] = {"rank": lora_settings.r, "alpha": lora_settings.lora_alpha,
+                            "target_modules": t if isinstance(t, str) else list(t),
+                            "modules_to_save": list(lora_settings.modules_to_save), "adapted_modules": len(adapted),
+                            **split}
     return Plan(int(peak), breakdown, max_len, settings, int(gpu_mem) if gpu_mem is not None else None)
 
 
@@ -434,6 +492,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-dtype", default="auto",
                    help="dtype of the parameters the optimiser updates: auto (float32 for a bf16/fp16 model)")
     p.add_argument("--optimizer-offload", action="store_true", help="AdamW's moments in host memory")
+    p.add_argument("--lora-rank", default=None, metavar="R",
+                   help="plan a LoRA run: adapters of rank R, the base frozen (weights only, in --dtype)")
+    p.add_argument("--lora-alpha", default=None, metavar="A",
+                   help="LoRA alpha (default 2 x rank; it does not change memory)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="modules that get adapters: comma-separated names (q_proj,k_proj,v_proj,o_proj,gate_proj,"
+                        "up_proj,down_proj, ...) or all-linear (the default)")
+    p.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
+                   help="modules trained whole besides the adapters, comma-separated (e.g. embed_tokens,lm_head)")
+    p.add_argument("--lora-dropout", default=None, metavar="P",
+                   help="LoRA dropout (default 0; > 0 keeps a dropped copy of each adapted input, detached only)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -457,6 +526,21 @@ def explain(res: Plan) -> dict[str, str]:
     return out
 
 
+def lora_lines(res: Plan) -> list[tuple[str, int, str]]:
+    """A LoRA plan's ``weights``, split: (label, bytes per device, what) for the frozen base, the adapters and the
+    ``modules_to_save`` (when any)."""
+    lo, a = res.settings["lora"], res.settings["assumptions"]
+    master = a["gradients"].split(",")[0]
+    out = [("frozen base", lo["frozen_weight_bytes"], f"{lo['frozen_params']:,} parameters in "
+            f"{a['compute_dtype']}: weights only (no gradient, master copy or optimizer state)"),
+           ("LoRA adapters", lo["adapter_weight_bytes"], f"{lo['adapter_params']:,} parameters (rank {lo['rank']} "
+            f"on {lo['adapted_modules']:,} modules) in {master}, trained: gradients and optimizer below")]
+    if lo["modules_to_save"]:
+        out.append(("modules_to_save", lo["saved_weight_bytes"], f"{lo['saved_params']:,} parameters "
+                    f"({', '.join(lo['modules_to_save'])}) in {master}, trained whole"))
+    return out
+
+
 def verdict(res: Plan) -> str:
     """One line: fits or not, by how much, and the longest prompt that fits."""
     if res.limit_bytes is None:
@@ -471,10 +555,57 @@ def verdict(res: Plan) -> str:
             f"{format_bytes(peak - limit)}{longest}")
 
 
+def _names(text: str, flag: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise ValueError(f"{flag}={text!r} must be comma-separated module names, like q_proj,v_proj")
+    return names
+
+
+def lora_from_args(args) -> dict | None:
+    """The ``lora=`` of ``plan`` from the ``--lora-*`` options (None without ``--lora-rank``); a ValueError naming
+    the option for a bad value."""
+    given = [f"--lora-{k.replace('_', '-')}" for k in ("alpha", "targets", "modules_to_save", "dropout")
+             if getattr(args, f"lora_{k}", None) is not None]
+    if args.lora_rank is None:
+        if given:
+            raise ValueError(f"{given[0]} needs --lora-rank (the adapters' rank, e.g. --lora-rank 16)")
+        return None
+    try:
+        rank = int(args.lora_rank)
+    except ValueError:
+        rank = 0
+    if rank < 1:
+        raise ValueError(f"--lora-rank={args.lora_rank!r} must be an integer >= 1")
+    out = {"rank": rank}
+    for flag, key, ok, what in (("--lora-alpha", "alpha", lambda v: v > 0, "a number > 0"),
+                                ("--lora-dropout", "dropout", lambda v: 0 <= v < 1, "a number in [0, 1)")):
+        text = getattr(args, "lora_" + key)
+        if text is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{flag}={text!r} must be {what}")
+        out[key] = value
+    if out.get("dropout", 0) > 0 and args.prompt_grad == "exact":
+        raise ValueError(f"--lora-dropout={args.lora_dropout!r} needs --prompt-grad detached (the exact reverse pass "
+                         "recomputes the prompt and would draw other dropout masks)")
+    out.setdefault("alpha", 2 * rank)
+    t = args.lora_targets
+    out["target_modules"] = "all-linear" if t is None or t.strip() == "all-linear" else _names(t, "--lora-targets")
+    if args.lora_modules_to_save is not None:
+        out["modules_to_save"] = _names(args.lora_modules_to_save, "--lora-modules-to-save")
+    return out
+
+
 def plan_from_args(args) -> int:
     from longstraw.checkpoint.hf import read_config
     from longstraw.engine.config import GRPOConfig
 
+    lora = lora_from_args(args)
     cfg = read_config(args.model)
     prompt_len = parse_tokens(args.prompt_len, "--prompt-len")
     response_len = parse_tokens(args.response_len, "--response-len")
@@ -483,17 +614,27 @@ def plan_from_args(args) -> int:
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
     res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
                gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem, fsdp=False if args.no_fsdp else None,
-               replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload)
+               replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload,
+               lora=lora)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
+    lo = res.settings.get("lora")
+    lora_text = ""
+    if lo is not None:
+        t = lo["target_modules"]
+        lora_text = (f", LoRA r={lo['rank']} alpha={lo['alpha']:g} on {t if isinstance(t, str) else ','.join(t)} "
+                     f"({lo['adapted_modules']:,} modules)")
     print(f"model {Path(args.model)} ({cfg.get('model_type')}): prompt {format_tokens(prompt_len)} tokens, response "
           f"{format_tokens(response_len)}, G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, "
-          f"cp={args.cp}{', checkpointed layers' if args.checkpoint_layers else ''}")
+          f"cp={args.cp}{', checkpointed layers' if args.checkpoint_layers else ''}{lora_text}")
     print("per device:")
     why = explain(res)
     for k in BREAKDOWN_KEYS:
         print(f"  {k:<18} {format_bytes(res.breakdown[k]):>12}   {why[k]}")
+        if k == "weights" and lo is not None:
+            for label, b, text in lora_lines(res):
+                print(f"    {label:<16} {format_bytes(b):>12}   {text}")
     print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + gathered + "
           "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits)")
     print(f"verdict: {verdict(res)}")

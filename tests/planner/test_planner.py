@@ -19,14 +19,18 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 DENSE = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 20000}
 
+LORA = {"rank": 8, "alpha": 16, "target_modules": "all-linear"}
+
 PROBE = r"""
 import json, sys, torch
 torch.set_num_threads(1)
 import longstraw
 from longstraw.models.registry import build_model
 from longstraw.profiling import measure_step
-cfg, mode, p, r, g, chunk = json.loads(sys.argv[1])
+cfg, mode, p, r, g, chunk, lora = json.loads(sys.argv[1])
 model = build_model(cfg)
+if lora:
+    longstraw.add_lora(model, **lora)
 gen = torch.Generator().manual_seed(0)
 prompt = torch.randint(0, cfg["vocab_size"], (p,), generator=gen)
 resp = [torch.randint(0, cfg["vocab_size"], (r,), generator=gen) for _ in range(g)]
@@ -34,14 +38,14 @@ adv = torch.randn(g, generator=gen)
 gc = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk)
 step = lambda: longstraw.grpo_backward(model, prompt, resp, adv, gc)
 warm = lambda: longstraw.grpo_backward(model, prompt[:200], resp[:2], adv[:2], gc)
-peak, _ = measure_step(step, model.parameters(), torch.device("cpu"), warmup=warm)
+peak, _ = measure_step(step, [q for q in model.parameters() if q.requires_grad], torch.device("cpu"), warmup=warm)
 print(peak)
 """
 
 
-def _measure(cfg, mode, p, r, g, chunk):
+def _measure(cfg, mode, p, r, g, chunk, lora=None):
     env = {**os.environ, "PYTHONPATH": SRC, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([cfg, mode, p, r, g, chunk])], env=env,
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([cfg, mode, p, r, g, chunk, lora])], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return int(out.stdout.strip().splitlines()[-1])
@@ -49,13 +53,14 @@ def _measure(cfg, mode, p, r, g, chunk):
 
 # prompts long enough that the state dominates the few MiB of resident-set noise of a CPU process
 @pytest.mark.slow  # fresh processes
-@pytest.mark.parametrize("mode,p,g,chunk", [("detached", 16384, 2, 2048), ("exact", 16384, 4, 2048),
-                                            ("exact", 12000, 2, 1024)])
-def test_prediction_within_ten_percent_of_measured(mode, p, g, chunk):
+@pytest.mark.parametrize("mode,p,g,chunk,lora", [("detached", 16384, 2, 2048, None), ("exact", 16384, 4, 2048, None),
+                                                 ("exact", 12000, 2, 1024, None),
+                                                 ("exact", 12000, 2, 1024, LORA)])
+def test_prediction_within_ten_percent_of_measured(mode, p, g, chunk, lora):
     pl = plan(DENSE, prompt_len=p, response_len=48, group=g, cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=chunk),
-              dtype="float32")
+              dtype="float32", lora=lora)
     predicted = pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]  # the probe steps no optimiser
-    measured = _measure(DENSE, mode, p, 48, g, chunk)
+    measured = _measure(DENSE, mode, p, 48, g, chunk, lora)
     assert abs(predicted - measured) <= 0.10 * measured, (predicted / 2**20, measured / 2**20)
 
 
@@ -262,3 +267,190 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
                   f"{g['peak_above_base'] / 2**20:.1f} MiB (x{ratio:.2f}); local parameters "
                   f"{g['local_param_bytes'] / 2**20:.1f} MiB")
             assert 0.85 <= ratio <= 1.15, (cp, r, pl.breakdown, g)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+MLA = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+       "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+       "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+       "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+       "vocab_size": 300, "max_position_embeddings": 8192}
+NEXT = {"model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "vocab_size": 67, "max_position_embeddings": 512,
+        "intermediate_size": 48, "full_attention_interval": 2, "mlp_only_layers": [1], "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}
+
+
+def _hybrid():
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    return tiny_config()
+
+
+# (config, the listed targets of the second case): dense, two hybrids (MoE with a shared expert), MLA + MoE
+LORA_MODELS = {"llama": (lambda: DENSE, ["q_proj", "down_proj"]),
+               "qwen3_5": (_hybrid, ["in_proj_qkv", "out_proj", "o_proj"]),
+               "qwen3_next": (lambda: NEXT, ["in_proj_qkvz", "gate_proj", "o_proj"]),
+               "deepseek_v3": (lambda: MLA, ["q_b_proj", "kv_b_proj", "down_proj"])}
+
+
+@pytest.mark.parametrize("family", sorted(LORA_MODELS))
+def test_lora_plan_holds_what_a_real_lora_model_holds(family, one_thread):
+    """The planned weights, gradients and AdamW moments of a LoRA run equal the tensors a real model holds after
+    ``add_lora`` + one ``grpo_backward`` + one AdamW step: bf16 with float32 masters and all-linear adapters (the
+    frozen base stays bf16, no gradient), and float32 with listed targets + ``modules_to_save=embed_tokens``."""
+    import longstraw
+
+    make, targets = LORA_MODELS[family]
+    cfg = make()
+    cases = [(torch.bfloat16, dict(rank=4, alpha=8, target_modules="all-linear")),
+             (torch.float32, dict(rank=3, alpha=6, target_modules=targets, modules_to_save=["embed_tokens"]))]
+    for dtype, lora in cases:
+        torch.manual_seed(0)
+        model = longstraw.build_model(cfg).to(dtype)
+        longstraw.add_lora(model, **lora)
+        if dtype == torch.bfloat16:
+            model.use_master_weights(torch.bfloat16, torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, cfg["vocab_size"], (24,), generator=gen)
+        resp = [torch.randint(0, cfg["vocab_size"], (6,), generator=gen) for _ in range(2)]
+        gc = GRPOConfig(prompt_grad="detached", prefill_chunk=16)
+        longstraw.grpo_backward(model, prompt, resp, torch.tensor([1.0, -1.0]), gc)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert all(p.grad is not None for p in trained)
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+        opt = torch.optim.AdamW(trained)
+        opt.step()
+        held = (sum(p.numel() * p.element_size() for p in model.parameters()),
+                sum(p.grad.numel() * p.grad.element_size() for p in trained),
+                sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim()))
+        pl = plan(cfg, prompt_len=24, response_len=6, group=2, cfg=gc, dtype=dtype, lora=lora)
+        b = pl.breakdown
+        assert (b["weights"], b["grads"], b["optimizer"]) == held, (family, dtype)
+        lo = pl.settings["lora"]
+        adapters = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+        assert lo["adapted_modules"] == len(adapters) // 2
+        assert lo["adapter_params"] == sum(p.numel() for p in adapters.values())
+        assert lo["frozen_params"] == sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        assert lo["frozen_weight_bytes"] + lo["adapter_weight_bytes"] + lo["saved_weight_bytes"] == b["weights"]
+        four = plan(cfg, prompt_len=24, response_len=6, group=2, cfg=gc, dtype=dtype, lora=lora, gpus=4).breakdown
+        assert four["grads"] == held[1] // 4 and four["optimizer"] == held[2] // 4  # sharded over the FSDP group
+
+
+@pytest.mark.parametrize("cfg", [DENSE, NEXT], ids=["llama", "qwen3_next"])
+def test_lora_plan_drops_the_frozen_base_gradient_master_and_moments(cfg):
+    """Full fine-tuning minus LoRA, in weights + grads + optimizer: the base's float32 master, gradient and two
+    moments, less its bf16 weights (which LoRA keeps), less the adapters' own master, gradient and moments; on 4
+    GPUs each of them over 4. FSDP's gradient buffer shrinks to the adapters'; the peak is lower."""
+    kw = dict(prompt_len=400, response_len=32, group=2, cfg=GRPOConfig(prompt_grad="detached", prefill_chunk=128))
+    for gpus in (1, 4):
+        full = plan(cfg, gpus=gpus, **kw)
+        lora = plan(cfg, gpus=gpus, lora={"rank": 8, "alpha": 16, "target_modules": "all-linear"}, **kw)
+        lo = lora.settings["lora"]
+        base, adapters = lo["frozen_params"], lo["adapter_params"]
+        assert base == sum(p.numel() for p in _meta_model(cfg, torch.bfloat16).parameters())
+        f, b = full.breakdown, lora.breakdown
+        assert f["weights"] == 4 * base // gpus and b["weights"] == 2 * base // gpus + 4 * adapters // gpus
+        assert (b["grads"], b["optimizer"]) == (4 * adapters // gpus, 8 * adapters // gpus)
+        fixed = ("weights", "grads", "optimizer")
+        base_terms = 4 * base // gpus + 4 * base // gpus + 8 * base // gpus  # master + gradient + 2 moments (fp32)
+        assert sum(f[k] for k in fixed) - sum(b[k] for k in fixed) == \
+            base_terms - 2 * base // gpus - 16 * adapters // gpus
+        assert b["prompt_state"] == f["prompt_state"] and b["gathered"] < f["gathered"]
+        assert lora.peak_bytes < full.peak_bytes
+        assert "frozen in bfloat16 (weights only)" in lora.settings["assumptions"]["parameters"]
+
+
+def test_lora_dry_run_counts_the_adapter_activations():
+    """The dry run goes through the adapters: a larger rank keeps larger ``x A^T`` [tokens, r] per adapted layer
+    in the branch graph (at least one layer's worth more, at most two per adapted layer), and LoRA dropout
+    (detached) its dropped input copies; exact mode with active dropout is refused as the engine refuses it."""
+    kw = dict(prompt_len=1024, response_len=64, group=2, dtype="bfloat16",
+              cfg=GRPOConfig(prompt_grad="detached", prefill_chunk=256))
+    r8 = plan(DENSE, lora={"rank": 8, "alpha": 8, "target_modules": "all-linear"}, **kw)
+    r72 = plan(DENSE, lora={"rank": 72, "alpha": 8, "target_modules": "all-linear"}, **kw)
+    per_layer = 64 * 64 * 2  # 64 more ranks x 64 tokens x bf16
+    grown = r72.breakdown["branch_graph"] - r8.breakdown["branch_graph"]
+    assert per_layer <= grown <= 2 * r8.settings["lora"]["adapted_modules"] * per_layer, grown
+    drop = plan(DENSE, lora={"rank": 8, "alpha": 8, "target_modules": "all-linear", "dropout": 0.1}, **kw)
+    assert drop.breakdown["branch_graph"] > r8.breakdown["branch_graph"]
+    with pytest.raises(ValueError, match=r"LoRA dropout=0.1 with prompt_grad='exact': the reverse pass"):
+        plan(DENSE, prompt_len=1024, response_len=64, group=2,
+             lora={"rank": 8, "alpha": 8, "target_modules": "all-linear", "dropout": 0.1})
+
+
+@pytest.mark.parametrize("lora,msg", [
+    ({"rank": 0, "alpha": 8, "target_modules": "all-linear"}, r"LoRA rank=0 must be an integer >= 1"),
+    ({"rank": 4, "alpha": 8, "target_modules": ["foo_proj"]}, r"LoRA target 'foo_proj' matches no module of this "
+                                                             r"model; its linear layers are named down_proj, "),
+    ({"rank": 4, "alpha": 8, "target_modules": ["lm_head"]}, r"adapters on the lm_head are not supported"),
+    ({"rank": 4, "target_modules": "all-linear"}, r"lora: 'alpha' is required"),
+    ("r16", r"lora='r16' must be a dict of add_lora's arguments"),
+])
+def test_lora_bad_settings(lora, msg):
+    with pytest.raises(ValueError, match=msg):
+        plan(DENSE, prompt_len=512, response_len=8, group=2, lora=lora)
+
+
+def test_cli_lora_breakdown_and_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    base = ["--model", str(tmp_path), "--prompt-len", "2K", "--response-len", "32", "--gpus", "2"]
+    out = _cli(*base, "--lora-rank", "4", "--lora-targets", "q_proj,v_proj", "--lora-modules-to-save",
+               "embed_tokens")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "LoRA r=4 alpha=8 on q_proj,v_proj (4 modules)" in lines[0]
+    i = next(i for i, line in enumerate(lines) if line.startswith("  weights "))
+    assert "frozen in bfloat16 (weights only) + " in lines[i] and "sharded over 2 GPUs (FSDP2)" in lines[i]
+    assert lines[i + 1].startswith("    frozen base ") and "weights only (no gradient" in lines[i + 1]
+    assert lines[i + 2].startswith("    LoRA adapters ") and "(rank 4 on 4 modules) in float32" in lines[i + 2]
+    assert lines[i + 3].startswith("    modules_to_save ") and "(embed_tokens) in float32" in lines[i + 3]
+    assert lines[i + 4].startswith("  grads ") and "of the 69,632 trained parameters only" in lines[i + 4]
+    js = _cli(*base, "--lora-rank", "4", "--lora-targets", "q_proj,v_proj", "--lora-modules-to-save",
+              "embed_tokens", "--json")
+    d = json.loads(js.stdout)
+    want = plan(DENSE, prompt_len=2048, response_len=32, group=8, gpus=2,
+                lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                      "modules_to_save": ["embed_tokens"]})
+    assert d == want.to_json() and d["lora"]["adapted_modules"] == 4 and d["lora"]["saved_params"] == 512 * 128
+    default = json.loads(_cli(*base, "--lora-rank", "16", "--lora-alpha", "32", "--json").stdout)["lora"]
+    assert (default["target_modules"], default["rank"], default["alpha"]) == ("all-linear", 16, 32.0)
+    assert default["adapted_modules"] == 2 * 7  # every linear layer of both layers; the LM head is not one
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--lora-rank", "0"], "--lora-rank='0' must be an integer >= 1"),
+    (["--lora-rank", "four"], "--lora-rank='four' must be an integer >= 1"),
+    (["--lora-rank", "8", "--lora-alpha", "-1"], "--lora-alpha='-1' must be a number > 0"),
+    (["--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout='1' must be a number in [0, 1)"),
+    (["--lora-rank", "8", "--lora-dropout", "0.1"], "--lora-dropout='0.1' needs --prompt-grad detached"),
+    (["--lora-rank", "8", "--lora-targets", "q_proj,,v_proj"], "--lora-targets='q_proj,,v_proj' must be "
+                                                               "comma-separated module names"),
+    (["--lora-rank", "8", "--lora-targets", "q_proj,qq_proj"], "LoRA target 'qq_proj' matches no module of this "
+                                                               "model; its linear layers are named down_proj"),
+    (["--lora-rank", "8", "--lora-modules-to-save", "embeddings"], "modules_to_save entry 'embeddings' matches no "
+                                                                   "module"),
+    (["--lora-targets", "q_proj"], "--lora-targets needs --lora-rank"),
+])
+def test_cli_lora_bad_input_is_one_line(tmp_path, args, msg):
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    out = _cli("--model", str(tmp_path), "--prompt-len", "1024", *args)
+    assert out.returncode == 2 and msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_memory_check_passes_lora_to_the_planner(tmp_path):
+    from longstraw.rl.config import RunConfig, apply_overrides, grpo_config
+    from longstraw.rl.memory_check import check_run_memory
+
+    cfg = apply_overrides(RunConfig(), ['model.builtin="tiny-dense"', "rollout.group_size=2",
+                                        "algorithm.prefill_chunk=64", 'model.dtype="bfloat16"',
+                                        'train.memory_limit="4G"'])
+    lora = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
+    v = check_run_memory(cfg, DENSE, 256, 8, torch.device("cpu"), echo=lambda *_: None, master_dtype="float32",
+                         lora=lora)
+    want = plan(DENSE, prompt_len=256, response_len=8, group=2, dtype="bfloat16", master_dtype="float32",
+                cfg=grpo_config(cfg), lora=lora)
+    assert {k: v.breakdown[k] for k in BREAKDOWN_KEYS} == want.breakdown and v.peak_bytes == want.peak_bytes
+    full = check_run_memory(cfg, DENSE, 256, 8, torch.device("cpu"), echo=lambda *_: None, master_dtype="float32")
+    assert full.breakdown["grads"] > v.breakdown["grads"]

@@ -66,7 +66,7 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
 
 def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_len: int, device: torch.device,
                      echo: Callable[[str], None] = print, *, shard: int = 1, cp: int = 1, replicas: int = 1,
-                     ranks_per_host: int = 1, master_dtype: str = "auto") -> MemoryVerdict | None:
+                     ranks_per_host: int = 1, master_dtype: str = "auto", lora=None) -> MemoryVerdict | None:
     """Plan the run's peak memory and compare it with ``train.memory_limit`` (or the device's memory).
 
     ``prompt_len`` / ``response_len``: the longest the run will see. Returns None when ``train.memory_check`` is
@@ -75,7 +75,9 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     each prompt, ``replicas`` split a step's prompts; ``ranks_per_host`` share a CPU host's memory (the limit per
     rank is its share). ``master_dtype``: what the trained parameters are held in (the planner's; ``optim.offload``
     is read from ``cfg``). Without FSDP the planner counts whole parameters and the whole prompt state (it has no
-    context parallelism without sharded parameters): an upper bound.
+    context parallelism without sharded parameters): an upper bound. ``lora``: the run trains LoRA adapters (a
+    ``models.lora.LoraSettings`` or a dict of ``add_lora``'s arguments, passed to the planner as ``plan(lora=)``:
+    the frozen base then counts as weights only, the adapters with their gradients and moments).
     """
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
     if t.memory_check == "off":
@@ -87,7 +89,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
               cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1, master_dtype=master_dtype,
-              optimizer_offload=cfg.optim.offload != "none")
+              optimizer_offload=cfg.optim.offload != "none", lora=lora)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}
