@@ -38,6 +38,23 @@ def test_peak_is_the_plan_plus_reference_model_and_kept_rollout_states(tmp_path)
     assert tr.memory.limit_bytes == 4 * 2**30
 
 
+def test_lora_run_is_planned_with_its_adapters_and_no_reference_copy(tmp_path):
+    """[lora]: the planner counts the adapters (the frozen base as weights only), and with kl_coef > 0 the reference is
+    the base with the adapters off (no second model) unless modules_to_save trains some of the base."""
+    tr = Trainer(_cfg(tmp_path / "a", "algorithm.kl_coef=0.05", "lora.rank=4", 'train.memory_limit="4G"'),
+                 echo=lambda *_: None)
+    hf = builtin_model_config("tiny-dense", tr.tokenizer.vocab_size, 256 + 4 + 1)
+    p = plan(hf, prompt_len=tr.source.longest_prompt, response_len=4, group=4, dtype="float32",
+             cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=64, kl_coef=0.05), lora=dict(rank=4, alpha=8.0,
+                                                                                            target_modules="all-linear"))
+    assert "reference_model" not in tr.memory.breakdown and tr.memory.peak_bytes == p.peak_bytes
+    trained = sum(q.numel() * q.element_size() for q in tr.model.parameters() if q.requires_grad)
+    assert p.breakdown["grads"] == trained
+    saved = Trainer(_cfg(tmp_path / "b", "algorithm.kl_coef=0.05", "lora.rank=4", 'lora.modules_to_save=["norm"]',
+                         'train.memory_limit="4G"'), echo=lambda *_: None)
+    assert saved.memory.breakdown["reference_model"] > 0 and saved.ref_model is not None
+
+
 def test_run_that_does_not_fit_warns_with_advice(tmp_path):
     lines = []
     tr = Trainer(_cfg(tmp_path / "run", "train.memory_limit=\"1800K\""), echo=lines.append)

@@ -64,6 +64,16 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
     return out
 
 
+def _adapters_only(lora) -> bool:
+    """Whether a LoRA run trains adapters only (no ``modules_to_save``): its KL reference is the policy with its
+    adapters off (the trainer), so no second model."""
+    if lora is None:
+        return False
+    from longstraw.checkpoint.adapter import settings_from
+
+    return not settings_from(lora).modules_to_save
+
+
 def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_len: int, device: torch.device,
                      echo: Callable[[str], None] = print, *, shard: int = 1, cp: int = 1, replicas: int = 1,
                      ranks_per_host: int = 1, master_dtype: str = "auto", lora=None) -> MemoryVerdict | None:
@@ -93,7 +103,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}
-    if g.kl_coef > 0:
+    if g.kl_coef > 0 and not _adapters_only(lora):  # a LoRA run's reference is its base, adapters off: no copy
         extra["reference_model"] = b["weights"]
     local_prompts = max(1, a.prompts_per_step // max(1, replicas))
     if a.reuse_rollout_state and local_prompts > 1:

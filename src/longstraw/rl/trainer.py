@@ -339,6 +339,7 @@ class Trainer:
         job = self.job
         return check_run_memory(self.cfg, self._model_hf_config(), prompt_len, response_len, self.device,
                                 echo=self.echo, master_dtype=self._master_dtype(),
+                                lora=lora_settings(self.cfg.lora) if self.cfg.lora.enabled else None,
                                 shard=job.world // self.cfg.parallel.replicate if job.sharded else 1,
                                 cp=job.cp_size, replicas=job.dp_size,
                                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
