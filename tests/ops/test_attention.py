@@ -107,3 +107,29 @@ def test_detached_prefix_backward_memory_does_not_grow_with_prefix(meta):
     short, long = backward_peak(256), backward_peak(4096)  # 4 blocks against 64 blocks of 64 keys
     block_kv = 2 * 2 * 64 * 8 * 4  # one block's dK + dV, float32
     assert long <= short + block_kv, (short, long)
+
+
+def test_cuda_flash_calls_match_the_ops_schemas_on_meta(monkeypatch):
+    """The CUDA flash kernels' calls (not runnable here) checked against the ops' real schemas on the meta device:
+    padded head dims, output shapes, and the dense backward called with cum_seq_q/k = None (a defined tensor, even an
+    empty one, would take the varlen path on CUDA)."""
+    from longstraw.ops.attention import kernels
+
+    fwd, bwd = kernels("flash_cuda")
+    q = torch.empty(2, 4, 9, 12, device="meta", dtype=torch.bfloat16)  # head dim 12 (padded to 16), values 10
+    k = torch.empty(2, 4, 7, 12, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 4, 7, 10, device="meta", dtype=torch.bfloat16)
+    o, lse = fwd(q, k, v, True, 0.3)
+    assert o.shape == (2, 4, 9, 10) and lse.shape == (2, 4, 9) and lse.dtype == torch.float32
+    seen = {}
+    real = torch.ops.aten._scaled_dot_product_flash_attention_backward
+
+    def record(*args, **kw):
+        seen["cum"] = args[6:8]
+        seen["head"] = args[1].shape[-1]
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", record)
+    dq, dk, dv = bwd(torch.empty_like(o), q, k, v, o, lse, True, 0.3)
+    assert seen["cum"] == (None, None) and seen["head"] == 16
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

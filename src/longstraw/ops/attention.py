@@ -134,11 +134,13 @@ def _flash_cuda_bwd(do, q, k, v, o, lse, causal, scale):  # pragma: no cover - n
     d = (d + 7) // 8 * 8
     b, h, m = q.shape[:3]
     s = k.shape[2]
+    # philox seed/offset: read only with dropout > 0 (flash_api.cpp mha_bwd: `if (is_dropout)`), so empty ones do.
+    # cum_seq_q/k: None, as the dense forward returns them; a defined tensor, even an empty one, sends
+    # _flash_attention_backward down the varlen path (`cumulative_sequence_length_q.defined()`).
     dummy = torch.empty(0, device=q.device, dtype=torch.int64)
-    cum_q = torch.empty(0, device=q.device, dtype=torch.int32)
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         _pad_last(do, d).contiguous(), _pad_last(q, d), _pad_last(k, d), _pad_last(v, d), _pad_last(o, d).contiguous(),
-        lse.contiguous(), cum_q, cum_q, m, s, 0.0, causal, dummy, dummy, scale=scale,
+        lse.contiguous(), None, None, m, s, 0.0, causal, dummy, dummy, scale=scale,
     )
     return gq[..., :dk_], gk[..., :dk_], gv[..., :dv_]
 
