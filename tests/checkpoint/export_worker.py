@@ -6,7 +6,8 @@ FSDP2 over every rank (``init_distributed(fsdp=True)``; ``load_model`` shards it
 (every rank), and written with ``longstraw.save_model`` on every rank into ``out/<name>``. Rank 0 saves the logits
 to ``out/<name>.logits.pt``; every rank saves the files it wrote to ``out/<name>.rank<R>.json``. Then the last model
 is saved once more with rank ``fail_rank``'s writes failing (a full disk): each rank records what it raised in
-``out/failed.rank<R>.txt``.
+``out/failed.rank<R>.txt``. Each model is also loaded with LoRA adapters (random ``B``) and written merged to
+``out/<name>-merged`` and as a PEFT adapter to ``out/<name>-adapter`` (logits in ``out/<name>-lora.logits.pt``).
 """
 
 import json
@@ -19,6 +20,7 @@ torch.set_num_threads(1)
 
 import longstraw  # noqa: E402
 from longstraw.checkpoint import export  # noqa: E402
+from longstraw.checkpoint.adapter import fill  # noqa: E402
 
 WRITTEN: list[str] = []
 _init = export.SafetensorsStream.__init__
@@ -51,6 +53,20 @@ def main(spec_path: str) -> None:
             torch.save({"ids": ids, "logits": logits}, out + ".logits.pt")
         with open(f"{out}.rank{ctx.rank}.json", "w") as f:
             json.dump({"files": sorted(mine)}, f)
+        # the same model with LoRA adapters (added before sharding, by load_model): merged export and PEFT adapter,
+        # both written from the shards
+        lora = longstraw.load_model(path, dtype="float64", lora=dict(rank=4, alpha=8.0, target_modules="all-linear"),
+                                    lora_seed=3)
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for n, p in sorted(lora.named_parameters()):
+                if n.endswith("lora_B.weight"):
+                    fill(p, 0.2 * torch.randn(tuple(p.shape), generator=gen, dtype=torch.float64))
+            lora_logits = lora(ids)
+        longstraw.save_model(lora, out + "-merged", max_shard_size=spec["max_shard_size"], merge_lora=True)
+        longstraw.save_adapter(lora, out + "-adapter")
+        if ctx.rank == 0:
+            torch.save({"ids": ids, "logits": lora_logits}, out + "-lora.logits.pt")
     # a write that fails on one rank only (a full disk on its node): every rank raises the same error, none waits
     failing = spec["fail_rank"]
 

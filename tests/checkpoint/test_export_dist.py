@@ -2,7 +2,8 @@
 one rank: every rank writes its own files of whole tensors, rank 0 the index; the export loads in transformers with
 the sharded model's logits, and in LongStraw with its weights. Families: a Qwen3 model with tied embeddings and the
 Qwen3.5 MoE hybrid (fused experts written as per-expert tensors). A write that fails on one rank is the same
-one-line error on every rank."""
+one-line error on every rank. LoRA: adapters added by ``load_model(lora=...)`` before sharding, exported merged
+(transformers reads it) and as a PEFT adapter (PEFT applies it to the source model) from the shards."""
 
 import json
 from pathlib import Path
@@ -64,6 +65,23 @@ def test_sharded_export_loads_in_transformers_and_longstraw(tmp_path):
         ours = longstraw.load_model(out)
         with torch.no_grad():
             assert torch.allclose(ours(got["ids"]), got["logits"], rtol=0, atol=1e-12)
+        # LoRA from the shards: the merged export is a plain checkpoint with the adapted logits, and the adapter
+        # applied by PEFT to the source model gives them too
+        import peft
+
+        got = torch.load(tmp_path / f"{name}-lora.logits.pt", weights_only=True)
+        with torch.no_grad(), true_float64():
+            merged = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-merged", dtype=torch.float64,
+                                                          experts_implementation="eager").eval()
+            base = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float64,
+                                                        experts_implementation="eager").eval()
+            plain = base(got["ids"]).logits  # the adapters change the logits: the checks below are not vacuous
+            assert (plain - got["logits"]).abs().max() > 1e-3
+            adapted = peft.PeftModel.from_pretrained(base, tmp_path / f"{name}-adapter").eval()
+            for hf_model in (merged, adapted):
+                ref = hf_model(got["ids"]).logits
+                err = (ref - got["logits"]).abs().max().item()
+                assert err <= 1e-10 * ref.abs().max().item(), (name, err)
     # rank 2 could not write: every rank raised the same one-line error (none was left waiting in a gather)
     failed = [(tmp_path / f"failed.rank{r}.txt").read_text() for r in range(3)]
     assert len(set(failed)) == 1 and failed[0].startswith("JobError: rank 2: "), failed
