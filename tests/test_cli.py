@@ -371,6 +371,28 @@ def test_save_model_then_generate_from_the_saved_directory(dense_run, tmp_path):
     assert len(json.loads(g.stdout)["token_ids"]) <= 3
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
+def test_generate_with_a_lora_adapter(dense_run, tmp_path):
+    """--adapter applies a PEFT adapter directory to --model: other samples than the base with a nonzero B; a missing
+    adapter directory is one line."""
+    code = ("import sys, torch, longstraw; m = longstraw.load_model(sys.argv[1]);"
+            "longstraw.add_lora(m, 4, 8, 'all-linear', seed=0);"
+            "[p.data.normal_(0, 2.0) for n, p in m.named_parameters() if n.endswith('lora_B.weight')];"
+            "longstraw.save_adapter(m, sys.argv[2])")
+    adapter = tmp_path / "adapter"
+    r = subprocess.run([sys.executable, "-c", code, str(dense_run / "initial_model"), str(adapter)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    args = ["generate", "--model", dense_run / "initial_model", "--prompt", "The pass key is ", "--max-new-tokens", 6,
+            "-n", 2, "--seed", 0, "--json"]
+    base, adapted = cli(*args), cli(*args, "--adapter", adapter)
+    assert base.returncode == 0 and adapted.returncode == 0, adapted.stderr
+    rows = [[json.loads(line) for line in out.stdout.splitlines() if line.strip()] for out in (base, adapted)]
+    assert len(rows[0]) == len(rows[1]) == 2 and rows[0] != rows[1]
+    bad = cli(*args, "--adapter", tmp_path / "nope")
+    _one_error_line(bad, "is not a PEFT adapter directory")
+
+
 def test_an_os_error_that_reaches_main_is_one_line(monkeypatch, capsys):
     import errno
 
