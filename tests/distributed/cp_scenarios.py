@@ -74,6 +74,10 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     out["sharded_params"] = sum(hasattr(p, "full_tensor") for p in model.parameters())
     out["whole_params"] = sum(not hasattr(p, "full_tensor") for p in model.parameters())
     out["ep_params"] = 2 * len(distributed.ep_modules(model))
+    if dtype is None:  # the global gradient norm (over every rank's shards and experts), as the trainer clips it
+        from longstraw.rl.optim import clip_grad_norm
+
+        out["grad_norm"] = clip_grad_norm(list(model.parameters()), 0.0)
     if dtype is not None:
         out["grads"] = {n: g.double() for n, g in out["grads"].items()}
     return out

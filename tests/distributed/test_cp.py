@@ -177,6 +177,8 @@ def check_gradients(ranks, single, job, name):
         for a, b in zip(got.get("logprobs", []), want.get("logprobs", [])):
             a, b = (torch.cat(x) if isinstance(x, list) else x for x in (a, b))
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"{job} rank {r} {name}")
+        if "grad_norm" in got and "grad_norm" in want:
+            assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-8 * want["grad_norm"], (job, r, name)
         sharded = got.get("sharded_params")
         if sharded is not None:  # FSDP2 really sharded the decoder layers (and only where asked)
             assert (sharded > 0) == ("fsdp" in name or JOBS[job][2]), (job, name, sharded)

@@ -357,6 +357,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
 
     model = _materialise(model, device, p, size)
     model.tie_weights()
+    distributed.expert_parallel.mark_params(model)  # the allocated tensors are new Parameters
     params = dict(model.named_weights())
     assert set(params) == set(sources), set(params) ^ set(sources)
     try:

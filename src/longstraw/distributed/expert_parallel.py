@@ -43,7 +43,7 @@ from longstraw.ops import meta
 from longstraw.ops.moe import experts_forward
 
 __all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
-           "set_ep_divide_factor"]
+           "set_ep_divide_factor", "mark_params"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -150,6 +150,15 @@ def ep_param_rows(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def mark_params(model: nn.Module) -> None:
+    """Tag the expert-parallel parameters (``p._longstraw_ep``: the EP group's :class:`Comm`), so that code holding
+    only parameters (``rl.optim.clip_grad_norm``) can sum their norms over the EP group. ``shard_experts`` tags them;
+    call again after the parameters are replaced (``load_model`` does, after allocating them)."""
+    for _, m in ep_modules(model):
+        for p in (m.gate_up_proj, m.down_proj):
+            p._longstraw_ep = m.ep
+
+
 def set_ep_divide_factor(model: nn.Module, factor: float) -> None:
     """The factor the expert gradients are divided by (kept equal to FSDP's; module docstring)."""
     for _, m in ep_modules(model):
@@ -183,4 +192,5 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         m.__class__ = ExpertParallelExperts
         m.ep, m.edp, m.first = ctx.ep, ctx.edp, a
         m.divide_factor = float(ctx.world_size)
+    mark_params(model)
     return model
