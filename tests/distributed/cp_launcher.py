@@ -24,11 +24,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, *, cp: int, paths: dict, scenarios: list[str], fsdp: bool = False, replicate: int = 1,
+def launch(world: int, *, cp: int, paths: dict, scenarios: list[str], fsdp: bool = False, replicate: int = 1, ep: int = 1,
            timeout_s: float = 300.0, collective_timeout_s: float = 120.0) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="longstraw-cp-"))
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"cp": cp, "fsdp": fsdp, "replicate": replicate,
+    spec.write_text(json.dumps({"cp": cp, "fsdp": fsdp, "replicate": replicate, "ep": ep,
                                 "paths": {k: str(v) for k, v in paths.items()},
                                 "scenarios": scenarios, "out": str(out),
                                 "timeout_s": collective_timeout_s}))

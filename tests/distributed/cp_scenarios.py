@@ -73,6 +73,11 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     out["grads"] = _grads(model)
     out["sharded_params"] = sum(hasattr(p, "full_tensor") for p in model.parameters())
     out["whole_params"] = sum(not hasattr(p, "full_tensor") for p in model.parameters())
+    out["ep_params"] = 2 * len(distributed.ep_modules(model))
+    if dtype is None:  # the global gradient norm (over every rank's shards and experts), as the trainer clips it
+        from longstraw.rl.optim import clip_grad_norm
+
+        out["grad_norm"] = clip_grad_norm(list(model.parameters()), 0.0)
     if dtype is not None:
         out["grads"] = {n: g.double() for n, g in out["grads"].items()}
     return out
@@ -353,3 +358,69 @@ SCENARIOS = {
     "q35moe_exact": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", chunk=4),
     "q35moe_detached": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", prompt_grad="detached"),
 }
+
+
+# expert parallelism (init_distributed(ep=E)): the gradient scenarios above run unchanged on EP jobs; these check
+# what is EP's own
+def ep_init_errors(cp: int, ep: int) -> dict:
+    """init_distributed's one-line errors for EP combinations it rejects (before any process group exists)."""
+    out = {}
+    for key, kw in {"ep_no_fsdp": dict(fsdp=False, ep=ep), "ep_zero": dict(fsdp=True, ep=0),
+                    "ep_not_dividing": dict(fsdp=True, ep=3), "ep_hsdp": dict(fsdp=True, ep=ep, replicate=2)}.items():
+        try:
+            longstraw.init_distributed(cp=cp, **kw)
+            out[key] = "no error"
+            longstraw.shutdown_distributed()
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
+def _expert_modules(model):
+    from longstraw.models.moe_block import Experts
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def ep_experts(paths, *, family="deepseek_v3"):
+    """Routed-expert bytes this rank holds and the values of its experts as loaded (each rank reads its rows)."""
+    model = longstraw.load_model(paths[family])
+    mods = _expert_modules(model)
+    nbytes = sum(t.numel() * t.element_size() for _, m in mods for t in (m.gate_up_proj, m.down_proj))
+    other = sum(t.numel() * t.element_size() for t in model.parameters()) - nbytes
+    return {"expert_bytes": nbytes, "first": [getattr(m, "first", 0) for _, m in mods],
+            "weights": {f"{n}.{k}": getattr(m, k).detach().clone() for n, m in mods
+                        for k in ("gate_up_proj", "down_proj")}, "other_bytes": other}
+
+
+def ep_save(paths, *, family="deepseek_v3"):
+    """save_model of an EP model (every rank joins), read back with safetensors: the checkpoint's tensors."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    model = longstraw.load_model(paths[family])
+    ctx = distributed.get_context()
+    out = Path(paths[family]).parent / f"ep_saved_{ctx.world_size if ctx else 1}_{family}"
+    longstraw.save_model(model, out, max_shard_size="20KB")
+    if ctx is not None:
+        dist.barrier()
+    saved, orig = {}, {}
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(out / f))
+    for f in sorted(os.listdir(paths[family])):
+        if f.endswith(".safetensors"):
+            orig.update(load_file(Path(paths[family]) / f))
+    same = set(saved) == set(orig) and all(torch.equal(saved[k], orig[k].to(saved[k].dtype)) for k in orig)
+    return {"same": same, "missing": sorted(set(orig) - set(saved))[:5], "extra": sorted(set(saved) - set(orig))[:5]}
+
+
+SCENARIOS.update({
+    "ep_experts": ep_experts,
+    "ep_save": ep_save,
+    "dsa_exact_ckpt": lambda p: grpo_two_groups(p, family="glm_moe_dsa", chunk=2, branch_batch=2,
+                                                checkpoint_layers=True),
+})

@@ -30,10 +30,13 @@ def main(spec_path: str) -> None:
             results["init_errors"][bad] = "no error"
         except ValueError as e:
             results["init_errors"][bad] = str(e)
+    if spec.get("ep", 1) > 1:
+        results["init_errors"].update(cp_scenarios.ep_init_errors(spec["cp"], spec["ep"]))
     ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=spec["fsdp"], replicate=spec.get("replicate", 1),
-                                     timeout_s=spec.get("timeout_s", 120))
+                                     ep=spec.get("ep", 1), timeout_s=spec.get("timeout_s", 120))
     results["context"] = {"rank": ctx.rank, "cp_rank": ctx.cp_rank, "cp_size": ctx.cp_size, "dp_size": ctx.dp_size,
-                          "replicate": ctx.replicate}
+                          "replicate": ctx.replicate, "ep_size": ctx.ep_size, "ep_rank": ctx.ep_rank,
+                          "longstraw": longstraw.__file__}
     for name in spec["scenarios"]:
         try:
             results[name] = cp_scenarios.SCENARIOS[name](spec["paths"])

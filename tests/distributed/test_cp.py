@@ -55,14 +55,25 @@ FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsd
 FSDP_CP2_W2 = ["exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact", "registered_shards"]
 FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact"]
 HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
-# job: (world, cp, fsdp from init_distributed, scenarios[, replicate])
+# expert parallelism (init_distributed(cp, fsdp=True, ep=E)): the MoE gradient scenarios against one process, the
+# routed-expert bytes and values per rank, save_model of the split experts, the one-line init errors
+EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_save", "ep_init"]
+EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
+           "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt"]
+EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init"]
+EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_init"]
+# job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
         "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
-        "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2)}
+        "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2),
+        "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
+        "ep2_cp2_w4": (4, 2, True, EP2_CP2_W4, 1, 2)}
+_EP_ONLY = ("ep_experts", "ep_save", "ep_init")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
              "registered_shards", "offload_dcp")
-GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 if not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
+GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + EP2_CP2 + EP2_CP2_W4
+                  if s not in _EP_ONLY and not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
 # lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties
 _MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=3,
@@ -166,6 +177,8 @@ def check_gradients(ranks, single, job, name):
         for a, b in zip(got.get("logprobs", []), want.get("logprobs", [])):
             a, b = (torch.cat(x) if isinstance(x, list) else x for x in (a, b))
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"{job} rank {r} {name}")
+        if "grad_norm" in got and "grad_norm" in want:
+            assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-8 * want["grad_norm"], (job, r, name)
         sharded = got.get("sharded_params")
         if sharded is not None:  # FSDP2 really sharded the decoder layers (and only where asked)
             assert (sharded > 0) == ("fsdp" in name or JOBS[job][2]), (job, name, sharded)
@@ -278,10 +291,39 @@ def check_registered_shards(ranks):
             assert not gathered, f"rank {r}: after {call}, parameters registered gathered, not sharded: {gathered}"
 
 
+def check_ep_experts(ranks, single, job):
+    """Each rank holds 1/E of the routed-expert bytes (nothing else changes), loaded from its rows of the
+    checkpoint: experts ``[ep_rank * n / E, (ep_rank + 1) * n / E)``."""
+    ep = _job(job)[5]
+    want = single("ep_experts")
+    for r, got in enumerate(_result(ranks, "ep_experts")):
+        assert got["expert_bytes"] * ep == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
+        for name, w in want["weights"].items():
+            local = w.shape[0] // ep
+            a = (r % ep) * local
+            assert torch.equal(got["weights"][name], w[a:a + local]), (r, name)
+
+
+def check_ep_save(ranks):
+    for got in _result(ranks, "ep_save"):
+        assert got["same"], got
+
+
+def check_ep_init(ranks, job):
+    world, cp, _, _, _, ep = _job(job)
+    allowed = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+    for res in ranks:
+        errs = res["init_errors"]
+        assert errs["ep_no_fsdp"].startswith(f"ep={ep} needs fsdp=True"), errs
+        assert errs["ep_zero"].startswith("ep=0 must be an integer >= 1"), errs
+        assert errs["ep_not_dividing"] == f"ep=3 does not divide the world size {world}; allowed: {allowed}", errs
+        assert errs["ep_hsdp"].startswith(f"ep={ep} with replicate=2 (HSDP) is not supported"), errs
+
+
 def _job(job):
-    """``(world, cp, fsdp, scenarios, replicate)`` of a job."""
+    """``(world, cp, fsdp, scenarios, replicate, ep)`` of a job."""
     world, cp, fsdp, names, *rest = JOBS[job]
-    return world, cp, fsdp, names, (rest[0] if rest else 1)
+    return world, cp, fsdp, names, (rest[0] if rest else 1), (rest[1] if len(rest) > 1 else 1)
 
 
 CASES = [(job, name) for job in JOBS for name in _job(job)[3]]
@@ -294,9 +336,10 @@ def launched(paths):
 
     def get(job):
         if job not in cache:
-            world, cp, fsdp, names, replicate = _job(job)
+            world, cp, fsdp, names, replicate, ep = _job(job)
             try:
-                cache[job] = launch(world, cp=cp, paths=paths, scenarios=names, fsdp=fsdp, replicate=replicate)
+                cache[job] = launch(world, cp=cp, paths=paths, scenarios=[n for n in names if n != "ep_init"],
+                                    fsdp=fsdp, replicate=replicate, ep=ep)
             except AssertionError as e:
                 cache[job] = e
         if isinstance(cache[job], AssertionError):
@@ -317,6 +360,8 @@ def _check(job, name, ranks, single):
               "master_weights": lambda: check_master_weights(ranks),
               "registered_shards": lambda: check_registered_shards(ranks),
               "offload_dcp": lambda: check_offload_dcp(ranks)}
+    checks.update({"ep_experts": lambda: check_ep_experts(ranks, single, job),
+                   "ep_save": lambda: check_ep_save(ranks), "ep_init": lambda: check_ep_init(ranks, job)})
     if name in checks:
         checks[name]()
     if name.endswith("_score"):  # the MoE families' variants of these checks
@@ -337,15 +382,19 @@ def test_scenario(job, name, launched, single):
 def test_job_context(job, launched):
     """Each rank's place in the job: CP size and rank, data-parallel replicas (FSDP2 applied by load_model when
     init_distributed(fsdp=True): every parameter sharded, the embedding and the LM head included)."""
-    world, cp, fsdp, names, replicate = _job(job)
+    world, cp, fsdp, names, replicate, ep = _job(job)
     ranks = launched(job)
+    assert [r["context"]["ep_size"] for r in ranks] == [ep] * world
+    assert [r["context"]["ep_rank"] for r in ranks] == [i % ep for i in range(world)]
     assert [r["context"]["cp_size"] for r in ranks] == [cp] * world
     assert [r["context"]["cp_rank"] for r in ranks] == [i % cp for i in range(world)]
     assert [r["context"]["dp_size"] for r in ranks] == [world // cp] * world
     assert [r["context"]["replicate"] for r in ranks] == [replicate] * world
     if fsdp:
         for r in _result(ranks, names[0]):
-            assert r["sharded_params"] > 0 and r["whole_params"] == 0  # nothing left whole on any rank
+            # nothing left whole on any rank but the expert-parallel experts (each rank's own)
+            assert r["sharded_params"] > 0 and r["whole_params"] == r["ep_params"]
+            assert (r["ep_params"] > 0) == (ep > 1)
 
 
 def test_init_without_process_group_environment(monkeypatch):

@@ -331,6 +331,9 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
             raise ValueError(f"{str(p)!r}: the index lists tensors its shards do not hold: {_list(absent)}")
     model.tie_weights()
     shapes = {n: tuple(t.shape) for n, t in model.named_weights()}  # full shapes (a DTensor's are global)
+    ep_rows = distributed.expert_parallel.ep_param_rows(model)  # expert-parallel experts: this rank's rows only
+    for n, (full, _, _) in ep_rows.items():
+        shapes[n] = (full, *shapes[n][1:])
 
     names = sorted(present)
     if model.spec.tie_word_embeddings:
@@ -354,6 +357,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
 
     model = _materialise(model, device, p, size)
     model.tie_weights()
+    distributed.expert_parallel.mark_params(model)  # the allocated tensors are new Parameters
     params = dict(model.named_weights())
     assert set(params) == set(sources), set(params) ^ set(sources)
     try:
@@ -361,6 +365,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
             for pname, src in sources.items():
                 target = params[pname]
                 rows, local = local_rows(target), _local(target)
+                if pname in ep_rows:
+                    rows = ep_rows[pname][1:]
                 if local.numel():
                     src.read(rows, out=local)  # converted to the model's dtype as it is copied in
                 if isinstance(reader, _SafetensorsReader):
@@ -470,6 +476,8 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     from longstraw.checkpoint.export import WEIGHTS_INDEX as INDEX
     from longstraw.checkpoint.export import index_json, plan_export, write_export
     from longstraw.distributed.agree import agree, together
+    from longstraw.checkpoint.export import Computed
+    from longstraw.distributed.expert_parallel import ep_modules, gather_experts
     from longstraw.distributed.fsdp import is_sharded
 
     p = Path(path)
@@ -481,9 +489,13 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     if model.spec.tie_word_embeddings:
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
     sharded = any(is_sharded(t) for _, t in named)
+    ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
+    if ep:  # expert-parallel experts: gathered over the EP group when their turn comes (every rank joins)
+        named = [(n, Computed((t.shape[0] * ep[id(t)].ep.size, *t.shape[1:]), t.dtype,
+                              lambda m=ep[id(t)], t=t: gather_experts(m, t)) if id(t) in ep else t)
+                 for n, t in named]
     if merge_lora:
         from longstraw.checkpoint.adapter import merged_weights
-        from longstraw.checkpoint.export import Computed
 
         merged = merged_weights(model)
         if not merged:
@@ -526,6 +538,9 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if spec is None:
         raise ValueError(f"hf_grads needs a LongStraw model, got {type(model).__name__}")
     wmap = family_for(spec.model_type).weights(target.hf_config)
+    from longstraw.distributed.expert_parallel import ep_modules, gather_experts
+
+    ep = {id(p): m for _, m in ep_modules(target) for p in (m.gate_up_proj, m.down_proj)}
     out = {}
     for name, prm in target.named_parameters():
         if prm.grad is None:
@@ -533,5 +548,7 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         g = prm.grad
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
+        elif id(prm) in ep:  # expert-parallel: every EP rank's experts (a collective of the EP group)
+            g = gather_experts(ep[id(prm)], g)
         out[wmap.hf_name(name)] = g
     return out

@@ -20,6 +20,7 @@ from longstraw.distributed.cp_latent import ShardedIndexedLatentState, ShardedLa
 from longstraw.distributed.cp_recurrent import ShardedRecurrentState
 from longstraw.distributed.cp_state import (ShardedKVState, ShardedPromptState, ShardLayout, register_cp_kind,
                                             shard_layout, shard_states)
+from longstraw.distributed.expert_parallel import ExpertParallelExperts, ep_modules, shard_experts
 from longstraw.distributed.fsdp import apply_fsdp, fsdp_modules
 from longstraw.distributed.placement import ContextParallel, all_reduce_data_parallel, check_same_group
 from longstraw.models.deltanet import RecurrentState
@@ -35,13 +36,18 @@ def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, f
                 master_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Apply the parallelism of ``ctx`` (default: the one :func:`init_distributed` set up; none: nothing) to a
     LongStraw model, in place: FSDP2 over every rank of the job when ``fsdp`` (default: ``ctx.fsdp``; with fp32
-    master weights for a bf16/fp16 model unless ``master_dtype`` says otherwise: :func:`apply_fsdp`), and the
+    master weights for a bf16/fp16 model unless ``master_dtype`` says otherwise: :func:`apply_fsdp`; with ``ep > 1``
+    the routed experts split over the EP group first: :func:`shard_experts`), and the
     placement of its prompt states (context-parallel when ``cp > 1``; phases in lockstep when FSDP spans replicas).
     ``load_model`` and ``longstraw.build_model`` call it; call it yourself on a model you made. Returns ``model``."""
     ctx = ctx if ctx is not None else get_context()
     if ctx is None:
         return model
     fsdp = ctx.fsdp if fsdp is None else fsdp
+    if ctx.ep_size > 1 and not ep_modules(model):
+        if not fsdp:
+            raise ValueError(f"ep={ctx.ep_size} needs fsdp=True (expert parallelism runs under FSDP)")
+        shard_experts(model, ctx)  # before FSDP, which leaves the local experts whole
     if fsdp and not fsdp_modules(model):
         apply_fsdp(model, ctx, master_dtype=master_dtype)
     if fsdp or ctx.cp_size > 1:
@@ -54,5 +60,5 @@ __all__ = [
     "ContextParallel", "ShardedSegment", "StepPieces", "cp_segment_attention", "ShardedKVState",
     "ShardedRecurrentState", "ShardedLatentState", "ShardedIndexedLatentState", "ShardedPromptState", "ShardLayout",
     "shard_layout", "shard_states", "register_cp_kind", "check_same_group", "all_reduce_data_parallel", "apply_fsdp",
-    "parallelize",
+    "parallelize", "ExpertParallelExperts", "shard_experts", "ep_modules",
 ]

@@ -94,6 +94,10 @@ class ParallelContext:
     owns_process_group: bool
     replicate: int = 1
     fsdp_mesh: Any = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep: Comm | None = None
+    edp: Comm | None = None
 
     @property
     def cp_mesh(self):
@@ -122,7 +126,7 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, backend: str | None = None,
+def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int = 1, backend: str | None = None,
                      timeout_s: float | None = None) -> ParallelContext:
     """Start (or join) the process group and set up context parallelism over groups of ``cp`` ranks.
 
@@ -132,6 +136,10 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, backend
     ``fsdp=True`` makes ``load_model`` shard every parameter (embedding and LM head included) over all ranks of the
     job with FSDP2; ``replicate=N`` shards over each of ``N`` groups of ``W / N`` ranks instead and replicates across
     them (HSDP: all-gathers stay inside a node; ``N`` must divide ``W / cp``).
+    ``ep=E > 1``: expert parallelism (:mod:`longstraw.distributed.expert_parallel`): the routed experts of every MoE
+    layer are split over groups of ``E`` consecutive ranks (which may span CP groups and replicas) and tokens are
+    sent to them; needs ``fsdp=True`` and ``replicate=1``, and ``E`` must divide the world size (and, checked when
+    the model is loaded, every layer's number of experts).
 
     Data-parallel gradient convention: MEAN over the replicas. The ranks of a CP group share one prompt (each group's
     gradient is computed once, split over them); replicas take different groups, and ``.grad`` ends up as the mean of
@@ -154,6 +162,13 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, backend
         raise ValueError(f"replicate={replicate!r} must be an integer >= 1 (HSDP replica groups; 1: plain FSDP)")
     if replicate > 1 and not fsdp:
         raise ValueError(f"replicate={replicate} needs fsdp=True (it replicates FSDP's shards over node groups)")
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep={ep!r} must be an integer >= 1 (ranks the routed experts are split over; 1: off)")
+    if ep > 1 and not fsdp:
+        raise ValueError(f"ep={ep} needs fsdp=True (expert parallelism runs with the rest of the model FSDP-sharded "
+                         "and every rank in lockstep)")
+    if ep > 1 and replicate > 1:
+        raise ValueError(f"ep={ep} with replicate={replicate} (HSDP) is not supported; use replicate=1")
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed: None, {', '.join(map(repr, _BACKENDS))}")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -178,6 +193,10 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, backend
     if (world // cp) % replicate:
         raise ValueError(f"replicate={replicate} does not divide the {world // cp} data-parallel replicas (world "
                          f"{world} / cp={cp}); allowed: {', '.join(map(str, _divisors(world // cp)))}")
+
+    if world % ep:
+        raise ValueError(f"ep={ep} does not divide the world size {world}; allowed: "
+                         f"{', '.join(map(str, _divisors(world)))}")
 
     if owns:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -209,10 +228,15 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, backend
         fsdp_mesh = (DeviceMesh(device.type, ranks, mesh_dim_names=("fsdp",)) if replicate == 1 else
                      DeviceMesh(device.type, ranks.view(replicate, world // replicate),
                                 mesh_dim_names=("replicate", "fsdp")))
+    ep_comm = edp_comm = None
+    if ep > 1:  # EP groups of ep consecutive ranks; edp: the ranks holding the same experts
+        ep_mesh = DeviceMesh(device.type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("edp", "ep"))
+        ep_comm = Comm(ep_mesh.get_group("ep"), rank % ep, ep)
+        edp_comm = Comm(ep_mesh.get_group("edp"), rank // ep, world // ep)
     _CONTEXT = ParallelContext(rank=rank, world_size=world, cp_size=cp, cp_rank=rank % cp, dp_size=dp_size,
                                dp_rank=rank // cp, backend=backend, device=device, fsdp=fsdp, mesh=mesh,
                                cp=cp_comm, dp=dp_comm, owns_process_group=owns, replicate=replicate,
-                               fsdp_mesh=fsdp_mesh)
+                               fsdp_mesh=fsdp_mesh, ep_size=ep, ep_rank=rank % ep, ep=ep_comm, edp=edp_comm)
     return _CONTEXT
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
+from longstraw.distributed.expert_parallel import ep_param_ids, set_ep_divide_factor
 from longstraw.distributed.fsdp import fsdp_modules, is_sharded
 from longstraw.state import KVDecoder, KVState, LayerState, PromptState
 
@@ -221,7 +222,8 @@ class ShardedPromptState(PromptState):
     @contextlib.contextmanager
     def backward_scope(self, model: torch.nn.Module) -> Iterator[None]:
         comm = self.comm
-        params = [p for p in model.parameters() if p.requires_grad]
+        ep_ids = ep_param_ids(model)  # expert-parallel experts: reduced in their own backward (expert_parallel.py)
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in ep_ids]
         plain = [p for p in params if not is_sharded(p)]
         before = [p.grad for p in plain]
         for p in plain:
@@ -229,11 +231,13 @@ class ShardedPromptState(PromptState):
         fsdp = fsdp_modules(model)
         for m in fsdp:  # rank-local gradients: summed over the CP group, averaged over the replicas
             m.set_gradient_divide_factor(float(self.replicas))
+        set_ep_divide_factor(model, self.replicas)
         try:
             yield
         finally:
             for m in fsdp:  # back to the replay's: the mean over every rank of the job (distributed/fsdp.py)
                 m.set_gradient_divide_factor(float(comm.size * self.replicas))
+            set_ep_divide_factor(model, comm.size * self.replicas)
         # which parameters the prompt reached on any rank (LM head and final norm: on none); then sum those
         device = plain[0].device if plain else torch.device("cpu")
         reached = torch.tensor([p.grad is not None for p in plain], dtype=torch.int32, device=device)

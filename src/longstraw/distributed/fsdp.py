@@ -77,11 +77,16 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
         # cast_forward_inputs=False: a layer's inputs include the prompt state (float32 recurrent states, float32
         # gradient sinks filled in place), which must reach it as they are
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # expert-parallel experts (distributed/expert_parallel.py) are this rank's own: FSDP leaves them whole
+    from longstraw.distributed.expert_parallel import ep_modules
+
+    ignored = {p for _, m in ep_modules(model) for p in m.parameters()}
+    kw = {"ignored_params": ignored} if ignored else {}
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     ends = [backbone.embed_tokens, backbone.norm, model.lm_head]
-    fully_shard(ends, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
-    fully_shard(backbone, mesh=mesh, reshard_after_forward=True, mp_policy=mp)  # the root: every pass enters here
+    fully_shard(ends, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
+    fully_shard(backbone, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)  # the root: every pass enters
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
         if ctx.backend == "gloo":

@@ -110,8 +110,11 @@ def all_reduce_data_parallel(model: torch.nn.Module, ctx: ParallelContext) -> No
     shards over the job (DTensors) are averaged already by its reductions and are left alone."""
     if ctx.dp_size == 1:
         return
+    from longstraw.distributed.expert_parallel import ep_param_ids
+
+    ep_ids = ep_param_ids(model)  # expert-parallel experts: reduced over the whole job in their backward
     for p in model.parameters():
-        if p.grad is None or hasattr(p.grad, "to_local"):
+        if p.grad is None or hasattr(p.grad, "to_local") or id(p) in ep_ids:
             continue
         ctx.dp.all_reduce(p.grad)
         p.grad.div_(ctx.dp_size)

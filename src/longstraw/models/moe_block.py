@@ -14,7 +14,8 @@ the names of transformers' in-memory models:
   ``shared_experts`` in DeepSeek/GLM), and ``shared_expert_gate.weight [1, H]`` when it is gated (Qwen).
 
 Left out: auxiliary load-balancing losses (GRPO fine-tuning does not use them; ``output_router_logits`` is
-ignored), expert parallelism, capacity limits.
+ignored), capacity limits. Expert parallelism is applied from outside (``longstraw.distributed.expert_parallel``
+swaps an :class:`Experts` module for one holding this rank's experts); nothing here knows about it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ Dtypes (as HF, so bf16 models match HF bit-for-bit in spirit and float64 tests c
   float32 weight times a bf16 output is formed in float32), casts to x's dtype and accumulates in x's dtype.
   On CPU the accumulation order per token is ascending expert id, the same as HF's eager loop.
 
-Left out on purpose: expert parallelism (sentinel ids), capacity limits / token dropping, auxiliary balance losses,
+Left out on purpose: expert parallelism (``longstraw.distributed.expert_parallel`` moves the tokens and calls
+``experts_forward`` on each rank's experts), capacity limits / token dropping, auxiliary balance losses,
 expert biases. ``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
 """
 

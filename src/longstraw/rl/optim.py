@@ -50,12 +50,21 @@ def clip_grad_norm(params, max_norm: float) -> float:
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    if any(hasattr(p.grad, "full_tensor") for p in grads):
-        total = torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0)
+    # expert-parallel experts (longstraw.distributed.expert_parallel): each rank holds its own experts' gradients
+    ep = [p for p in grads if getattr(p, "_longstraw_ep", None) is not None]
+    if ep or any(hasattr(p.grad, "full_tensor") for p in grads):
+        rest = [p for p in grads if getattr(p, "_longstraw_ep", None) is None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in rest], 2.0) if rest else torch.zeros(())
         if hasattr(total, "full_tensor"):
             total = total.full_tensor()
+        if ep:  # squares summed over the EP group: every expert once (the edp replicas hold the same ones)
+            sq = torch.stack([torch.linalg.vector_norm(p.grad.double()) ** 2 for p in ep]).sum()
+            ep[0]._longstraw_ep.all_reduce(sq.to(ep[0].grad.device))
+            total = torch.sqrt(total.double() ** 2 + sq.to(total.device)).to(total.dtype)
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+            for part in (rest, ep):
+                if part:
+                    torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
         return float(total)
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))

@@ -1,0 +1,196 @@
+"""Expert parallelism (EP): the routed experts of every MoE layer split over ``ep`` ranks; tokens move to them.
+
+``init_distributed(cp=R, fsdp=True, ep=E)`` groups the ``W`` ranks of the job into ``W / E`` EP groups of ``E``
+consecutive ranks (``rank = edp_rank * E + ep_rank``). :func:`shard_experts` (called by ``parallelize``, before
+FSDP) keeps, in every :class:`~longstraw.models.moe_block.Experts` module, only the experts of this rank's EP
+coordinate: rows ``[ep_rank * n / E, (ep_rank + 1) * n / E)`` of the fused ``gate_up_proj [n, 2I, H]`` and
+``down_proj [n, H, I]`` (whole local tensors, not DTensors; FSDP leaves them alone: ``ignored_params``), and swaps
+the module's class for :class:`ExpertParallelExperts`, whose forward
+
+1. sends each routed token slot (sorted by expert, hence by owning rank) to the rank that holds its expert
+   (``all_to_all_single`` with uneven splits, after exchanging per-expert counts),
+2. runs the local experts on what it received (``experts_forward`` with one slot per row),
+3. sends the outputs back (the reverse all-to-all) and combines them with the routing weights, as one process does.
+
+Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so the gradient of the tokens
+flows back to the ranks they came from and each expert's gradient collects every rank's tokens. The models never
+see any of this (the module's class is swapped from outside, as FSDP does).
+
+Every MoE layer call is thus a collective of the EP group: all its ranks must call every MoE layer the same number
+of times in the same order, forward and backward. FSDP over the job already demands that (the engine's lockstep:
+idle steps join with one dummy token; a rank that receives no tokens joins with zero rows), so ``ep > 1`` requires
+``fsdp=True``. Under that rule an EP group may span anything: ranks of one CP group, of different data-parallel
+replicas, or both.
+
+Gradients (the convention of ``init_distributed``: the mean over data-parallel replicas). The all-to-all backward
+already sums every EP-group rank's contribution into the owner's expert gradient; the ``W / E`` ranks that hold the
+same experts (the expert-data-parallel group ``edp``) sum theirs (an all-reduce in the backward of each layer's
+expert weights), so each expert gradient is the sum over all ``W`` ranks, divided by the same factor FSDP divides
+the rest of the model by (``W`` for the replay, the number of replicas in the CP reverse pass:
+``cp_state.ShardedPromptState.backward_scope`` sets both). Expert weights are replicated over ``edp``, not further
+FSDP-sharded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from longstraw.distributed.context import Comm, ParallelContext
+from longstraw.models.moe_block import Experts
+from longstraw.ops import meta
+from longstraw.ops.moe import experts_forward
+
+__all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
+           "set_ep_divide_factor", "mark_params"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of ``x [S, ...]`` with uneven splits over ``group``; backward: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, out_splits: list[int], in_splits: list[int]) -> Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
+        dist.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+class _ExpertGrad(torch.autograd.Function):
+    """Identity on the local expert weights; backward: sum over the expert-data-parallel group (the ranks holding
+    the same experts), divided by the module's current factor (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, module: ExpertParallelExperts, gate_up: Tensor, down: Tensor):
+        ctx.module = module
+        return gate_up.view_as(gate_up), down.view_as(down)
+
+    @staticmethod
+    def backward(ctx, g_gu: Tensor, g_dn: Tensor):
+        m = ctx.module
+        flat = torch.cat([g_gu.reshape(-1), g_dn.reshape(-1)])
+        if m.edp is not None and m.edp.size > 1:
+            m.edp.all_reduce(flat)
+        flat = flat / m.divide_factor
+        n = g_gu.numel()
+        return None, flat[:n].view_as(g_gu), flat[n:].view_as(g_dn)
+
+
+class ExpertParallelExperts(Experts):
+    """An :class:`Experts` module holding experts ``[first, first + local)`` of ``num_experts`` (module docstring).
+    Set up by :func:`shard_experts`; never constructed directly."""
+
+    ep: Comm
+    edp: Comm | None
+    first: int
+    divide_factor: float
+
+    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        gu, dn = self.gate_up_proj, self.down_proj
+        if meta.is_meta(x):  # the planner's dry run: shapes only (as one process with all experts)
+            full_gu = gu.new_empty((self.num_experts, *gu.shape[1:]), device="meta")
+            full_dn = dn.new_empty((self.num_experts, *dn.shape[1:]), device="meta")
+            return experts_forward(x, expert_ids, weights, full_gu, full_dn, self.act)
+        n, k = expert_ids.shape
+        hidden = x.shape[1]
+        local, size = gu.shape[0], self.ep.size
+        flat = expert_ids.reshape(-1)
+        with torch.no_grad():
+            order = torch.argsort(flat, stable=True)  # slots by expert, so by owning rank (token order within)
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            if counts.numel() != self.num_experts:
+                raise ValueError(f"expert_ids contains ids >= the number of experts ({self.num_experts})")
+            recv = self.ep.all_to_all(counts.view(size, local))  # [source rank, local expert]
+            in_splits = counts.view(size, local).sum(1).tolist()
+            out_splits = recv.sum(1).tolist()
+            local_ids = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(size),
+                                                recv.reshape(-1)).unsqueeze(1)
+        token_idx = order // k
+        xr = _AllToAll.apply(x[token_idx], self.ep.group, out_splits, in_splits)  # [received, H]
+        gu, dn = _ExpertGrad.apply(self, gu, dn)
+        if gu.dtype != x.dtype:  # fp32 master experts under a low-precision compute dtype: compute in x's
+            gu, dn = gu.to(x.dtype), dn.to(x.dtype)
+        yr = experts_forward(xr, local_ids, xr.new_ones(local_ids.shape), gu, dn, self.act)
+        if yr.shape[0] == 0:  # nothing received: keep the received rows and the weights in the graph, so this
+            yr = yr + 0 * (xr.sum() + gu.sum() + dn.sum())  # rank's backward runs the same collectives as the others
+        ys = _AllToAll.apply(yr, self.ep.group, in_splits, out_splits)  # back in the order of x[token_idx]
+        ys = (ys * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+        return x.new_zeros(n, hidden).index_add(0, token_idx, ys)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first}..{self.first + self.gate_up_proj.shape[0] - 1} of {self.num_experts} "
+                f"(ep rank {self.ep.rank} of {self.ep.size})")
+
+
+def ep_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
+    """The expert-parallel modules of ``model`` with their names."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
+
+
+def ep_param_ids(model: nn.Module) -> set[int]:
+    """``id`` of every expert-parallel parameter (local slices: whole tensors that differ between EP ranks)."""
+    return {id(p) for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
+
+
+def ep_param_rows(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """``{parameter name: (rows of the full tensor, first row held, end row held)}`` of the expert-parallel
+    parameters (dim 0: experts)."""
+    out = {}
+    for name, m in ep_modules(model):
+        b = m.first + m.gate_up_proj.shape[0]
+        for p in ("gate_up_proj", "down_proj"):
+            out[f"{name}.{p}" if name else p] = (m.num_experts, m.first, b)
+    return out
+
+
+def mark_params(model: nn.Module) -> None:
+    """Tag the expert-parallel parameters (``p._longstraw_ep``: the EP group's :class:`Comm`), so that code holding
+    only parameters (``rl.optim.clip_grad_norm``) can sum their norms over the EP group. ``shard_experts`` tags them;
+    call again after the parameters are replaced (``load_model`` does, after allocating them)."""
+    for _, m in ep_modules(model):
+        for p in (m.gate_up_proj, m.down_proj):
+            p._longstraw_ep = m.ep
+
+
+def set_ep_divide_factor(model: nn.Module, factor: float) -> None:
+    """The factor the expert gradients are divided by (kept equal to FSDP's; module docstring)."""
+    for _, m in ep_modules(model):
+        m.divide_factor = float(factor)
+
+
+def gather_experts(module: ExpertParallelExperts, t: Tensor) -> Tensor:
+    """The full ``[num_experts, ...]`` tensor from every EP rank's local ``t`` (a collective of the EP group)."""
+    return module.ep.all_gather(t.detach()).reshape(module.num_experts, *t.shape[1:])
+
+
+def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    """Keep only this rank's experts in every :class:`Experts` module of ``model`` (module docstring); in place, on
+    meta or real tensors. ValueError if ``ctx.ep_size`` does not divide a layer's number of experts."""
+    size = ctx.ep_size
+    if size == 1:
+        return model
+    for name, m in model.named_modules():
+        if type(m) is not Experts:
+            continue
+        n = m.num_experts
+        if n % size:
+            raise ValueError(f"ep={size} does not divide the {n} routed experts of {name}; allowed: "
+                             f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0 and ctx.world_size % d == 0)}")
+        local = n // size
+        a = ctx.ep_rank * local
+        with torch.no_grad():
+            for pname in ("gate_up_proj", "down_proj"):
+                p = getattr(m, pname)
+                setattr(m, pname, nn.Parameter(p[a:a + local].clone(), requires_grad=p.requires_grad))
+        m.__class__ = ExpertParallelExperts
+        m.ep, m.edp, m.first = ctx.ep, ctx.edp, a
+        m.divide_factor = float(ctx.world_size)
+    mark_params(model)
+    return model
