@@ -275,3 +275,22 @@ def test_meta_shortcut_changes_no_tracked_byte(monkeypatch):
     slow = [op_bytes()] + [plan(cfg, cfg=GRPOConfig(prompt_grad=m, prefill_chunk=4096), **kw).breakdown
                            for m in ("detached", "exact")]
     assert fast == slow
+
+
+def test_kernel_choice_rule():
+    """"auto": fla for CUDA bf16/fp16 when it imports, else torch (on CUDA with a warning, see the dispatcher);
+    "fla" refuses what fla cannot take; an unknown backend is named."""
+    from longstraw.ops.deltanet import choose_kernel, delta_rule_kernel
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert choose_kernel("auto", "cuda", bf16, True) == "fla"
+    assert choose_kernel("auto", "cuda", bf16, False) == "torch"
+    assert choose_kernel("auto", "cuda", fp32, True) == "torch"
+    assert choose_kernel("auto", "cpu", bf16, True) == "torch"
+    assert choose_kernel("torch", "cuda", bf16, True) == "torch"
+    assert choose_kernel("fla", "cuda", torch.float16, True) == "fla"
+    with pytest.raises(ValueError, match="backend='fla' needs CUDA bf16/fp16"):
+        choose_kernel("fla", "cuda", fp32, True)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        choose_kernel("triton", "cuda", bf16, True)
+    assert delta_rule_kernel("cpu", bf16) == "torch"  # never imports fla for a CPU device

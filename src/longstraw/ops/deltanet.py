@@ -61,7 +61,8 @@ from torch import Tensor
 
 from longstraw.ops import meta
 
-__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm"]
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
+           "choose_kernel", "delta_rule_kernel"]
 
 _L2NORM_EPS = 1e-6
 _BACKENDS = ("auto", "torch", "fla")
@@ -278,6 +279,35 @@ def fla_available() -> bool:
     return _load_fla() is not None
 
 
+def choose_kernel(backend: str, device_type: str, dtype: torch.dtype, fla_importable: bool) -> str:
+    """The delta-rule kernel a call takes: ``"fla"`` or ``"torch"`` (pure: the dispatcher's rule, for the planner
+    and the step's report). "auto" takes fla for CUDA bf16/fp16 inputs when it imports, torch otherwise."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fla_importable:
+        return "fla"
+    if backend == "fla":
+        raise ValueError(f"backend='fla' needs CUDA bf16/fp16 inputs and an importable fla; got device "
+                         f"{device_type}, dtype {dtype}")
+    return "torch"
+
+
+def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The kernel "auto" takes for inputs on ``device`` in ``dtype`` (imports fla only for a CUDA device)."""
+    device_type = torch.device(device).type
+    fla_ok = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fla_available()
+    return choose_kernel("auto", device_type, dtype, fla_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_torch_on_cuda(dtype: torch.dtype, why: str) -> None:
+    warnings.warn(f"Gated DeltaNet on CUDA ({dtype}) runs the torch chunked delta rule, not fla's kernel: {why}; "
+                  "expect a slower step and a branch graph several times fla's (pip install 'longstraw[gpu]' for "
+                  "fla; bf16/fp16 inputs)", stacklevel=3)
+
+
 def gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -296,16 +326,14 @@ def gated_delta_rule(
 
     fla always uses chunks of 64; a different ``chunk_size`` is ignored there (with a warning).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
     fla_fn = None
-    if backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if backend in _BACKENDS and backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         fla_fn = _load_fla()
-    if backend == "fla" and fla_fn is None:
-        raise ValueError(
-            f"backend='fla' needs CUDA bf16/fp16 inputs and an importable fla; got device {q.device}, dtype {q.dtype}"
-        )
-    if fla_fn is None:
+    kernel = choose_kernel(backend, q.device.type, q.dtype, fla_fn is not None)
+    if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
+        _warn_torch_on_cuda(q.dtype, "fla does not import" if q.dtype in (torch.bfloat16, torch.float16)
+                            else "fla takes bf16/fp16 inputs only")
+    if kernel == "torch":
         return chunk_gated_delta_rule(
             q,
             k,
