@@ -13,7 +13,11 @@ What the dry run samples instead of running it all (its only shortcuts besides t
 ``longstraw.ops.meta`` lists): ONE branch batch of the G (every batch allocates alike and frees its graph before
 the next: the replay's memory is flat in G), and in exact mode the reverse-pass steps that can set its peak
 (:func:`peak_steps`: the first and the last two; every other step repeats the second-to-last with a shorter
-prefix). Tests hold both to a full dry run.
+prefix). Tests hold both to a full dry run. And not every layer: a few layers (the first and the last of each
+layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in a few small models and
+the runs combined for the whole depth (byte-exact on test models, the exact-mode transients within a few percent).
+Beyond two chunks and one attention block the prompt's length enters only through the state (see below), so a
+plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers.
 
 Breakdown (bytes per device):
 
@@ -71,6 +75,32 @@ PEAK_STEPS_ONLY = True  # the dry run's exact reverse pass walks only the steps 
 
 BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "gathered", "prompt_state", "prompt_state_grad", "branch_graph",
                   "prefill_chunk", "logits")
+
+
+# Usable memory of the GPUs the docs name: what ``torch.cuda.get_device_properties(d).total_memory`` (nvidia-smi's
+# "Total") reports for the usual SKUs, in MiB. Datasheets' "80 GB", "96 GB", "141 GB" are close to GiB (binary): a
+# plain ``--gpu-mem 141G`` is read as 141 GiB, which is what an H200 reports within 0.5 GiB.
+DEVICES_MIB = {"H20": 97871, "H100": 81559, "H200": 143771, "B200": 183359, "A100": 81920}
+CONTEXT_RESERVE = 1 << 30  # CUDA context (~0.5 GiB) + cuBLAS/cuDNN workspaces
+NCCL_RESERVE = 1 << 30  # NCCL's communicator buffers and streams (gpus > 1)
+FRAGMENTATION = 0.05  # the caching allocator's fragmentation, as a share of the device's memory
+
+
+def device_reserve(capacity: int, gpus: int = 1) -> int:
+    """Bytes of a device's ``capacity`` that a run's tensors cannot use: the CUDA context and workspaces
+    (:data:`CONTEXT_RESERVE`), NCCL's buffers when there is more than one GPU (:data:`NCCL_RESERVE`) and the
+    caching allocator's fragmentation (:data:`FRAGMENTATION` of the capacity). The planner compares its peak with
+    ``capacity - reserve`` (the trainer's pre-run check on a GPU too)."""
+    return int(CONTEXT_RESERVE + (NCCL_RESERVE if gpus > 1 else 0) + FRAGMENTATION * capacity)
+
+
+def parse_gpu_mem(text: str, name: str = "--gpu-mem") -> int:
+    """A device name (H20, H100, H200, B200, A100: its usable total, :data:`DEVICES_MIB`) or a memory size
+    (``80G``, ``141G``: binary units, as vendors' GB nearly are) -> bytes."""
+    key = str(text).strip().upper()
+    if key in DEVICES_MIB:
+        return DEVICES_MIB[key] << 20
+    return parse_bytes(text, name)
 
 
 def _tensors(x):
@@ -132,9 +162,12 @@ class LiveMeter:
         self.peak: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.peak_bytes = self.peak
+        self.on_start = None  # called with each phase's name as it starts
 
     @contextmanager
     def phase(self, name: str):
+        if self.on_start is not None:
+            self.on_start(name)
         self.lb.reset_peak()
         self.start[name] = self.lb.live
         try:
@@ -157,7 +190,7 @@ class Plan:
     breakdown: dict[str, int]
     max_prompt_len: int | None
     settings: dict = field(default_factory=dict)
-    limit_bytes: int | None = None  # the memory per device it was planned against (gpu_mem), or None
+    limit_bytes: int | None = None  # the memory per device it was planned against (gpu_mem - reserve), or None
 
     @property
     def fits(self) -> bool | None:
@@ -168,6 +201,8 @@ class Plan:
         out = {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
                "max_prompt_len": self.max_prompt_len, "fits": self.fits,
                "assumptions": self.settings.get("assumptions", {})}
+        if "memory" in self.settings:  # the device's memory, the reserve, what is left for the run
+            out["memory"] = dict(self.settings["memory"])
         if "lora" in self.settings:  # a LoRA plan: what was adapted, and how ``weights`` splits
             out["lora"] = dict(self.settings["lora"])
         return out
@@ -197,40 +232,181 @@ def peak_steps(steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [steps[0]] + steps[-2:] if len(steps) > 3 else list(steps)
 
 
-def dry_run(model, prompt_len: int, response_len: int, group: int, cfg) -> dict[str, int]:
-    """Run the engine's GRPO step (``prefill`` then ``grpo_backward``) on the meta ``model`` under ``cfg`` (a
-    ``GRPOConfig``) and return the tracked bytes per phase (module docstring: one branch batch, the peak steps)."""
+def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, state_only: bool = False
+                 ) -> dict[str, int]:
+    """The tracked bytes of one dry run before they are combined into breakdown terms (:func:`_finish`): every
+    value is a sum over the layers plus what the ends add, so dry runs of sampled layers combine linearly.
+    ``grad_at_replay``: the state gradient's bytes when the replay starts (after ``enable_grad``). ``state_only``:
+    stop there (the prefill and the state's gradient buffers only: what the long-prompt line needs at its first
+    point)."""
     from longstraw.engine.grpo import build_prompt_state, grpo_backward
 
     prompt = torch.zeros(prompt_len, dtype=torch.long)  # host ids, checked like a real call's; moved to meta
     n = min(group, cfg.branch_batch)
     responses = [torch.zeros(response_len, dtype=torch.long) for _ in range(n)]
     ref = [torch.zeros(response_len) for _ in range(n)] if cfg.kl_coef else None
-    for p in model.parameters():
-        if p.requires_grad:  # (a LoRA model's frozen base has none)
-            p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
     w, _ = model.head()
     vocab = w.shape[0]
     meter = LiveMeter(LiveBytes())
+    if state_only:
+        with meter.lb:
+            state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
+            if cfg.exact:
+                state.enable_grad()  # as grpo_backward does before the replay
+            out = {"prompt_state": state.nbytes(), "grad_at_replay": state.grad_nbytes()}
+            state.release_grad()
+            del state
+        return out
+    for p in model.parameters():
+        if p.requires_grad:  # (a LoRA model's frozen base has none)
+            p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
+    marks: dict[str, int] = {}
     with meter.lb:
         with meter.phase("prompt_state"):
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
         state_bytes = state.nbytes()
         if cfg.exact and PEAK_STEPS_ONLY:
             state.chunks = peak_steps(state.chunks)
+        meter.on_start = lambda name, st=state: marks.setdefault(name, st.grad_nbytes())
         stats = grpo_backward(model, prompt, responses, torch.zeros(n), cfg, ref_logprobs=ref, prompt_state=state,
                               meter=meter)
+        meter.on_start = None
         del state
     tokens = min(cfg.logprob_chunk, cfg.branch_batch * response_len)
     acc = 8 if w.dtype == torch.float64 else 4
-    logits = 3 * tokens * vocab * acc  # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound)
     for p in model.parameters():
         p.grad = None
-    branch_peak = meter.above_start("replay")
-    recompute = meter.above_start("prompt_backward") if cfg.exact else 0
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
-            "prefill_chunk": max(meter.transient("prompt_state"), recompute),
-            "branch_graph": max(0, branch_peak - logits), "logits": min(logits, branch_peak)}
+            "grad_at_replay": marks.get("replay", 0),
+            "prefill": meter.transient("prompt_state"),
+            "recompute": meter.above_start("prompt_backward") if cfg.exact else 0,
+            "replay": meter.above_start("replay"),
+            # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound): no layer in it
+            "logits": 3 * tokens * vocab * acc}
+
+
+def _finish(raw: dict[str, int]) -> dict[str, int]:
+    if "logits" not in raw:  # a state-only run
+        return dict(raw)
+    logits = raw["logits"]
+    return {"grad_at_replay": raw["grad_at_replay"], "prompt_state": raw["prompt_state"], "prompt_state_grad": raw["prompt_state_grad"],
+            "prefill_chunk": max(raw["prefill"], raw["recompute"]),
+            "branch_graph": max(0, raw["replay"] - logits), "logits": min(logits, raw["replay"])}
+
+
+def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_only: bool = False
+            ) -> dict[str, int]:
+    """Run the engine's GRPO step (``prefill`` then ``grpo_backward``) on the meta ``model`` under ``cfg`` (a
+    ``GRPOConfig``) and return the tracked bytes per phase (module docstring: one branch batch, the peak steps)."""
+    out = _finish(_dry_run_raw(model, prompt_len, response_len, group, cfg, state_only))
+    return out if state_only else {k: v for k, v in out.items() if k != "grad_at_replay"}
+
+
+_INDEX_ATTRS = frozenset({"layer_index", "source_index", "layer_idx"})
+
+
+def _layer_kind(layer) -> tuple:
+    """What makes two decoder layers allocate alike in a dry run: their modules' classes and plain settings (every
+    int/float/bool/str attribute but the layer's own index), their parameters' and buffers' names, shapes, dtypes
+    and ``requires_grad`` (full attention, DeltaNet, MLA, DSA, MoE or dense FFN, sliding window, adapters, ...).
+    A shared DSA layer (it reads another layer's selection) is its own kind."""
+    key: list = []
+    for name, m in layer.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and k not in _INDEX_ATTRS
+                             and isinstance(v, (int, float, bool, str, type(None)))))
+        key.append((name, type(m).__qualname__, attrs, getattr(m, "source_index", None) is None))
+    key += [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()]
+    key += [(n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()]
+    return tuple(key)
+
+
+def layer_samples(model) -> tuple[list[list[int]], list] | None:
+    """Which layers to dry-run instead of all of them, and how to combine the runs: ``(subsets, weights)`` with
+    ``full = sum(w * dry_run(subset))`` for every tracked quantity, or None when sampling saves nothing.
+
+    Every tracked quantity of a dry run is a sum over the layers (each layer's state, its saved activations, its
+    share of the reverse pass) plus what the ends add (embedding, LM head, the last layer's backward transient).
+    The transients are not sums but maxima over the layers: what the earlier layers left alive plus one layer's own
+    transient (forward), or what the later layers' backward left plus one layer's (backward); along a run of layers
+    of one kind the maximum is at the last one (forward) or the first one (backward). So the base subset holds the
+    first and the last layer of each kind (:func:`_layer_kind`), and one more subset per kind that recurs adds one
+    layer of that kind between them (after every kind's first, before every kind's last, where the model has one):
+    it adds to every candidate of the maximum alike, and the full model's bytes are an integer combination of the
+    subsets' (a shared DSA layer brings its source layer along). Tests hold the combination equal to a full dry
+    run."""
+    from fractions import Fraction
+
+    n = len(model.layers)
+    keys = [_layer_kind(layer) for layer in model.layers]
+    kinds = list(dict.fromkeys(keys))
+
+    def close(s: set[int]) -> list[int]:
+        s = set(s)
+        while True:  # shared DSA layers need their source layer in the same run
+            need = {src for i in s if (src := getattr(model.layers[i].mixer, "source_index", None)) is not None} - s
+            if not need:
+                return sorted(s)
+            s |= need
+
+    firsts = [keys.index(k) for k in kinds]
+    lasts = [n - 1 - keys[::-1].index(k) for k in kinds]
+    base = close({0, n - 1, *firsts, *lasts})
+    subsets = [base]
+    for k in kinds:
+        extra = [i for i in range(n) if keys[i] == k and i not in base]
+        if extra:  # one between every kind's first and every kind's last layer where there is one (see above)
+            inner = [i for i in extra if max(firsts) < i < min(lasts)] or extra
+            subsets.append(close(set(base) | {inner[len(inner) // 2]}))
+    if sum(len(s) for s in subsets) >= n:
+        return None
+    vary = [k for k in kinds if keys.count(k) > sum(keys[i] == k for i in base)]
+    rows = [[Fraction(1)] + [Fraction(sum(keys[i] == k for i in s)) for k in vary] for s in subsets]
+    target = [Fraction(1)] + [Fraction(keys.count(k)) for k in vary]
+    m = len(rows)  # solve sum_r w_r rows[r] = target: square (one subset per varying kind), Gauss-Jordan
+    if m != len(target):
+        return None
+    a = [[rows[r][c] for r in range(m)] + [target[c]] for c in range(m)]
+    for c in range(m):
+        piv = next((r for r in range(c, m) if a[r][c] != 0), None)
+        if piv is None:
+            return None
+        a[c], a[piv] = a[piv], a[c]
+        for r in range(m):
+            if r != c and a[r][c] != 0:
+                f = a[r][c] / a[c][c]
+                a[r] = [x - f * y for x, y in zip(a[r], a[c])]
+    weights = [a[r][m] / a[r][r] for r in range(m)]
+    return subsets, weights
+
+
+@contextmanager
+def _only_layers(model, idx: list[int]):
+    """The model with only the layers ``idx`` (in order) for the duration (a dry run of sampled layers)."""
+    full = model.model.layers
+    model.model.layers = torch.nn.ModuleList([full[i] for i in idx])
+    try:
+        yield model
+    finally:
+        model.model.layers = full
+
+
+SAMPLE_LAYERS = True  # dry-run sampled layers (:func:`layer_samples`) instead of all; tests switch it off
+
+
+def sampled_dry_run(model, prompt_len: int, response_len: int, group: int, cfg, samples=None,
+                    state_only: bool = False) -> dict[str, int]:
+    """:func:`dry_run` of the whole model, from dry runs of the layer samples (``layer_samples(model)``; None:
+    all the layers), with ``grad_at_replay`` (see :func:`_dry_run_raw`)."""
+    if samples is None or not SAMPLE_LAYERS:
+        return _finish(_dry_run_raw(model, prompt_len, response_len, group, cfg, state_only))
+    subsets, weights = samples
+    total: dict = {}
+    for idx, w in zip(subsets, weights):
+        with _only_layers(model, idx):
+            raw = _dry_run_raw(model, prompt_len, response_len, group, cfg, state_only)
+        for k, v in raw.items():
+            total[k] = total.get(k, 0) + w * v
+    return _finish({k: int(round(v)) for k, v in total.items()})  # (the weights sum to 1: logits stay as they are)
 
 
 def naive_step_bytes(model_or_config, prompt_len: int, response_len: int, group: int, dtype=None) -> int:
@@ -323,7 +499,8 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
          optimizer_states: int = 2, fsdp: bool | None = None, replicate: int = 1, master_dtype: str = "auto",
-         optimizer_offload: bool = False, lora=None) -> Plan:
+         optimizer_offload: bool = False, lora=None, reserve: int = 0, ep: int = 1,
+         max_positions: int | None = None) -> Plan:
     """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
     ``hf_config``, computing in ``dtype`` (see module docstring). ``gpu_mem`` in bytes gives the verdict
     (``Plan.fits``) and ``max_prompt_len``. ``fsdp`` (default: ``gpus > 1``), ``replicate``: FSDP2 over the GPUs as
@@ -336,7 +513,10 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     dtype, gradients, moments), and the dry run goes through the adapters (module docstring);
     ``Plan.settings["lora"]`` says what was adapted and splits ``weights``. ValueError for a prompt + response
     longer than the model takes, or a LoRA setting the model refuses (a target that matches none of its linear
-    layers, with the names it has)."""
+    layers, with the names it has). ``reserve``: bytes of ``gpu_mem`` the run's tensors cannot use
+    (:func:`device_reserve`; the verdict compares the peak with ``gpu_mem - reserve``). ``ep``: expert parallelism
+    (not yet: only 1). ``max_positions``: the positions the run extends the model to (RoPE scaling such as YaRN),
+    instead of the config's ``max_position_embeddings``."""
     from longstraw.checkpoint.hf import parse_dtype
     from longstraw.engine.config import GRPOConfig
 
@@ -354,6 +534,16 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                          f"cp={cp})")
     if gpu_mem is not None and not (isinstance(gpu_mem, (int, float)) and math.isfinite(gpu_mem) and gpu_mem > 0):
         raise ValueError(f"gpu_mem={gpu_mem!r} must be a finite number of bytes > 0")
+    if ep != 1:
+        raise ValueError(f"ep={ep}: expert parallelism is not planned yet (the planner shards experts with FSDP "
+                         "like every parameter); plan ep=1")
+    if not (isinstance(reserve, int) and reserve >= 0):
+        raise ValueError(f"reserve={reserve!r} must be a number of bytes >= 0")
+    if gpu_mem is not None and reserve >= gpu_mem:
+        raise ValueError(f"reserve={reserve} leaves nothing of gpu_mem={int(gpu_mem)}")
+    if max_positions is not None:
+        _check_positive(max_positions=max_positions)
+        hf_config = {**hf_config, "max_position_embeddings": max_positions}
     dt = parse_dtype(dtype)
     lora_settings = None
     if lora is not None:
@@ -382,40 +572,62 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                                              optimizer_offload=optimizer_offload)
 
     cache: dict[int, dict[str, int]] = {}
+    samples = layer_samples(model) if SAMPLE_LAYERS else None
+    kinds: dict[str, int] = {}
+    for layer in model.layers:
+        k = f"{type(layer.mixer).__name__} + {type(layer.ffn).__name__}"
+        kinds[k] = kinds.get(k, 0) + 1
+    assumptions["layers"] = ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    assumptions["dry_run"] = (f"{sum(len(x) for x in samples[0])} layer runs ({len(samples[0])} dry runs of "
+                              f"{'/'.join(str(len(x)) for x in samples[0])} layers) combined for "
+                              f"{len(model.layers)} layers" if samples else f"all {len(model.layers)} layers")
+    if any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers):
+        assumptions["delta_rule_kernel"] = (
+            "torch (the chunked torch path's autograd graph: what a CPU run or a run without fla uses); a CUDA "
+            "bf16/fp16 run with fla installed runs fla's Triton kernel, which saves far less for its backward: "
+            "for such a run branch_graph and prefill_chunk are upper bounds")
+    assumptions["checkpoint_layers"] = bool(cfg.checkpoint_layers)
 
-    def at(p: int) -> dict[str, int]:
-        if p not in cache:
-            d = dry_run(model, p, response_len, group, cfg)
-            d["prompt_state"] //= cp
-            d["prompt_state_grad"] //= cp
-            cache[p] = {**fixed, **d}
-        return cache[p]
+    def at(p: int, state_only: bool = False) -> dict[str, int]:
+        if (p, state_only) not in cache:
+            d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
+            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay"):
+                if k in d:
+                    d[k] //= cp
+            cache[p, state_only] = {**fixed, **d}
+        return cache[p, state_only]
 
     def peak_of(b: dict[str, int]) -> int:
         return (b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b["prompt_state"]
                 + b["prompt_state_grad"] + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]))
 
     # Beyond T positions (two prefill chunks and one attention block) the transients no longer grow and the state
-    # grows linearly (K/V per position, recurrent states per chunk), so two dry runs at T and 2T give every longer
-    # prompt; shorter ones are dry-run directly. (Dry runs at a million positions would spend minutes in the
-    # per-chunk loops of recurrent layers.)
+    # grows linearly (K/V per position, recurrent states per chunk), so a dry run at 2T and the state at T give
+    # every longer prompt; shorter ones are dry-run directly. (Dry runs at a million positions would spend minutes
+    # in the per-chunk loops of recurrent layers.) The state's gradient: its buffers (allocated before the replay)
+    # grow on the line; what the replay and the reverse pass add on top (a recurrent layer's one or two gradient
+    # leaves) does not grow with the prompt.
     chunk = cfg.prefill_chunk
     t = -(-max(2 * chunk, _ATTN_BLOCK + chunk) // chunk) * chunk
 
-    def linear(p: int) -> dict[str, int]:
-        if p <= 2 * t:
-            return at(p)
-        b1, b2 = at(t), at(2 * t)
+    def line(p: int) -> dict[str, int]:
+        b1, b2 = at(t, state_only=True), at(2 * t)
         out = dict(b2)
-        for k in ("prompt_state", "prompt_state_grad"):
-            out[k] = int(b1[k] + (b2[k] - b1[k]) * (p - t) / t)
+        out["prompt_state"] = int(b1["prompt_state"] + (b2["prompt_state"] - b1["prompt_state"]) * (p - t) / t)
+        g1, g2 = b1["grad_at_replay"], b2["grad_at_replay"]
+        out["prompt_state_grad"] = int(g1 + (g2 - g1) * (p - t) / t) + b2["prompt_state_grad"] - g2
         return out
 
-    breakdown = linear(prompt_len)
+    def linear(p: int) -> dict[str, int]:
+        return at(p) if p <= 2 * t else line(p)
+
+    breakdown = {k: v for k, v in linear(prompt_len).items() if k != "grad_at_replay"}
     peak = peak_of(breakdown)
     max_len = None
-    if gpu_mem is not None:
-        max_len = _solve_max_len(lambda x: peak_of(linear(x)), gpu_mem, t, longest, known=(prompt_len, peak))
+    usable = None if gpu_mem is None else int(gpu_mem) - reserve
+    if usable is not None:
+        max_len = _solve_max_len(lambda x: peak_of(linear(x)), usable, t, longest, known=(prompt_len, peak),
+                                 line_at=lambda x: peak_of(line(x)))
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=cfg.prompt_grad.value,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
@@ -427,22 +639,26 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                             "target_modules": t if isinstance(t, str) else list(t),
                             "modules_to_save": list(lora_settings.modules_to_save), "adapted_modules": len(adapted),
                             **split}
-    return Plan(int(peak), breakdown, max_len, settings, int(gpu_mem) if gpu_mem is not None else None)
+    if gpu_mem is not None:
+        settings["memory"] = {"gpu_mem_bytes": int(gpu_mem), "reserve_bytes": reserve, "usable_bytes": usable}
+    return Plan(int(peak), breakdown, max_len, settings, usable)
 
 
-def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int, int] | None = None) -> int:
+def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int, int] | None = None,
+                   line_at=None) -> int:
     """Largest prompt length ``<= longest`` (the model's positions) whose peak fits ``limit``: exact on the line
-    beyond ``2t`` (see ``plan``), by bisection over dry runs below it; 0 if none fits. ``known = (p, peak(p))``, the
-    plan's own length: when it is already over the limit, the answer lies below it and no dry run longer than ``p``
-    is needed."""
+    beyond ``2t`` (see ``plan``; ``line_at``: the line's peak, default ``peak_at``), by bisection over dry runs
+    below it; 0 if none fits. ``known = (p, peak(p))``, the plan's own length: when it is already over the limit,
+    the answer lies below it and no dry run longer than ``p`` is needed."""
+    line_at = line_at or peak_at
     if known is not None and known[1] > limit:
-        lo, hi = 2, known[0]
-    elif longest <= 2 * t:
+        longest = min(longest, known[0])
+    if longest <= 2 * t:
         if peak_at(longest) <= limit:
             return longest
         lo, hi = 2, longest
     else:
-        y1, y2 = peak_at(t), peak_at(2 * t)
+        y1, y2 = line_at(t), line_at(2 * t)
         if y2 <= limit:
             if y2 <= y1:
                 return longest  # nothing grows with the prompt: only the model's positions set a limit
@@ -481,7 +697,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel ranks sharing one prompt state")
     p.add_argument("--gpu-mem", default=None,
-                   help="memory per device, e.g. 80G, 141G: gives the verdict and the longest prompt that fits")
+                   help="memory per device: a GPU (H20, H100, H200, B200, A100: its usable total) or a size, e.g. "
+                        "80G, 141G (binary units, as vendors' GB nearly are): gives the verdict and the longest "
+                        "prompt that fits")
+    p.add_argument("--reserve", default="auto",
+                   help="memory per device the run's tensors cannot use: auto (1 GiB CUDA context and workspaces, "
+                        "1 GiB NCCL buffers with --gpus > 1, 5%% of --gpu-mem for fragmentation) or a size (0: none)")
+    p.add_argument("--max-positions", default=None, metavar="N",
+                   help="positions the run extends the model to (RoPE scaling, e.g. YaRN), instead of the config's "
+                        "max_position_embeddings: 4M, 8M")
+    p.add_argument("--ep", type=int, default=1, metavar="E",
+                   help="expert-parallel ranks (not yet: only 1; experts are sharded by FSDP like every parameter)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
     p.add_argument("--branch-batch", type=int, default=1, help="branches replayed together")
     p.add_argument("--checkpoint-layers", action="store_true",
@@ -546,12 +772,18 @@ def verdict(res: Plan) -> str:
     if res.limit_bytes is None:
         return "no --gpu-mem given: no verdict (pass e.g. --gpu-mem 80G)"
     limit, peak = res.limit_bytes, res.peak_bytes
+    mem = res.settings.get("memory", {})
+    if mem.get("reserve_bytes"):
+        usable = (f"{format_bytes(limit)} usable ({format_bytes(mem['gpu_mem_bytes'])} less a "
+                  f"{format_bytes(mem['reserve_bytes'])} reserve)")
+    else:
+        usable = format_bytes(limit)
     longest = (f"; the longest prompt that fits is {format_tokens(res.max_prompt_len)} tokens" if res.max_prompt_len
                else "; no prompt fits with these settings")
     if res.fits:
-        return (f"fits: peak {format_bytes(peak)} of {format_bytes(limit)} per device, {format_bytes(limit - peak)} "
+        return (f"fits: peak {format_bytes(peak)} of {usable} per device, {format_bytes(limit - peak)} "
                 f"to spare{longest}")
-    return (f"does NOT fit: peak {format_bytes(peak)} > {format_bytes(limit)} per device by "
+    return (f"does NOT fit: peak {format_bytes(peak)} > {usable} per device by "
             f"{format_bytes(peak - limit)}{longest}")
 
 
@@ -611,11 +843,21 @@ def plan_from_args(args) -> int:
     response_len = parse_tokens(args.response_len, "--response-len")
     gcfg = GRPOConfig(prompt_grad=args.prompt_grad, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch,
                       checkpoint_layers=args.checkpoint_layers)
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
+    gpu_mem = parse_gpu_mem(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
+    if args.ep != 1:
+        raise ValueError(f"--ep {args.ep}: expert parallelism is not planned yet (the planner shards the experts "
+                         "with FSDP like every parameter); leave --ep out")
+    reserve = 0
+    if gpu_mem is not None:
+        text = str(args.reserve).strip().lower()
+        reserve = (device_reserve(gpu_mem, args.gpus) if text == "auto" else 0 if text in ("0", "none")
+                   else parse_bytes(args.reserve, "--reserve"))
+    max_positions = (parse_tokens(args.max_positions, "--max-positions") if args.max_positions is not None
+                     else None)
     res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
                gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem, fsdp=False if args.no_fsdp else None,
                replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload,
-               lora=lora)
+               lora=lora, reserve=reserve, max_positions=max_positions)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0

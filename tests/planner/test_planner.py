@@ -118,10 +118,11 @@ def _cli(*args):
 def test_cli_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
     out = _cli("--model", str(tmp_path), "--prompt-len", "4K", "--response-len", "64", "--group", "8",
-               "--prompt-grad", "exact", "--dtype", "bfloat16", "--gpus", "2", "--cp", "2", "--gpu-mem", "1G", "--json")
+               "--prompt-grad", "exact", "--dtype", "bfloat16", "--gpus", "2", "--cp", "2", "--gpu-mem", "1G",
+               "--reserve", "0", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits", "assumptions"}
+    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits", "assumptions", "memory"}
     assert set(d["breakdown"]) == set(BREAKDOWN_KEYS) and all(isinstance(v, int) for v in d["breakdown"].values())
     assert isinstance(d["max_prompt_len"], int) and d["peak_bytes"] > 0 and d["fits"] is True
     want = plan(DENSE, prompt_len=4096, response_len=64, group=8, dtype="bfloat16", gpus=2, cp=2, gpu_mem=2**30)
@@ -131,7 +132,7 @@ def test_cli_json(tmp_path):
 def test_cli_verdict_and_what_divides_what(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
     out = _cli("--model", str(tmp_path), "--prompt-len", "16K", "--response-len", "64", "--gpus", "4", "--cp", "2",
-               "--gpu-mem", "64M", "--dtype", "float32")
+               "--gpu-mem", "64M", "--reserve", "0", "--dtype", "float32")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "prompt 16,384 tokens" in text
@@ -454,3 +455,62 @@ def test_memory_check_passes_lora_to_the_planner(tmp_path):
     assert {k: v.breakdown[k] for k in BREAKDOWN_KEYS} == want.breakdown and v.peak_bytes == want.peak_bytes
     full = check_run_memory(cfg, DENSE, 256, 8, torch.device("cpu"), echo=lambda *_: None, master_dtype="float32")
     assert full.breakdown["grads"] > v.breakdown["grads"]
+
+
+MLA_MOE = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "num_hidden_layers": 16, "first_k_dense_replace": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "vocab_size": 300, "max_position_embeddings": 8192}
+
+
+def _hybrid(n=16):
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    return {**tiny_config(), "num_hidden_layers": n,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (n // 4)}
+
+
+@pytest.mark.parametrize("name,mode,ckpt", [("hybrid", "detached", False), ("hybrid", "exact", False),
+                                            ("hybrid", "detached", True), ("hybrid", "exact", True),
+                                            ("mla_moe", "exact", False), ("dense", "exact", False),
+                                            ("dense", "detached", True)])
+def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
+    """The planner dry-runs a few layers (the first and last of each kind, plus one more of each kind) and combines
+    the runs for the whole depth; every breakdown term equals the dry run of all the layers, byte for byte, except
+    the transients of exact mode (the branch backward and the reverse pass, where one layer's graph runs next to
+    the other layers' saved inputs and their state gradients: within 4% above, 2% below on these tiny layers)."""
+    import longstraw.planner as planner
+
+    cfg = {"hybrid": _hybrid(), "mla_moe": MLA_MOE, "dense": {**DENSE, "num_hidden_layers": 16}}[name]
+    kw = dict(prompt_len=1500, response_len=16, group=2, dtype="float32",
+              cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=512, checkpoint_layers=ckpt))
+    assert planner.layer_samples(_meta_model(cfg, torch.float32)) is not None
+    fast = plan(cfg, **kw).breakdown
+    monkeypatch.setattr(planner, "SAMPLE_LAYERS", False)
+    full = plan(cfg, **kw).breakdown
+    if mode == "exact":
+        for k in ("branch_graph", "prefill_chunk"):
+            assert 0.98 * full[k] <= fast.pop(k) <= 1.04 * full.pop(k), k
+    assert fast == full
+
+
+def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
+    """``--gpu-mem H200`` is the device's usable total; the verdict compares the peak with it less the reserve
+    (CUDA context, NCCL with --gpus > 1, 5% fragmentation); ``--max-positions`` extends the config's positions;
+    ``--ep`` > 1 is refused as not yet planned."""
+    from longstraw.planner import DEVICES_MIB, device_reserve
+
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    base = ["--model", str(tmp_path), "--prompt-len", "1K", "--response-len", "64", "--json"]
+    d = json.loads(_cli(*base, "--gpu-mem", "H200", "--gpus", "2").stdout)
+    cap = DEVICES_MIB["H200"] << 20
+    assert d["memory"] == {"gpu_mem_bytes": cap, "reserve_bytes": device_reserve(cap, 2),
+                           "usable_bytes": cap - device_reserve(cap, 2)}
+    assert device_reserve(cap, 2) == 2 * 2**30 + int(0.05 * cap) and d["fits"] is True
+    assert "checkpoint_layers" in d["assumptions"] and "layers" in d["assumptions"]
+    long = _cli("--model", str(tmp_path), "--prompt-len", "1M", "--max-positions", "2M", "--response-len", "64",
+                "--prompt-grad", "detached", "--json")
+    assert long.returncode == 0, long.stderr
+    ep = _cli(*base, "--ep", "4")
+    assert ep.returncode == 2 and "--ep 4: expert parallelism is not planned yet" in ep.stderr

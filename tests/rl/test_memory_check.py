@@ -89,3 +89,23 @@ def test_off_skips_the_plan(tmp_path):
 def test_bad_values(tmp_path, override, msg):
     with pytest.raises(ValueError, match=msg):
         Trainer(_cfg(tmp_path / "run", override), echo=lambda *_: None)
+
+
+def test_on_a_gpu_the_limit_is_its_memory_less_the_planners_reserve(tmp_path, monkeypatch):
+    """On a GPU the check compares the plan with the device's total memory less ``planner.device_reserve`` (the
+    CUDA context, NCCL with several ranks, fragmentation): what ``longstraw plan --gpu-mem`` compares with."""
+    import torch
+
+    import longstraw.rl.memory_check as mc
+    from longstraw.planner import device_reserve
+
+    total = 80 * 2**30
+    monkeypatch.setattr(mc, "device_memory", lambda device: (total, "total memory"))
+    cfg = _cfg(tmp_path / "run")
+    hf = builtin_model_config("tiny-dense", 300, 256 + 4 + 1)
+    lines = []
+    v = mc.check_run_memory(cfg, hf, 160, 4, torch.device("cuda"), echo=lines.append)
+    assert v.limit_bytes == total - device_reserve(total, 1) and v.fits
+    assert "after the planner's reserve" in lines[0]
+    v8 = mc.check_run_memory(cfg, hf, 160, 4, torch.device("cuda"), echo=lines.append, shard=8)
+    assert v8.limit_bytes == total - device_reserve(total, 8) == v.limit_bytes - 2**30

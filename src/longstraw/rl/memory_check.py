@@ -5,9 +5,9 @@ dry-runs one GRPO step of the run's model on the meta device at the run's longes
 group size; the trainer adds what a run holds beyond one step: the frozen reference model (``kl_coef > 0``) and,
 with ``reuse_rollout_state``, the rollout prompt states of the step's other groups, kept until their first
 update. ``train.memory_check``: ``"warn"`` prints the verdict and goes on, ``"error"`` refuses a run that does not
-fit (a ``ValueError``: the CLI's one-line error), ``"off"`` skips the dry run (seconds for small models; for a
-large hybrid in exact mode at long prompts, minutes: the reverse pass runs the Gated DeltaNet op's block loop op by
-op on the meta device).
+fit (a ``ValueError``: the CLI's one-line error), ``"off"`` skips the dry run (seconds: the planner dry-runs a few
+sampled layers, ``planner.layer_samples``). On a GPU the limit is the device's memory less the planner's reserve
+(``planner.device_reserve``: CUDA context, NCCL buffers, fragmentation), as ``longstraw plan --gpu-mem`` has it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.devices import device_memory
-from longstraw.planner import plan
+from longstraw.planner import device_reserve, plan
 from longstraw.rl.config import RunConfig, grpo_config
 from longstraw.units import format_bytes as _fmt
 from longstraw.units import parse_bytes
@@ -95,6 +95,8 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)[0]
     if limit is not None and not t.memory_limit and device.type == "cpu":
         limit //= max(1, ranks_per_host)
+    if limit is not None and not t.memory_limit and device.type == "cuda":  # what `longstraw plan` holds back too
+        limit -= device_reserve(limit, shard * cp * replicas)
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
@@ -115,7 +117,9 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
         msg = f"memory plan: peak {_fmt(peak)} per device ({parts}); the device's memory is unknown: not checked"
         echo(msg)
         return MemoryVerdict(peak, None, True, {**b, **extra}, None, msg)
-    where = f"train.memory_limit {t.memory_limit}" if t.memory_limit else f"{device.type} memory {_fmt(limit)}"
+    where = (f"train.memory_limit {t.memory_limit}" if t.memory_limit else
+             f"{device.type} memory {_fmt(limit)}" + (" (after the planner's reserve for the CUDA context, NCCL and "
+                                                      "fragmentation)" if device.type == "cuda" else ""))
     if peak <= limit:
         msg = (f"memory plan: peak {_fmt(peak)} per device of {where} ({peak / limit:.0%}; planned in "
                f"{secs:.1f} s)")
