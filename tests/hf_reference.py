@@ -111,3 +111,15 @@ def prefill_states(model, ids, p: int, chunk: int, exact: bool = False) -> list:
         for st, pc in zip(states, pieces):
             st.write(pc, s, e)
     return states
+
+
+def tiny_moe_hf(config, seed: int):
+    """``tiny_hf`` of an MoE config with eager experts and the DeepSeek/GLM routers' ``e_score_correction_bias``
+    perturbed away from zero (so a wrong bias path is caught)."""
+    config._experts_implementation = "eager"
+    hf = tiny_hf(config, seed=seed, init_std=0.15)
+    with torch.no_grad():
+        for n, b in hf.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, dtype=b.dtype) * 0.3)
+    return hf

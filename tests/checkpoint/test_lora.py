@@ -21,7 +21,7 @@ import peft
 import peft.utils.transformers_weight_conversion as twc
 import pytest
 import torch
-from hf_reference import save_tiny, tiny_hf, true_float64
+from hf_reference import save_tiny, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
@@ -93,13 +93,7 @@ _PAIRS = {}
 def pair(name):
     """(random float64 HF model, its checkpoint directory) of ``name``, built once per process."""
     if name not in _PAIRS:
-        cfg = FAMILIES[name][0]()
-        cfg._experts_implementation = "eager"
-        hf = tiny_hf(cfg, seed=NAMES.index(name) + 70, init_std=0.15)
-        with torch.no_grad():
-            for n, b in hf.named_buffers():
-                if n.endswith("e_score_correction_bias"):
-                    b.copy_(torch.randn(b.shape, dtype=b.dtype) * 0.3)
+        hf = tiny_moe_hf(FAMILIES[name][0](), seed=NAMES.index(name) + 70)
         _PAIRS[name] = (hf, save_tiny(hf))
     return _PAIRS[name]
 

@@ -5,7 +5,7 @@ shared indexer layer, top-k below the sequence length so the sparse path and its
 import pytest
 import torch
 from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
-from hf_reference import save_tiny, tiny_hf
+from hf_reference import save_tiny, tiny_moe_hf
 from transformers import DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig
 
 import longstraw
@@ -34,13 +34,7 @@ _PAIRS = {}
 
 def pair(name):
     if name not in _PAIRS:
-        cfg = CONFIGS[name]()
-        cfg._experts_implementation = "eager"
-        hf = tiny_hf(cfg, seed=list(CONFIGS).index(name) + 40, init_std=0.15)
-        with torch.no_grad():
-            for n, b in hf.named_buffers():
-                if n.endswith("e_score_correction_bias"):
-                    b.copy_(torch.randn(b.shape, dtype=b.dtype) * 0.3)
+        hf = tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS).index(name) + 40)
         _PAIRS[name] = (hf, save_tiny(hf))
     return _PAIRS[name]
 

@@ -106,14 +106,20 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict, 
         shutil.copy2(src, out / name)
     torch.save(trainer_state, tmp / "trainer.pt")
     _maybe_fault(step)
+    _publish(tmp, final, run_dir, keep_last)
+    return final
+
+
+def _publish(tmp: Path, final: Path, run_dir: str | Path, keep_last: int) -> None:
+    """Make the complete checkpoint ``tmp`` the step's ``final`` directory: fsync it, rename it into place (replacing
+    a checkpoint of the same step: a resumed run reaching it again), fsync the parent, keep the last ``keep_last``."""
     _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (a resumed run reaching it again): replace
+    if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    _fsync_dir(final.parent)
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 SHARDED_DIR = "sharded"  # the DCP files of a sharded checkpoint
@@ -200,13 +206,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, tr
     _maybe_fault(step)  # every rank: the job dies with the checkpoint complete but not yet renamed
     with together(main_only=True) as mine:
         if mine:
-            _fsync_tree(tmp)
-            if final.exists():  # re-saving the same step (a resumed run reaching it again): replace
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            for old in checkpoint_dirs(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(tmp, final, run_dir, keep_last)
     return final
 
 
