@@ -123,6 +123,7 @@ class PhaseMeter:
     seconds: dict[str, float] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)
     progress: Callable[[str], ProgressSink] | None = None
+    info: dict[str, int] = field(default_factory=dict)  # what a step reports beyond time and memory (kept graphs)
 
     @contextmanager
     def phase(self, name: str):

@@ -195,12 +195,15 @@ class PromptState:
         for ls, piece in zip(self.layers, pieces):
             ls.write(piece, s, e)
 
-    def step_seeds(self, step: int, pieces: list[Any]) -> tuple[list[Tensor], list[Tensor]]:
+    def step_seeds(self, step: int, pieces: list[Any], layers: range | None = None
+                   ) -> tuple[list[Tensor], list[Tensor]]:
         """The recomputed pieces of step ``step`` to back-propagate from, and the state gradient collected for
-        them: ``(roots, grads)`` for ``torch.autograd.backward``."""
+        them: ``(roots, grads)`` for ``torch.autograd.backward``. ``layers``: the layers ``pieces`` belong to
+        (default: all; a kept graph of the top layers and the recomputed bottom ones are seeded separately)."""
         s, e = self.chunks[step]
         roots, grads = [], []
-        for ls, piece in zip(self.layers, pieces):
+        states = self.layers if layers is None else [self.layers[i] for i in layers]
+        for ls, piece in zip(states, pieces, strict=True):
             for root, grad in ls.backward_roots(piece, s, e):
                 if root.requires_grad and grad is not None:
                     roots.append(root)

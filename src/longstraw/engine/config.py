@@ -39,6 +39,8 @@ class GRPOConfig:
     logprob_chunk: tokens per chunk of the LM-head log-prob op; temperature: logits are divided by it.
     compute_dtype: None (the parameters' dtype) or ``"bfloat16"`` / ``"float16"`` autocast over float32
         parameters, which gives float32 gradient accumulation with low-precision compute.
+    graph_budget_bytes: exact mode: bytes for prompt-step graphs kept from the prefill, so the reverse pass
+        recomputes only the steps that did not fit (:mod:`longstraw.engine.kept_graphs`); None / 0: none kept.
     """
 
     prompt_grad: PromptGrad = field(default=PromptGrad.EXACT, metadata={"help": (
@@ -80,10 +82,21 @@ class GRPOConfig:
     compute_dtype: str | None = field(default=None, metadata={"help": (
         "autocast compute dtype over float32 parameters, bfloat16 or float16 (float32 gradient accumulation, low-"
         "precision compute); none: the parameters' dtype (the trainer takes it from model.compute_dtype)")})
+    graph_budget_bytes: int | None = field(default=None, metadata={"help": (
+        "exact mode: bytes that may hold prompt-step graphs; the prefill keeps the graphs of the latest steps that "
+        "fit (then the top layers of one more) and the reverse pass recomputes only the others; none or 0: keep "
+        "none (every step recomputed). Applies when grpo_backward prefills itself (not to a handed-in "
+        "prompt_state)")})
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         set_("prompt_grad", parse_enum(PromptGrad, self.prompt_grad, "prompt_grad"))
+        b = self.graph_budget_bytes
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise ValueError(f"graph_budget_bytes={b!r} must be None or an integer number of bytes >= 0")
+        if b and self.prompt_grad is not PromptGrad.EXACT:
+            raise ValueError(f"graph_budget_bytes={b} keeps prompt-step graphs for the exact reverse pass; with "
+                             "prompt_grad='detached' there is none: use graph_budget_bytes=None or 0")
         set_("loss_agg_mode", parse_enum(LossAggMode, self.loss_agg_mode, "loss_agg_mode"))
         set_("kl_type", parse_enum(KLType, self.kl_type, "kl_type"))
         for name in ("prefill_chunk", "branch_batch", "logprob_chunk"):
@@ -132,6 +145,10 @@ class GRPOStats:
     peak_memory: dict[str, int] = field(default_factory=dict)
     prompt_state_bytes: int = 0
     prompt_state_grad_bytes: int = 0
+    kept_graph_bytes: int = 0  # exact mode with graph_budget_bytes: bytes of the prompt-step graphs kept
+    kept_steps: int = 0  # ... whole steps kept (not recomputed)
+    kept_layers: int = 0  # ... top layers kept of one more step (0: none)
+    step_graph_bytes: int = 0  # ... measured graph bytes of one whole prefill step (0: not measured)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from torch import Tensor
 
 from longstraw.engine.checks import check_state, validate_group, validate_step
 from longstraw.engine.config import GRPOConfig, GRPOStats, autocast_context
+from longstraw.engine.kept_graphs import check_budget_placement
 from longstraw.engine.lockstep import idle_score_batch
-from longstraw.engine.prefill import prefill
+from longstraw.engine.prefill import prefill, prefill_keeping
 from longstraw.engine.prompt_backward import prompt_backward
 from longstraw.engine.replay import branch_batches, branch_logprobs, replay
 from longstraw.losses import loss_denominator
@@ -58,7 +59,8 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
     old_logprobs / ref_logprobs: G tensors ``[n_i]`` or None (None old = on-policy); loss_scale: the normaliser D
     of the loss (default: this group's, :func:`longstraw.losses.loss_denominator`).
     prompt_state: the state of ``prompt_ids[:-1]`` under the CURRENT parameters (e.g. from the rollout), to skip the
-    prefill; exact mode needs one built with ``exact=True``. meter: a fresh :class:`PhaseMeter` to measure (and
+    prefill; exact mode needs one built with ``exact=True`` (``cfg.graph_budget_bytes`` then keeps nothing: the
+    graphs are kept by a prefill that this call runs). meter: a fresh :class:`PhaseMeter` to measure (and
     show the progress of) the phases; default: one on the model's device, without a display.
     """
     if not isinstance(cfg, GRPOConfig):
@@ -69,6 +71,8 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         raise ValueError(f"prompt_grad='exact' with LoRA dropout active ({active_dropout(model)[0]}, ...): the reverse "
                          "pass recomputes the prompt and would draw other dropout masks than the prefill, so the "
                          "gradient would be inexact; use lora dropout 0, prompt_grad='detached', or model.eval()")
+    if cfg.exact and prompt_state is None:
+        check_budget_placement(model, cfg.graph_budget_bytes)
     if loss_scale is not None and not (isinstance(loss_scale, (int, float)) and loss_scale > 0
                                        and math.isfinite(loss_scale)):
         raise ValueError(f"loss_scale={loss_scale!r} must be a finite number > 0")
@@ -80,10 +84,17 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
     lens = [int(r.numel()) for r in responses]
     denom = float(loss_scale) if loss_scale is not None else loss_denominator(lens, cfg.loss_agg_mode,
                                                                              cfg.loss_scale_factor)
+    kept = None
     with meter.phase("prefill") as report:
-        state = prompt_state if prompt_state is not None else build_prompt_state(model, prompt_ids, cfg, cfg.exact,
-                                                                                 report)
-        if cfg.exact:
+        if prompt_state is not None:
+            state = prompt_state
+        elif cfg.exact and cfg.graph_budget_bytes:
+            with autocast_context(cfg, device):
+                state, kept = prefill_keeping(model, prompt_ids[:-1], cfg.prefill_chunk, exact=True,
+                                              graph_budget=cfg.graph_budget_bytes, report=report)
+        else:
+            state = build_prompt_state(model, prompt_ids, cfg, cfg.exact, report)
+        if cfg.exact and not (kept is not None and kept.grad_enabled):
             state.enable_grad()
     prefix = state.prefix(grad=cfg.exact)
     with meter.phase("replay") as report:
@@ -91,7 +102,7 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
     del prefix
     if cfg.exact:
         with meter.phase("prompt_backward") as report, autocast_context(cfg, device):
-            prompt_backward(model, state, checkpoint_layers=cfg.checkpoint_layers, report=report)
+            prompt_backward(model, state, checkpoint_layers=cfg.checkpoint_layers, report=report, kept=kept)
     n_tok = sum(lens)
     meter.seconds["total"] = time.perf_counter() - t_start
     stats = GRPOStats(
@@ -100,7 +111,10 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         num_tokens=n_tok, prompt_len=int(prompt_ids.numel()), seconds=dict(meter.seconds),
         peak_memory=dict(meter.peak_bytes), prompt_state_bytes=state.nbytes(),
         prompt_state_grad_bytes=state.grad_nbytes(),
+        **(kept.summary(len(model.layers)) if kept is not None else {}),
     )
+    if kept is not None and hasattr(meter, "info"):
+        meter.info.update(kept.summary(len(model.layers)))
     state.release_grad()
     return stats
 

@@ -15,6 +15,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from longstraw.engine.kept_graphs import (
+    KeptGraphs,
+    KeptStep,
+    add_pieces,
+    check_budget_placement,
+    graph_meter,
+    keep_saved,
+    plan_splits,
+)
 from longstraw.engine.lockstep import idle_prefill_step
 from longstraw.models.transformer import CausalLM
 from longstraw.state import PromptState
@@ -27,19 +36,92 @@ def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, 
 
     ``exact``: keep what the exact reverse pass needs. ``report(done, total)`` is called after each step.
     """
+    return prefill_keeping(model, ids, chunk_size, exact, report=report)[0]
+
+
+@torch.no_grad()
+def prefill_keeping(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, *,
+                    graph_budget: int | None = None, report: Callable[[int, int], None] | None = None
+                    ) -> tuple[PromptState, KeptGraphs | None]:
+    """:func:`prefill`, and with ``graph_budget`` (bytes, exact mode) the graphs of the latest steps that fit kept
+    for the reverse pass (:mod:`longstraw.engine.kept_graphs`): returns ``(state, kept)``; ``kept`` is None
+    without a budget. With kept graphs the state's gradient sinks are enabled during the prefill."""
     assert ids.dim() == 1
     state = model.placement.prompt_state(model, ids, chunk_size, exact)
     steps = state.steps()
     total = model.placement.lockstep(len(steps))  # processes sharing the layers' collectives run alike
+    kept = None
+    if graph_budget and steps:
+        assert exact, "kept graphs are exact mode's"
+        check_budget_placement(model, graph_budget)
+        kept = KeptGraphs(graph_budget)
     for i in range(total):
         if i < len(steps):
             s, e = steps[i]
-            prefix = state.step_prefix(i, grad=False)
-            _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
-            state.write_step(i, pieces)
-            del pieces, prefix
+            if kept is None:
+                prefix = state.step_prefix(i, grad=False)
+                _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
+                state.write_step(i, pieces)
+            elif i == 0:
+                _measure_first_step(model, state, ids, kept)
+            else:
+                _kept_step(model, state, ids, i, kept)
+            pieces = prefix = None
         else:
             idle_prefill_step(model)
         if report is not None:
             report(i + 1, total)
-    return state
+    return state, kept
+
+
+def _measure_first_step(model: CausalLM, state: PromptState, ids: Tensor, kept: KeptGraphs) -> None:
+    """Step 0 with autograd under the graph meter: its per-layer bytes price every step's graph; plan the splits;
+    keep step 0's graph if the plan keeps it whole; enable the state's gradient sinks if anything is kept."""
+    s, e = state.steps()[0]
+    n = len(model.layers)
+    per_layer = [0] * n
+    prefix = state.step_prefix(0, grad=False)  # no positions before step 0: nothing to collect a gradient into
+    with torch.enable_grad(), graph_meter(model, prefix, per_layer) as seen:
+        _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
+    add_pieces(pieces, seen, per_layer)
+    state.write_step(0, pieces)
+    t0 = e - s
+    kept.measured_tokens = t0
+    kept.layer_bytes_per_token = [b / t0 for b in per_layer]
+    # the hidden between layers has the embedding's dtype (autocast leaves the residual stream in it)
+    kept.boundary_bytes_per_token = float(model.spec.hidden_size * model.model.embed_tokens.weight.element_size())
+    lengths = [b - a for a, b in state.steps()]
+    plan = plan_splits(lengths, kept.layer_bytes_per_token, kept.boundary_bytes_per_token, kept.budget)
+    if 0 in plan and plan[0][0] != 0:
+        del plan[0]  # step 0 is kept whole or not at all (its graph is the measurement run's)
+    kept.planned = plan
+    if 0 in plan:
+        kept.steps[0] = KeptStep(0, 0, list(pieces), None, plan[0][1])
+    if plan:
+        state.enable_grad()
+        kept.grad_enabled = True
+
+
+def _kept_step(model: CausalLM, state: PromptState, ids: Tensor, i: int, kept: KeptGraphs) -> None:
+    """Step ``i`` of a prefill with kept graphs: under ``no_grad`` if the plan keeps none of it, else its layers
+    ``>= split`` with autograd (prefixes that collect their gradient), the graph kept."""
+    s, e = state.steps()[i]
+    split = kept.planned[i][0] if i in kept.planned else None
+    if split is None:
+        prefix = state.step_prefix(i, grad=False)
+        _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
+        state.write_step(i, pieces)
+        return
+    grad_prefix = state.step_prefix(i, grad=True)
+    if split > 0:
+        plain = state.step_prefix(i, grad=False)
+        grad_prefix = plain[:split] + grad_prefix[split:]
+    with torch.enable_grad(), keep_saved():
+        if split == 0:
+            _, pieces = model.run(ids[None, s:e], s, grad_prefix, need_hidden=False)
+            boundary = None
+        else:
+            _, pieces, boundary = model.run(ids[None, s:e], s, grad_prefix, need_hidden=False,
+                                            grad_from_layer=split)
+    state.write_step(i, pieces)  # under no_grad: the state stores detached values
+    kept.steps[i] = KeptStep(i, split, list(pieces[split:]), boundary, kept.planned[i][1])

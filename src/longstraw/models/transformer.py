@@ -11,6 +11,7 @@ its prompt states live is set from outside (``placement``, see :class:`~longstra
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,25 +121,35 @@ class Backbone(nn.Module):
         self.rotary_emb = rotary
 
     def forward(self, ids: Tensor, start: int, prefix: list[Any] | None, need_hidden: bool,
-                checkpoint_layers: bool) -> tuple[Tensor | None, list[Any]]:
+                checkpoint_layers: bool, grad_from_layer: int | None = None, stop_at_layer: int | None = None):
         """See :meth:`CausalLM.run`."""
         t = ids.shape[1]
-        x = self.embed_tokens(ids)
+        n = len(self.layers)
+        lo = 0 if grad_from_layer is None else grad_from_layer
+        stop = n if stop_at_layer is None else stop_at_layer
+        with torch.no_grad() if lo > 0 else contextlib.nullcontext():
+            x = self.embed_tokens(ids)
         ctx = CallContext(start, t)
         if self.rotary_emb is not None:
             pos = torch.arange(start, start + t, device=ids.device)
             ctx.cos, ctx.sin = self.rotary_emb(pos, x.dtype)
         pieces = []
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
+        boundary = None
+        for i, layer in enumerate(self.layers[:stop]):
+            if i == lo and lo > 0:  # the split: a leaf whose .grad collects dL/d(hidden entering layer lo)
+                boundary = x = x.detach().requires_grad_()
             p = prefix[i] if prefix is not None else None
             need_ffn = need_hidden or i < n - 1
-            if checkpoint_layers and torch.is_grad_enabled():
-                x, piece = checkpoint(layer, x, ctx, p, need_ffn, use_reentrant=False)
-            else:
-                x, piece = layer(x, ctx, p, need_ffn)
+            with torch.no_grad() if i < lo else contextlib.nullcontext():
+                if checkpoint_layers and torch.is_grad_enabled():
+                    x, piece = checkpoint(layer, x, ctx, p, need_ffn, use_reentrant=False)
+                else:
+                    x, piece = layer(x, ctx, p, need_ffn)
             pieces.append(piece)
-        return (self.norm(x) if need_hidden else None), pieces
+        if stop_at_layer is not None:
+            return x, pieces
+        hidden = self.norm(x) if need_hidden else None
+        return (hidden, pieces) if grad_from_layer is None else (hidden, pieces, boundary)
 
 
 class CausalLM(nn.Module):
@@ -199,20 +210,41 @@ class CausalLM(nn.Module):
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
 
     def run(self, ids: Tensor, start: int = 0, prefix: list[Any] | None = None, *, need_hidden: bool = True,
-            checkpoint_layers: bool = False) -> tuple[Tensor | None, list[Any]]:
+            checkpoint_layers: bool = False, grad_from_layer: int | None = None,
+            stop_at_layer: int | None = None):
         """Process new tokens ``ids [B, T]`` at positions ``start .. start+T-1`` after a prefix state.
 
         prefix: one entry per layer (what that layer's ``state.prefix()`` returned) or None for none.
         Returns ``(hidden [B, T, hidden] after the final norm, or None if not need_hidden; pieces)`` where
         ``pieces[l]`` is the state layer ``l`` produced for the new tokens. With ``need_hidden=False`` (prefill)
         the last layer's feed-forward block and the final norm are skipped: nothing reads them.
+
+        Running part of the layers (the model offers the split, the caller decides where):
+
+        * ``grad_from_layer=j`` (``0 <= j < L``): the embedding and layers ``< j`` run under ``no_grad``; the hidden
+          entering layer ``j`` becomes a fresh leaf ``[B, T, hidden]`` that requires grad and layers ``>= j`` run
+          as the caller's grad mode says. Returns ``(hidden, pieces, boundary)``: ``boundary`` is that leaf (None
+          for ``j = 0``), whose ``.grad`` collects dL/d(hidden entering layer j) when the graph is back-propagated.
+        * ``stop_at_layer=j`` (``0 <= j <= L``): only the embedding and layers ``< j`` run. Returns
+          ``(x [B, T, hidden] entering layer j, pieces of layers < j)`` (no final norm).
+
+        Both splits are one call (one :class:`CallContext`), so layers that read an earlier layer's per-call
+        results (GLM-5's shared DSA layers) find them.
         """
         t = ids.shape[1]
         self.spec.check_length(start + t, f"tokens at positions {start}..{start + t - 1}")
+        n = len(self.model.layers)
+        if grad_from_layer is not None and not 0 <= grad_from_layer < n:
+            raise ValueError(f"grad_from_layer={grad_from_layer} must be in [0, {n})")
+        if stop_at_layer is not None and not 0 <= stop_at_layer <= n:
+            raise ValueError(f"stop_at_layer={stop_at_layer} must be in [0, {n}]")
+        if grad_from_layer is not None and stop_at_layer is not None:
+            raise ValueError("grad_from_layer and stop_at_layer are exclusive")
+        args = (ids, start, prefix, need_hidden, checkpoint_layers, grad_from_layer, stop_at_layer)
         if self.compute_dtype is None or _autocasting(ids.device.type):
-            return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
+            return self.model(*args)
         with torch.autocast(ids.device.type, dtype=self.compute_dtype):
-            return self.model(ids, start, prefix, need_hidden, checkpoint_layers)
+            return self.model(*args)
 
     def use_master_weights(self, compute_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> None:
         """Keep the trained parameters in ``master_dtype`` (what the optimiser updates: float32 master weights,
