@@ -37,9 +37,13 @@ Breakdown (bytes per device):
                        chunk is recomputed and back-propagated)
 ``branch_graph``       transient peak of one branch batch's forward + backward, excluding the LM-head chunk
 ``logits``             the float32 logits of one LM-head chunk (forward + backward buffers)
+``kept_graphs``        exact mode with a graph budget (``GRPOConfig.graph_budget_bytes``, ``plan(graph_budget=)``):
+                       the prompt-step graphs the prefill keeps for the reverse pass, ``min(budget, every step's)``,
+                       one step's priced as the dry run's reverse-pass step (``prefill_chunk``: an upper bound)
 
 ``peak = weights + grads + optimizer + gathered + prompt_state + prompt_state_grad + max(prefill_chunk,
-branch_graph + logits)``. With ``gpus > 1`` (``fsdp``, the default there) FSDP2 shards every parameter over
+branch_graph + logits) + kept_graphs`` (the kept graphs live from the prefill through the replay; the reverse pass
+frees each before it recomputes a step, so the sum is an upper bound). With ``gpus > 1`` (``fsdp``, the default there) FSDP2 shards every parameter over
 ``gpus / replicate`` ranks (``replicate`` > 1: HSDP); with context parallelism ``cp`` the prompt state and its
 gradient are divided by ``cp`` (sharded by position). ``Plan.assumptions`` says what shards what, in which dtypes.
 
@@ -74,7 +78,7 @@ _ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
 PEAK_STEPS_ONLY = True  # the dry run's exact reverse pass walks only the steps that can set its peak
 
 BREAKDOWN_KEYS = ("weights", "grads", "optimizer", "gathered", "prompt_state", "prompt_state_grad", "branch_graph",
-                  "prefill_chunk", "logits")
+                  "prefill_chunk", "logits", "kept_graphs")
 
 
 # Usable memory of the GPUs the docs name: what ``torch.cuda.get_device_properties(d).total_memory`` (nvidia-smi's
@@ -203,6 +207,8 @@ class Plan:
                "assumptions": self.settings.get("assumptions", {})}
         if "memory" in self.settings:  # the device's memory, the reserve, what is left for the run
             out["memory"] = dict(self.settings["memory"])
+        if "graph_budget" in self.settings:  # exact mode with a graph budget: what it keeps, the predicted saving
+            out["graph_budget"] = dict(self.settings["graph_budget"])
         if "lora" in self.settings:  # a LoRA plan: what was adapted, and how ``weights`` splits
             out["lora"] = dict(self.settings["lora"])
         return out
@@ -500,7 +506,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
          optimizer_states: int = 2, fsdp: bool | None = None, replicate: int = 1, master_dtype: str = "auto",
          optimizer_offload: bool = False, lora=None, reserve: int = 0, ep: int = 1,
-         max_positions: int | None = None) -> Plan:
+         max_positions: int | None = None, graph_budget: int | str | None = None) -> Plan:
     """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
     ``hf_config``, computing in ``dtype`` (see module docstring). ``gpu_mem`` in bytes gives the verdict
     (``Plan.fits``) and ``max_prompt_len``. ``fsdp`` (default: ``gpus > 1``), ``replicate``: FSDP2 over the GPUs as
@@ -516,7 +522,10 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     layers, with the names it has). ``reserve``: bytes of ``gpu_mem`` the run's tensors cannot use
     (:func:`device_reserve`; the verdict compares the peak with ``gpu_mem - reserve``). ``ep``: expert parallelism
     (not yet: only 1). ``max_positions``: the positions the run extends the model to (RoPE scaling such as YaRN),
-    instead of the config's ``max_position_embeddings``."""
+    instead of the config's ``max_position_embeddings``. ``graph_budget``: exact mode's bytes for kept prompt-step
+    graphs (default ``cfg.graph_budget_bytes``), or ``"auto"``: what ``gpu_mem`` less the reserve leaves after the
+    peak without them (0 without ``gpu_mem``); ``Plan.settings["graph_budget"]`` then has the budget, the bytes and
+    tokens kept and the predicted saving (:func:`kept_graph_plan`)."""
     from longstraw.checkpoint.hf import parse_dtype
     from longstraw.engine.config import GRPOConfig
 
@@ -599,7 +608,13 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
 
     def peak_of(b: dict[str, int]) -> int:
         return (b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b["prompt_state"]
-                + b["prompt_state_grad"] + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]))
+                + b["prompt_state_grad"] + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
+                + b.get("kept_graphs", 0))
+
+    requested = graph_budget if graph_budget is not None else cfg.graph_budget_bytes
+    if requested is not None and requested != "auto" and not (isinstance(requested, int) and requested >= 0):
+        raise ValueError(f"graph_budget={requested!r} must be a number of bytes >= 0 or 'auto'")
+    fixed_budget = int(requested) if cfg.exact and requested not in (None, "auto") else 0
 
     # Beyond T positions (two prefill chunks and one attention block) the transients no longer grow and the state
     # grows linearly (K/V per position, recurrent states per chunk), so a dry run at 2T and the state at T give
@@ -619,15 +634,28 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         return out
 
     def linear(p: int) -> dict[str, int]:
-        return at(p) if p <= 2 * t else line(p)
+        out = dict(at(p) if p <= 2 * t else line(p))
+        out["kept_graphs"] = min(fixed_budget, kept_graph_plan(model, p, chunk, out["prefill_chunk"],
+                                                               fixed_budget)["kept_bytes"]) if fixed_budget else 0
+        return out
 
     breakdown = {k: v for k, v in linear(prompt_len).items() if k != "grad_at_replay"}
     peak = peak_of(breakdown)
+    if cfg.exact and requested == "auto":
+        usable_ = None if gpu_mem is None else int(gpu_mem) - reserve
+        left = max(0, usable_ - peak) if usable_ is not None else 0
+        gp = kept_graph_plan(model, prompt_len, chunk, breakdown["prefill_chunk"], left)
+        breakdown["kept_graphs"] = gp["kept_bytes"]
+        peak += gp["kept_bytes"]
+    elif fixed_budget:
+        gp = kept_graph_plan(model, prompt_len, chunk, breakdown["prefill_chunk"], fixed_budget)
+    else:
+        gp = None
     max_len = None
     usable = None if gpu_mem is None else int(gpu_mem) - reserve
     if usable is not None:
         max_len = _solve_max_len(lambda x: peak_of(linear(x)), usable, t, longest, known=(prompt_len, peak),
-                                 line_at=lambda x: peak_of(line(x)))
+                                 line_at=lambda x: peak_of(line(x)) + fixed_budget)  # the whole budget: an upper bound
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=cfg.prompt_grad.value,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
@@ -641,7 +669,44 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                             **split}
     if gpu_mem is not None:
         settings["memory"] = {"gpu_mem_bytes": int(gpu_mem), "reserve_bytes": reserve, "usable_bytes": usable}
+    if gp is not None:
+        settings["graph_budget"] = gp
     return Plan(int(peak), breakdown, max_len, settings, usable)
+
+
+def _forward_flops(model, start: int, end: int) -> float | None:
+    """Forward FLOPs of prompt positions ``[start, end)`` (attention at their mean context), from the modules'
+    ``flops_per_token``; None when a module does not give its own."""
+    ctx = (start + end) / 2
+    total = 0.0
+    for layer in model.layers:
+        mixer, ffn = layer.mixer, layer.ffn
+        if not hasattr(mixer, "flops_per_token") or not hasattr(ffn, "flops_per_token"):
+            return None
+        total += mixer.flops_per_token(int(ctx)) + ffn.flops_per_token()
+    return total * (end - start)
+
+
+def kept_graph_plan(model, prompt_len: int, chunk: int, step_graph: int, budget: int) -> dict:
+    """What a graph budget buys at ``prompt_len``: the prefill keeps the latest steps' graphs, ``step_graph`` bytes
+    per step of ``chunk`` tokens (priced per token, as the engine does), while they fit in ``budget``.
+
+    Returns ``budget``, ``kept_bytes``, ``kept_tokens`` (prompt positions whose step is not recomputed),
+    ``steps`` (prefill steps), ``recompute_saved`` (the share of the reverse pass's recomputation not done: forward
+    FLOPs of the kept positions over all, attention at each position's context; the token share where a module
+    gives no FLOPs) and ``step_time_saved``: the predicted share of the exact step's prompt time saved, counting
+    the prefill as one forward and the reverse pass as three (recomputation one, backward two), so
+    ``recompute_saved / 4`` of the prompt's time: the replay's time is not in it."""
+    n = max(0, prompt_len - 1)
+    steps = -(-n // chunk) if n else 0
+    per_token = step_graph / chunk if chunk else 0.0
+    kept_tokens = n if per_token <= 0 else min(n, int(budget // per_token))
+    kept_bytes = math.ceil(kept_tokens * per_token)
+    f_all = _forward_flops(model, 0, n) if n else None
+    f_kept = _forward_flops(model, n - kept_tokens, n) if kept_tokens else 0.0
+    share = (f_kept / f_all if f_all and f_kept is not None else kept_tokens / n if n else 0.0)
+    return {"budget": int(budget), "kept_bytes": int(kept_bytes), "kept_tokens": int(kept_tokens), "steps": steps,
+            "recompute_saved": round(share, 4), "step_time_saved": round(share / 4, 4)}
 
 
 def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int, int] | None = None,
@@ -709,6 +774,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, metavar="E",
                    help="expert-parallel ranks (not yet: only 1; experts are sharded by FSDP like every parameter)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
+    p.add_argument("--graph-budget", default=None, metavar="SIZE",
+                   help="exact mode: memory for prompt-step graphs kept from the prefill (the reverse pass does not "
+                        "recompute them): a size (8G), or auto: what --gpu-mem leaves after the peak without them")
     p.add_argument("--branch-batch", type=int, default=1, help="branches replayed together")
     p.add_argument("--checkpoint-layers", action="store_true",
                    help="recompute each layer in backward (smaller branch and reverse-pass graphs)")
@@ -748,6 +816,8 @@ def explain(res: Plan) -> dict[str, str]:
         "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)",
         "branch_graph": f"one batch of {st['branch_batch']} branch(es) of {st['response_len']:,} tokens",
         "logits": "one LM-head chunk of float32 logits",
+        "kept_graphs": "prompt-step graphs kept for the reverse pass (graph budget)" if res.breakdown.get(
+            "kept_graphs") else "none (no graph budget)",
     }
     return out
 
@@ -854,10 +924,18 @@ def plan_from_args(args) -> int:
                    else parse_bytes(args.reserve, "--reserve"))
     max_positions = (parse_tokens(args.max_positions, "--max-positions") if args.max_positions is not None
                      else None)
+    budget = None
+    if args.graph_budget is not None:
+        text = str(args.graph_budget).strip().lower()
+        budget = "auto" if text == "auto" else 0 if text in ("0", "none") else parse_bytes(args.graph_budget,
+                                                                                             "--graph-budget")
+        if budget and args.prompt_grad != "exact":
+            raise ValueError(f"--graph-budget={args.graph_budget} keeps prompt-step graphs for the exact reverse "
+                             "pass: it needs --prompt-grad exact")
     res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
                gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem, fsdp=False if args.no_fsdp else None,
                replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload,
-               lora=lora, reserve=reserve, max_positions=max_positions)
+               lora=lora, reserve=reserve, max_positions=max_positions, graph_budget=budget)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
@@ -878,6 +956,12 @@ def plan_from_args(args) -> int:
             for label, b, text in lora_lines(res):
                 print(f"    {label:<16} {format_bytes(b):>12}   {text}")
     print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + gathered + "
-          "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits)")
+          "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits) + kept_graphs")
+    gb = res.settings.get("graph_budget")
+    if gb is not None:
+        print(f"graph budget {format_bytes(gb['budget'])}: keeps {format_bytes(gb['kept_bytes'])} of prompt-step "
+              f"graphs ({format_tokens(gb['kept_tokens'])} of the prompt's positions, {gb['steps']} steps), so the "
+              f"reverse pass skips {gb['recompute_saved']:.0%} of its recomputation (predicted: "
+              f"{gb['step_time_saved']:.0%} of the prompt's time)")
     print(f"verdict: {verdict(res)}")
     return 0

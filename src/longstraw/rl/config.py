@@ -171,6 +171,12 @@ class AlgorithmSection(_Section):
     reuse_rollout_state: bool = _key(True, "keep each group's rollout prompt state for the first epoch's update "
                                            "(saves one prefill per group; memory: prompts_per_step states at "
                                            "once); false: re-prefill each group in the update")
+    graph_budget: str | int = _key(0, "exact mode: memory that may hold prompt-step graphs from the prefill so "
+                                      "the reverse pass does not recompute them (GRPOConfig.graph_budget_bytes): "
+                                      "\"auto\" (what the memory check leaves after everything else; 0 when no "
+                                      "limit is known or memory_check is off), a size (\"8G\") or bytes, 0: none. "
+                                      "Applies to updates that prefill themselves (not to a reused rollout state: "
+                                      "reuse_rollout_state, first epoch); one process only")
 
 
 @dataclass(frozen=True)
@@ -284,12 +290,31 @@ def _hints(cls) -> dict:
 DERIVED = {
     ("algorithm", "temperature"): "taken from rollout.temperature",
     ("algorithm", "compute_dtype"): "taken from model.compute_dtype",
+    ("algorithm", "graph_budget_bytes"): "taken from algorithm.graph_budget (\"auto\": resolved by the trainer)",
     ("rollout", "stop_token_ids"): "the tokenizer's EOS token when rollout.stop_at_eos = true",
     ("rollout", "seed"): "derived per step and prompt from train.seed",
 }
 # the keys those derived from keys come from (an engine error about the field names the key)
 DERIVED_FROM = {("algorithm", "temperature"): "rollout.temperature",
-                 ("algorithm", "compute_dtype"): "model.compute_dtype"}
+                 ("algorithm", "compute_dtype"): "model.compute_dtype",
+                 ("algorithm", "graph_budget_bytes"): "algorithm.graph_budget"}
+
+
+def graph_budget_bytes(value: str | int) -> int | None:
+    """``algorithm.graph_budget`` as bytes: None for ``"auto"`` (the trainer resolves it), else the size."""
+    if value == "auto":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"algorithm.graph_budget={value} must be >= 0, a size such as \"8G\", or \"auto\"")
+        return value
+    if isinstance(value, str) and value.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(value, "algorithm.graph_budget")
+    except ValueError:
+        raise ValueError(f"algorithm.graph_budget={value!r} must be \"auto\", a size such as \"8G\", or a number "
+                         "of bytes >= 0") from None
 
 
 @dataclass(frozen=True)
@@ -388,6 +413,8 @@ def _describe(typ) -> str:
     """What a value of type hint ``typ`` must be, for error messages."""
     if (inner := _optional(typ)) is not None:
         return f'{_describe(inner)}, or "none" to disable it'
+    if isinstance(typ, types.UnionType):
+        return " or ".join(_describe(t) for t in typing.get_args(typ))
     if isinstance(typ, type) and issubclass(typ, Enum):
         return "one of " + ", ".join(repr(m.value) for m in typ)
     origin, args = typing.get_origin(typ), typing.get_args(typ)
@@ -413,6 +440,13 @@ def _coerce(where: str, value: Any, typ) -> Any:
             return _coerce(where, value, inner)
         except ValueError:
             raise bad from None
+    if isinstance(typ, types.UnionType):  # str | int: the first member the value is
+        for t in typing.get_args(typ):
+            try:
+                return _coerce(where, value, t)
+            except ValueError:
+                pass
+        raise bad
     if isinstance(typ, type) and issubclass(typ, Enum):
         if isinstance(value, typ):
             return value
@@ -504,9 +538,23 @@ def config_from_dict(d: dict) -> RunConfig:
         derived = {}
         if name == "algorithm":  # the loss's temperature is the sampling temperature; autocast is the model's
             derived = {"temperature": built["rollout"].sampling.temperature,
-                       "compute_dtype": built["model"].compute_dtype}
+                       "compute_dtype": built["model"].compute_dtype,
+                       "graph_budget_bytes": _graph_budget_of(d.get(name, {}))}
         built[name] = _section(name, d.get(name, {}), derived)
     return RunConfig(**built)
+
+
+def _graph_budget_of(values: dict) -> int | None:
+    """The engine's graph_budget_bytes for ``[algorithm]``'s raw values: 0 in detached mode (no reverse pass), None
+    for "auto" until the trainer resolves it."""
+    raw = values.get("graph_budget", 0)
+    if isinstance(raw, str) and raw != "auto" or isinstance(raw, int):
+        b = graph_budget_bytes(raw)  # a bad value: its message names algorithm.graph_budget
+    else:
+        b = None
+    if values.get("prompt_grad", "exact") == "detached" and (raw == "auto" or not b):
+        return 0
+    return b
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -702,6 +750,8 @@ def type_text(typ) -> str:
     """A key's type as the reference shows it (``float or "none"``, ``list of str``, ``"warn" | "error"``)."""
     if (inner := _optional(typ)) is not None:
         return f'{type_text(inner)} or "none"'
+    if isinstance(typ, types.UnionType):
+        return " or ".join(type_text(t) for t in typing.get_args(typ))
     if isinstance(typ, type) and issubclass(typ, Enum):
         return " | ".join(json.dumps(m.value) for m in typ)
     origin, args = typing.get_origin(typ), typing.get_args(typ)

@@ -42,6 +42,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,7 @@ from longstraw.rl.job import Job, JobError
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
 from longstraw.rl.runlog import append_metrics, read_metrics, truncate_metrics, write_atomic
 from longstraw.rl.tracking import check_tracking, close_writers, log_metrics, make_writers
+from longstraw.units import format_bytes
 
 # keys that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "train.plots", "train.log_every",
@@ -189,6 +191,7 @@ class Trainer:
             self.source.check()
             # the planner's verdict (cfg.train.memory_check = "error": may refuse); rank 0 plans for every rank
             self.memory = self._check_memory() if job.is_main else None
+            self.gcfg = dataclasses.replace(self.gcfg, graph_budget_bytes=self._graph_budget())
             ckpt = latest_checkpoint(self.run_dir) if resume else None
             st = self._resume_state(ckpt) if ckpt is not None else None  # damaged or finished: refused here
         if ckpt is not None or cfg.model.path:  # weights to read: read (and so checked) before anything is written
@@ -329,6 +332,30 @@ class Trainer:
             return read_config(m.path)
         return builtin_model_config(m.builtin, self.tokenizer.vocab_size,
                                     self.cfg.data.max_prompt_len + self.cfg.rollout.sampling.max_new_tokens + 1)
+
+    def _graph_budget(self) -> int:
+        """``algorithm.graph_budget`` in bytes: a fixed size as configured; ``"auto"``: what the memory check leaves
+        of the limit after the run's planned peak (0, said once, when no limit is known). Kept graphs are one
+        process's: a job over several ranks gets 0 for "auto" and a ValueError for a size."""
+        a, g = self.cfg.algorithm, self.gcfg
+        if not g.exact:
+            return 0
+        if self.job.world > 1:
+            if a.graph_budget == "auto" or not g.graph_budget_bytes:
+                return 0
+            raise ValueError(f"algorithm.graph_budget={a.graph_budget!r}: kept prompt-step graphs are not supported "
+                             "in a job over several ranks (context parallelism / FSDP); use algorithm.graph_budget = 0")
+        if a.graph_budget != "auto":
+            return g.graph_budget_bytes or 0
+        m = self.memory
+        if m is None or m.limit_bytes is None:
+            self.echo("algorithm.graph_budget = \"auto\": no memory limit known (train.memory_check = \"off\" or "
+                      "the device's memory unknown): no prompt-step graphs kept")
+            return 0
+        budget = max(0, m.limit_bytes - m.peak_bytes)
+        self.echo(f"algorithm.graph_budget = \"auto\": {format_bytes(budget)} for prompt-step graphs (the memory "
+                  "plan's limit less its peak)")
+        return budget
 
     def _check_memory(self):
         from longstraw.rl.memory_check import check_run_memory
