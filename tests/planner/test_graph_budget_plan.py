@@ -44,7 +44,7 @@ def test_plan_adds_the_kept_graphs_and_predicts_the_saving(monkeypatch):
 def test_run_config_graph_budget_values():
     cfg = RunConfig()
     assert cfg.algorithm.graph_budget == 0 and not cfg.algorithm.grpo.graph_budget_bytes  # none kept
-    for text, want in [('"auto"', None), ('"8G"', 8 << 30), ("123", 123), ("0", 0), ('"0"', 0)]:
+    for text, want in [('"auto"', None), ('"8G"', 8 << 30), ("123", 123), ("0", None), ('"0"', None)]:
         assert apply_overrides(cfg, [f"algorithm.graph_budget={text}"]).algorithm.grpo.graph_budget_bytes == want
     for bad, msg in [('"lots"', "algorithm.graph_budget='lots' must be"), ("-5", "algorithm.graph_budget=-5 must"),
                      ("1.5", "algorithm.graph_budget=1.5 must be")]:
@@ -53,7 +53,7 @@ def test_run_config_graph_budget_values():
     with pytest.raises(ValueError, match="algorithm.graph_budget_bytes is not a key"):
         apply_overrides(cfg, ["algorithm.graph_budget_bytes=5"])
     detached = ['algorithm.prompt_grad="detached"']
-    assert apply_overrides(cfg, [*detached, 'algorithm.graph_budget="auto"']).algorithm.grpo.graph_budget_bytes == 0
+    assert apply_overrides(cfg, [*detached, 'algorithm.graph_budget="auto"']).algorithm.grpo.graph_budget_bytes is None
     with pytest.raises(ValueError, match="algorithm.graph_budget=1073741824 keeps prompt-step graphs"):
         apply_overrides(cfg, [*detached, 'algorithm.graph_budget="1G"'])
 

@@ -6,6 +6,9 @@ step is one ``model.run`` over the step's tokens with the state of the positions
 then stores its piece. Nothing is differentiated, nothing but the state survives a step: peak memory is the state
 plus one step's activations. The last prompt token is NOT prefilled: every branch replays it, so that the log-prob
 of the first response token is computed with autograd like the rest.
+
+Exact mode with a graph budget (:func:`prefill_keeping`): the steps whose graphs fit run with autograd (whole, or
+their top layers) and their graphs are kept for the reverse pass (:mod:`longstraw.engine.kept_graphs`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ processes brings its own (``longstraw.distributed``).
 
 Cost: one more forward and one backward of the prompt (about three prefill-equivalents); memory: one step's graph
 on top of the state and its gradient. Independent of G.
+
+With a graph budget (``GRPOConfig.graph_budget_bytes``, :mod:`longstraw.engine.kept_graphs`) the prefill kept the
+graphs of the latest steps (and of the top layers of one more): those steps are back-propagated without the
+recomputation, each graph freed as soon as it has been, so the recomputed steps that follow meet the same memory
+as without a budget.
 """
 
 from __future__ import annotations

@@ -545,16 +545,16 @@ def config_from_dict(d: dict) -> RunConfig:
 
 
 def _graph_budget_of(values: dict) -> int | None:
-    """The engine's graph_budget_bytes for ``[algorithm]``'s raw values: 0 in detached mode (no reverse pass), None
-    for "auto" until the trainer resolves it."""
+    """The engine's graph_budget_bytes for ``[algorithm]``'s raw values: None for none (0, and "auto" in detached
+    mode: no reverse pass) and for "auto" until the trainer resolves it, else the bytes."""
     raw = values.get("graph_budget", 0)
     if isinstance(raw, str) and raw != "auto" or isinstance(raw, int):
         b = graph_budget_bytes(raw)  # a bad value: its message names algorithm.graph_budget
     else:
         b = None
-    if values.get("prompt_grad", "exact") == "detached" and (raw == "auto" or not b):
-        return 0
-    return b
+    if values.get("prompt_grad", "exact") == "detached" and raw == "auto":
+        return None
+    return b or None  # 0: none kept, as the engine's default None
 
 
 def load_config(path: str | Path) -> RunConfig:

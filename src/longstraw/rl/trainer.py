@@ -191,7 +191,7 @@ class Trainer:
             self.source.check()
             # the planner's verdict (cfg.train.memory_check = "error": may refuse); rank 0 plans for every rank
             self.memory = self._check_memory() if job.is_main else None
-            self.gcfg = dataclasses.replace(self.gcfg, graph_budget_bytes=self._graph_budget())
+            self.gcfg = dataclasses.replace(self.gcfg, graph_budget_bytes=self._graph_budget() or None)
             ckpt = latest_checkpoint(self.run_dir) if resume else None
             st = self._resume_state(ckpt) if ckpt is not None else None  # damaged or finished: refused here
         if ckpt is not None or cfg.model.path:  # weights to read: read (and so checked) before anything is written
