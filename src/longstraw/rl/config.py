@@ -81,7 +81,7 @@ class _Section:
                 raise ValueError(f"{name}.{f.name}={value!r} must be a {typ.__name__}")
 
 
-BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
+BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense", "tiny-moe")
 MODEL_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -92,7 +92,8 @@ class ModelSection(_Section):
     path: str = _key("", "an HF checkpoint directory (config.json, safetensors, tokenizer); empty: build the "
                          "built-in random model named by model.builtin")
     builtin: str = _key("tiny-hybrid", "the built-in random model used when model.path is empty: tiny-hybrid "
-                                       "(Gated DeltaNet + attention, Qwen3.5-style) or tiny-dense (Llama-style)")
+                                       "(Gated DeltaNet + attention, Qwen3.5-style), tiny-dense (Llama-style) or tiny-moe (the hybrid with 8 "
+                                       "routed experts, top-2, and a shared expert in every layer: Qwen3.5-MoE-style)")
     dtype: str = _key("float32", "the model's dtype (its compute dtype; the checkpoint is read into it): float32, "
                                  "float64, bfloat16 or float16 (bfloat16/float16: see model.master_weights)")
     compute_dtype: str | None = _key(None, "autocast compute dtype over float32 parameters: bfloat16 or float16 "
@@ -615,7 +616,7 @@ def validate(cfg: RunConfig) -> None:
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
     g, s = a.grpo, r.sampling
     _require(bool(m.path) or m.builtin in BUILTIN_MODELS,
-             f"model.builtin={m.builtin!r} is not a built-in model; allowed: 'tiny-hybrid', 'tiny-dense' "
+             f"model.builtin={m.builtin!r} is not a built-in model; allowed: {', '.join(map(repr, BUILTIN_MODELS))} "
              "(or set model.path to a checkpoint directory)")
     _require(m.dtype in MODEL_DTYPES, f"model.dtype={m.dtype!r}; allowed: 'float32', 'float64', 'bfloat16', 'float16'")
     resolve_device(m.device, "model.device")
