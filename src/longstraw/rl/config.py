@@ -259,6 +259,10 @@ class ParallelSection(_Section):
     replicate: int = _key(1, "HSDP: shard over each of this many groups of world / replicate consecutive ranks and "
                              "replicate across them (the number of nodes, so parameter all-gathers stay inside a "
                              "node); 1: shard over the whole job; > 1 needs fsdp = true")
+    ep: int = _key(1, "expert parallelism (MoE models): the routed experts of every MoE layer are split over groups "
+                      "of this many consecutive ranks, which exchange tokens (all-to-all) instead of gathering "
+                      "experts; must divide the world size and every layer's number of experts; > 1 needs fsdp = "
+                      "true and replicate = 1 (docs/DISTRIBUTED.md)")
 
 
 SECTIONS = {
@@ -270,7 +274,7 @@ SECTIONS = {
     "optim": OptimSection,
     "lora": LoraSection,
     "train": TrainSection,
-    "parallel": ParallelSection,  # room for ep (expert parallelism) beside cp
+    "parallel": ParallelSection,
 }
 
 _SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
@@ -683,6 +687,11 @@ def validate(cfg: RunConfig) -> None:
     _require(p.replicate >= 1, f"parallel.replicate={p.replicate} must be >= 1 (HSDP replica groups; 1: plain FSDP)")
     _require(p.replicate == 1 or p.fsdp, f"parallel.replicate={p.replicate} needs parallel.fsdp = true (it "
                                          "replicates FSDP's shards over groups of ranks)")
+    _require(p.ep >= 1, f"parallel.ep={p.ep} must be >= 1 (ranks the routed experts are split over; 1: off)")
+    _require(p.ep == 1 or p.fsdp, f"parallel.ep={p.ep} needs parallel.fsdp = true (the rest of the model is FSDP-"
+                                  "sharded and every rank runs in lockstep)")
+    _require(p.ep == 1 or p.replicate == 1, f"parallel.ep={p.ep} with parallel.replicate={p.replicate} (HSDP) is not "
+                                            "supported; set replicate = 1")
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:
