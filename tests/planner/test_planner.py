@@ -498,7 +498,7 @@ def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
 def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
     """``--gpu-mem H200`` is the device's usable total; the verdict compares the peak with it less the reserve
     (CUDA context, NCCL with --gpus > 1, 5% fragmentation); ``--max-positions`` extends the config's positions;
-    ``--ep`` > 1 is refused as not yet planned."""
+    ``--ep`` > 1 on a dense model is refused."""
     from longstraw.planner import DEVICES_MIB, device_reserve
 
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
@@ -512,5 +512,58 @@ def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
     long = _cli("--model", str(tmp_path), "--prompt-len", "1M", "--max-positions", "2M", "--response-len", "64",
                 "--prompt-grad", "detached", "--json")
     assert long.returncode == 0, long.stderr
-    ep = _cli(*base, "--ep", "4")
-    assert ep.returncode == 2 and "--ep 4: expert parallelism is not planned yet" in ep.stderr
+    ep = _cli(*base, "--ep", "4", "--gpus", "4")  # a dense model has no experts to split
+    assert ep.returncode == 2 and "ep=4: the model (llama) has no routed experts; plan ep=1" in ep.stderr
+
+
+# ------------------------------------------------------------------------------------------- expert parallelism
+def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
+    """``ep=E``: the routed experts count 1/E per GPU (master weights, gradients, moments), outside FSDP's shards
+    and gathered units; everything else is sharded over the GPUs as before; the all-to-all buffers are added."""
+    from longstraw.planner import _expert_params
+
+    model = _meta_model(MLA_MOE, torch.bfloat16)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_ex = sum(p.numel() for p in _expert_params(model))
+    kw = dict(prompt_len=1024, response_len=32, group=2, dtype="bfloat16", gpus=4)
+    fsdp = plan(MLA_MOE, **kw)
+    ep = plan(MLA_MOE, ep=2, **kw)
+    b, f = ep.breakdown, fsdp.breakdown
+    assert (f["weights"], f["grads"], f["optimizer"]) == (4 * n_all // 4, 4 * n_all // 4, 8 * n_all // 4)
+    rest = n_all - n_ex
+    assert (b["weights"], b["grads"], b["optimizer"]) == (4 * rest // 4 + 4 * n_ex // 2, 4 * rest // 4 + 4 * n_ex // 2,
+                                                          8 * rest // 4 + 8 * n_ex // 2)
+    assert b["gathered"] < f["gathered"]  # FSDP's units no longer hold the experts
+    # balanced exchanges: a no-grad prefill chunk's 4 buffers, or every MoE layer's 2 kept in a graph
+    layers_moe, k, h = 16 - 3, 2, 64
+    chunk = GRPOConfig().prefill_chunk
+    assert b["all_to_all"] == max(4 * chunk * k * h * 2, 2 * chunk * k * h * 2 * layers_moe)
+    assert "all_to_all" not in f and "all_to_all" in ep.to_json()["breakdown"]
+    peak = sum(b[x] for x in ("weights", "grads", "optimizer", "gathered", "prompt_state", "prompt_state_grad",
+                              "all_to_all")) + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
+    assert ep.peak_bytes == peak
+    assert "routed experts split over ep=2 ranks" in ep.settings["assumptions"]["experts"]
+    # with LoRA the experts are frozen: 1/E of them, weights only, in the compute dtype
+    lo = plan(MLA_MOE, ep=2, lora={"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}, **kw).breakdown
+    assert lo["weights"] - plan(MLA_MOE, lora={"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}, **kw).breakdown[
+        "weights"] == 2 * n_ex // 2 - 2 * n_ex // 4
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(ep=3), r"ep=3 must divide gpus=4"),
+    (dict(ep=4, gpus=8), r"ep=4 does not divide the 4 routed experts|allowed"),
+    (dict(ep=2, fsdp=False), r"ep=2 needs FSDP over several GPUs"),
+    (dict(ep=2, gpus=4, replicate=2), r"ep=2 with replicate=2 \(HSDP\) is not supported"),
+    (dict(ep=0), r"ep=0 must be"),
+])
+def test_expert_parallel_bad_input(kw, msg):
+    cfg = {**MLA_MOE, "n_routed_experts": 4 if kw.get("gpus") != 8 else 6}
+    with pytest.raises(ValueError, match=msg):
+        plan(cfg, prompt_len=256, response_len=8, group=2, **{"gpus": 4, **kw})
+
+
+def test_cli_ep(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MLA_MOE))
+    out = _cli("--model", str(tmp_path), "--prompt-len", "1K", "--response-len", "64", "--gpus", "4", "--ep", "4")
+    assert out.returncode == 0, out.stderr
+    assert "ep=4" in out.stdout and "all_to_all" in out.stdout and "+ all_to_all" in out.stdout
