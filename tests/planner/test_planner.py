@@ -233,8 +233,9 @@ def _meta_model(cfg, dtype):
 
 @pytest.mark.slow  # four gloo ranks
 def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
-    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32) against each rank's peak resident
-    memory during a grpo_backward + AdamW step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
+    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32; and a Qwen3.5-MoE-style model with its
+    experts split over the 4 ranks, ep = 4) against each rank's peak resident memory during a grpo_backward + AdamW
+    step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
     from hf_reference import save_tiny, tiny_hf
     from transformers import LlamaConfig
 
@@ -244,10 +245,20 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
                       num_key_value_heads=4, vocab_size=8000, max_position_embeddings=8192)
     path = save_tiny(tiny_hf(big, seed=1, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
     cfg = json.loads((path / "config.json").read_text())
+    from longstraw.models.qwen_hybrid import tiny_config
+    from transformers import AutoConfig
+
+    moe_cfg = tiny_config(model_type="qwen3_5_moe_text", hidden_size=256, num_experts=32, num_experts_per_tok=4,
+                          moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=1024,
+                          max_position_embeddings=8192, tie_word_embeddings=False)
+    moe_path = save_tiny(tiny_hf(AutoConfig.for_model(**moe_cfg), seed=2, dtype=torch.float32, init_std=0.02),
+                         dtype=torch.float32)
+    moe = json.loads((moe_path / "config.json").read_text())
     probe = Path(__file__).with_name("sharded_probe.py")
-    for cp in (1, 2):
-        spec = {"path": str(path), "cp": cp, "dtype": "float32", "prompt_len": 4096, "response_len": 64, "group": 4,
-                "chunk": 1024, "mode": "exact", "out": str(tmp_path)}
+    for cp, ep in ((1, 1), (2, 1), (1, 4)):
+        model_cfg, model_path = (moe, moe_path) if ep > 1 else (cfg, path)
+        spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": "float32", "prompt_len": 4096,
+                "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path)}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
@@ -260,11 +271,11 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
         logs = [p.communicate(timeout=600)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
         got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-        pl = plan(cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=4, cp=cp,
+        pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=4, cp=cp, ep=ep,
                   cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024))
         for r, g in enumerate(got):
             ratio = pl.peak_bytes / g["peak_above_base"]
-            print(f"cp={cp} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
+            print(f"cp={cp} ep={ep} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
                   f"{g['peak_above_base'] / 2**20:.1f} MiB (x{ratio:.2f}); local parameters "
                   f"{g['local_param_bytes'] / 2**20:.1f} MiB")
             assert 0.85 <= ratio <= 1.15, (cp, r, pl.breakdown, g)
