@@ -240,7 +240,7 @@ def test_train_loop_with_longstraw_sampling(tiny_dir, tmp_path):
             steps.append(state.global_step)
 
     args = _args(tmp_path, max_steps=3, learning_rate=5e-2, max_grad_norm=1.0, beta=0.05, temperature=1.2,
-                 num_iterations=2)
+                 num_iterations=2, per_device_train_batch_size=8)  # two prompts of 4 completions per batch
     tr = LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=args, train_dataset=_dataset(4),
                               processing_class=tok, callbacks=[Spy()])
     assert isinstance(tr.model, longstraw.models.transformer.CausalLM)
