@@ -337,3 +337,15 @@ def test_constructor_arguments_it_cannot_honour_are_refused(tiny_dir, tmp_path):
     peft = pytest.importorskip("peft")
     with pytest.raises(ValueError, match="peft_config='LoraConfig'"):
         LongStrawGRPOTrainer(model=tiny_dir, peft_config=peft.LoraConfig(r=4), **common)
+
+
+def test_accepts_every_argument_of_trl_grpo_trainer():
+    import inspect
+
+    stock = inspect.signature(trl.GRPOTrainer.__init__).parameters
+    ours = inspect.signature(LongStrawGRPOTrainer.__init__).parameters
+    assert list(stock) == list(ours)[:len(stock)]  # same names, same order (positional calls work too)
+    assert all(ours[n].default == p.default for n, p in stock.items())
+    extra = list(ours)[len(stock):]
+    assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk"]
+    assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra) and ours["prompt_grad"].default == "exact"
