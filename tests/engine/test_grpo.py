@@ -173,7 +173,9 @@ def test_bad_input_raises_and_leaves_grad_untouched(llama_pair):
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(prompt_grad="full"), r"prompt_grad='full' is not supported; allowed: 'exact', 'detached'"),
     (dict(loss_agg_mode="mean"), r"loss_agg_mode='mean' is not supported; allowed: 'token-mean'"),
-    (dict(kl_type="k3"), r"kl_type='k3' is not supported"),
+    (dict(kl_type="k4"), r"kl_type='k4' is not supported; allowed: 'k1', 'k2', 'k3', 'low_var_kl'"),
+    (dict(ratio_level="seq"), r"ratio_level='seq' is not supported; allowed: 'token', 'sequence'"),
+    (dict(kl_ratio_weight=1), r"kl_ratio_weight=1 must be true or false"),
     (dict(prefill_chunk=0), r"prefill_chunk=0 must be an integer >= 1"),
     (dict(clip_ratio_c=0.5), r"clip_ratio_c=0.5 must be > 1"),
     (dict(clip_ratio_low=-0.1), r"clip_ratio_low=-0.1 must be a finite number >= 0"),
