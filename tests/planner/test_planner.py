@@ -580,12 +580,12 @@ def test_cli_ep(tmp_path):
     assert "ep=4" in out.stdout and "all_to_all" in out.stdout and "+ all_to_all" in out.stdout
 
 
-def test_dsa_indexer_meta_shortcut_changes_no_tracked_byte(monkeypatch):
-    """The DSA indexer's blocks on meta (ops/meta.py ``skip_index_block``): plans of a GLM-5-style model (full and
-    shared indexer layers) with many query blocks and key chunks (a small score budget) are byte-equal with the
-    shortcut on and off, detached and exact, and so is the op alone."""
+def test_dsa_meta_shortcut_changes_no_tracked_byte(monkeypatch):
+    """The DSA indexer's and the sparse attention's repeated blocks on meta (ops/meta.py ``skip_repeated_block``):
+    plans of a GLM-5-style model (full and shared indexer layers) with many query blocks and key chunks (small
+    score and gather budgets) are byte-equal with the shortcut on and off, detached and exact."""
     from longstraw.models import dsa
-    from longstraw.ops import meta
+    from longstraw.ops import meta, sparse_attention
 
     cfg = {"model_type": "glm_moe_dsa", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
            "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -594,14 +594,15 @@ def test_dsa_indexer_meta_shortcut_changes_no_tracked_byte(monkeypatch):
            "v_head_dim": 5, "q_lora_rank": 10, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 16,
            "indexer_types": ["full", "shared", "full"], "max_position_embeddings": 4096}
     monkeypatch.setattr(dsa, "SCORE_ELEMS", 1 << 14)  # ~30 query blocks of ~4 key chunks per layer call
+    monkeypatch.setattr(sparse_attention, "GATHER_ELEMS", 1 << 12)  # ~8 query blocks per sparse attention call
 
     def plans():
         return [plan(cfg, prompt_len=1100, response_len=8, group=2, dtype="float32",
                      cfg=GRPOConfig(prompt_grad=m, prefill_chunk=512)).breakdown for m in ("detached", "exact")]
 
     calls = []
-    real = meta.skip_index_block
-    monkeypatch.setattr(meta, "skip_index_block", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = meta.skip_repeated_block
+    monkeypatch.setattr(meta, "skip_repeated_block", lambda *a: calls.append(real(*a)) or calls[-1])
     fast = plans()
     assert sum(calls) > 50  # the shortcut did skip blocks
     monkeypatch.setattr(meta, "SHORTCUTS", False)

@@ -182,7 +182,7 @@ class Indexer(nn.Module):
         last_full = max((i for i, (_, c0, c1) in enumerate(chunks) if c1 - c0 == kc), default=0)
         parts = []
         for i, (k, c0, c1) in enumerate(chunks):
-            if meta.skip_index_block(qb, i, (0, last_full, n - 2, n - 1)):  # the planner's dry run (ops/meta.py)
+            if meta.skip_repeated_block(qb, i, (0, last_full, n - 2, n - 1)):  # the planner's dry run (ops/meta.py)
                 parts.append(qb.new_empty(b, bt, c1 - c0))
                 continue
             kt = k[:, c0:c1].to(qb.dtype).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
@@ -215,7 +215,7 @@ class Indexer(nn.Module):
         key_pos = torch.arange(s_all, device=x.device) - s_pre  # own-token index of each key (< 0: prefix)
         starts = range(0, t, bt)
         for i, t0 in enumerate(starts):
-            if meta.skip_index_block(x, i, (0, len(starts) - 1)):  # the planner's dry run: as block 0 (ops/meta.py)
+            if meta.skip_repeated_block(x, i, (0, len(starts) - 1)):  # the planner's dry run: as block 0 (ops/meta.py)
                 continue
             t1 = min(t, t0 + bt)
             sc = self.scores(q[:, t0:t1].to(acc), w[:, t0:t1], segs)
