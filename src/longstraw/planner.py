@@ -51,7 +51,7 @@ hold the rest of a layer only). ``all_to_all``: the exchanges' buffers with bala
 its share of the slots): in a no-grad prefill one MoE layer's send and receive buffers of its inputs and outputs
 (``4 x tokens x top_k x hidden`` in the compute dtype), and in a graph (a branch batch, a recomputed chunk) the
 received inputs and returned outputs that every MoE layer keeps for its backward (``2 x tokens x top_k x hidden``
-per MoE layer), whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's
+per MoE layer; one layer's with ``checkpoint_layers``), whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's
 metrics measures it). The dry run itself computes the experts as one process does.
 
 LoRA: the meta model gets its adapters exactly as a run's does (``models.lora.add_adapters``: the same targets,
@@ -503,6 +503,12 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     fixed["weights"] += ex_n * mb + ex_frozen * cb
     fixed["grads"] += ex_n * mb
     fixed["optimizer"] += 0 if optimizer_offload else optimizer_states * ex_n * mb
+    if ep > 1:  # the split of ``weights`` (LoRA lines) and the counts below include the experts
+        split["frozen_params"] += ex_frozen * ep
+        split["frozen_weight_bytes"] += ex_frozen * cb
+        split["saved_params"] += ex_n * ep
+        split["saved_weight_bytes"] += ex_n * mb
+        n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
     split.update(expert_params_per_device=ex_n + ex_frozen)
     if fsdp:  # two units gathered (current + prefetched), or the embedding/head group; one unit's gradient
         unit = max(2 * layer_all, ends_all)  # unsharded (compute dtype) and its float32 copy for the reduction
@@ -511,7 +517,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         fixed["gathered"] = layer_n * cb
     m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
     where = (f"sharded over {shard} GPUs (FSDP2" + (f", HSDP x{replicate})" if replicate > 1 else ")")
-             if fsdp else "whole on every GPU")
+             if fsdp else "whole on every GPU") + (f"; routed experts split over ep={ep}" if ep > 1 else "")
     of = f"of the {n:,} trained parameters only, " if frozen else ""
     assumptions = {
         "parameters": (f"{n:,} in {m} (master) " + where if not frozen else
@@ -540,7 +546,8 @@ def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> in
     slot = max(b.gate.top_k * b.experts.gate_up_proj.shape[2] for b in blocks) * _dtype_bytes(compute)
     branch = cfg.branch_batch * response_len
     graph_tokens = max(branch, cfg.prefill_chunk if cfg.exact else 0)
-    return max(4 * cfg.prefill_chunk * slot, 2 * graph_tokens * slot * len(blocks))
+    kept = 1 if cfg.checkpoint_layers else len(blocks)  # checkpointed layers: one layer's graph at a time
+    return max(4 * cfg.prefill_chunk * slot, 2 * graph_tokens * slot * kept)
 
 
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
