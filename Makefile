@@ -27,7 +27,7 @@ $(VENV)/.base: $(BIN)/python pyproject.toml
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	@echo "==> installing the test extras: transformers, pytest, pytest-xdist, pytest-timeout, pyarrow, peft"
+	@echo "==> installing the test extras: transformers, pytest, pytest-xdist, pytest-timeout, pyarrow, wandb, peft, trl"
 	$(PIP) -q -e ".[test,plot]"
 	@touch $@
 	@echo "==> $(VENV) is ready; running the tests"

@@ -11,7 +11,9 @@ Layers, lowest first (a module may import its own package and any lower layer, n
     checkpoint                                           HF checkpoints in and out (applies the parallelism)
     planner                                              dry runs of the engine's own step
     rl                                                   the trainer and what it needs
-    longstraw (the package's public names), cli
+    longstraw (the package's public names)
+    integrations                                         drop-ins for other trainers (TRL), over the public API
+    cli
     __main__                                             python -m longstraw (runs the CLI)
 
 Every import counts, module-level or inside a function (a lazy import is still a dependency).
@@ -33,6 +35,7 @@ LAYERS = [
     {"planner"},
     {"rl"},
     {""},  # longstraw/__init__.py: the public API
+    {"integrations"},  # optional drop-ins for other trainers (TRL): above the public API, imported by nothing
     {"cli"},
     {"__main__"},  # python -m longstraw: runs the CLI
 ]

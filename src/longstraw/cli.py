@@ -329,6 +329,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from longstraw.rl.config import BUILTIN_MODELS
+
     ap = _Parser(prog="longstraw", description="GRPO post-training on million-token prompts.")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -339,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--group-size", type=int, default=8, help="G, responses sampled per prompt")
     d.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"],
                    help="exact: the gradient flows back through the prompt; detached: it stops at the prompt state")
-    d.add_argument("--model", default="tiny-hybrid", choices=["tiny-hybrid", "tiny-dense"],
+    d.add_argument("--model", default="tiny-hybrid", choices=list(BUILTIN_MODELS),
                    help="the built-in random model")
     d.add_argument("--out", default=None, help="run directory (default: runs/demo-<date>-<time>)")
     d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",

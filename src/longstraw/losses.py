@@ -23,7 +23,13 @@ Per token (``r = exp(clamp(logp - old_logp, -20, 20))``, advantage ``A`` of the 
     loss = pg + kl_coef * kl(logp, ref_logp) - entropy_coef * entropy
 
 with ``kl`` one of ``k1 = logp - ref``, ``k2 = (logp - ref)^2 / 2``, ``low_var_kl = clamp(e^(ref-logp) - (ref-logp)
-- 1, -10, 10)`` (``ref - logp`` clamped to [-20, 20] first), as verl's ``kl_penalty``.
+- 1, -10, 10)`` (``ref - logp`` clamped to [-20, 20] first), as verl's ``kl_penalty``, or ``k3`` (the same
+unclamped, as TRL computes it).
+
+``ratio_level="sequence"`` (GSPO, TRL's ``importance_sampling_level="sequence"``) uses one ratio per branch,
+``r = exp(clamp(mean_t(logp - old_logp), -20, 20))``, for every token of it (the gradient flows through the mean).
+``kl_ratio_weight`` multiplies the KL term by ``r`` (TRL's ``use_bias_correction_kl``: the unbiased reverse-KL
+gradient of DeepSeek-V3.2).
 """
 
 from __future__ import annotations
@@ -44,9 +50,15 @@ class LossAggMode(str, Enum):
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
+class RatioLevel(str, Enum):
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
 class KLType(str, Enum):
     K1 = "k1"
     K2 = "k2"
+    K3 = "k3"
     LOW_VAR_KL = "low_var_kl"
 
 
@@ -70,11 +82,16 @@ class PolicyLoss:
     kl_coef: float = 0.0
     kl_type: KLType = KLType.LOW_VAR_KL
     entropy_coef: float = 0.0
+    ratio_level: RatioLevel = RatioLevel.TOKEN
+    kl_ratio_weight: bool = False
 
     def token_losses(self, logp: Tensor, old_logp: Tensor, adv: Tensor | float, ref_logp: Tensor | None,
                      entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-token loss ``[T]`` and per-token statistics (sums are taken by the caller)."""
-        neg_kl = torch.clamp(logp - old_logp, -20.0, 20.0)
+        if self.ratio_level is RatioLevel.SEQUENCE:  # one ratio for the branch: exp of the mean log-ratio
+            neg_kl = torch.clamp((logp - old_logp).mean(), -20.0, 20.0).expand_as(logp)
+        else:
+            neg_kl = torch.clamp(logp - old_logp, -20.0, 20.0)
         ratio = torch.exp(neg_kl)
         adv = torch.as_tensor(adv, dtype=logp.dtype, device=logp.device)
         pg1 = -adv * ratio
@@ -93,8 +110,10 @@ class PolicyLoss:
             if ref_logp is None:
                 raise ValueError(f"kl_coef={self.kl_coef} needs ref_logprobs")
             kl = kl_penalty(logp, ref_logp, self.kl_type)
-            loss = loss + self.kl_coef * kl
             stats["kl"] = kl.detach()
+            if self.kl_ratio_weight:
+                kl = kl * ratio
+            loss = loss + self.kl_coef * kl
         if self.entropy_coef != 0.0:
             assert entropy is not None
             loss = loss - self.entropy_coef * entropy
@@ -108,6 +127,9 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kl_type: KLType) -> Tensor:
         return logp - ref_logp
     if kl_type is KLType.K2:
         return 0.5 * (logp - ref_logp).square()
+    if kl_type is KLType.K3:  # unclamped, as TRL's GRPOTrainer computes it
+        d = ref_logp - logp
+        return torch.exp(d) - d - 1
     kl = torch.clamp(ref_logp - logp, -20.0, 20.0)
     return torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0)
 

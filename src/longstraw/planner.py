@@ -40,12 +40,23 @@ Breakdown (bytes per device):
 ``kept_graphs``        exact mode with a graph budget (``GRPOConfig.graph_budget_bytes``, ``plan(graph_budget=)``):
                        the prompt-step graphs the prefill keeps for the reverse pass, ``min(budget, every step's)``,
                        one step's priced as the dry run's reverse-pass step (``prefill_chunk``: an upper bound)
+``all_to_all``         expert parallelism (``ep > 1``) only: the token buffers its exchanges add (below)
 
 ``peak = weights + grads + optimizer + gathered + prompt_state + prompt_state_grad + max(prefill_chunk,
 branch_graph + logits) + kept_graphs`` (the kept graphs live from the prefill through the replay; the reverse pass
 frees each before it recomputes a step, so the sum is an upper bound). With ``gpus > 1`` (``fsdp``, the default there) FSDP2 shards every parameter over
 ``gpus / replicate`` ranks (``replicate`` > 1: HSDP); with context parallelism ``cp`` the prompt state and its
 gradient are divided by ``cp`` (sharded by position). ``Plan.assumptions`` says what shards what, in which dtypes.
+
+Expert parallelism (``ep = E > 1``, as ``init_distributed(ep=E)`` runs it): the routed experts of every MoE layer are
+not FSDP-sharded but split over E ranks and replicated over the ``gpus / E`` expert-data-parallel groups, so their
+weights, gradients and moments count ``1/E`` of the experts per device and leave FSDP's gathered units (which then
+hold the rest of a layer only). ``all_to_all``: the exchanges' buffers with balanced routing (every rank receives
+its share of the slots): in a no-grad prefill one MoE layer's send and receive buffers of its inputs and outputs
+(``4 x tokens x top_k x hidden`` in the compute dtype), and in a graph (a branch batch, a recomputed chunk) the
+received inputs and returned outputs that every MoE layer keeps for its backward (``2 x tokens x top_k x hidden``
+per MoE layer; one layer's with ``checkpoint_layers``), whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's
+metrics measures it). The dry run itself computes the experts as one process does.
 
 LoRA: the meta model gets its adapters exactly as a run's does (``models.lora.add_adapters``: the same targets,
 shapes and frozen parameters for every family and target rule), and the dry run runs through them, so the
@@ -202,7 +213,9 @@ class Plan:
         return None if self.limit_bytes is None else self.peak_bytes <= self.limit_bytes
 
     def to_json(self) -> dict:
-        out = {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS},
+        out = {"peak_bytes": int(self.peak_bytes), "breakdown": {k: int(self.breakdown[k]) for k in BREAKDOWN_KEYS
+                                                                 + (("all_to_all",) if "all_to_all" in self.breakdown
+                                                                    else ())},
                "max_prompt_len": self.max_prompt_len, "fits": self.fits,
                "assumptions": self.settings.get("assumptions", {})}
         if "memory" in self.settings:  # the device's memory, the reserve, what is left for the run
@@ -443,13 +456,22 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def _expert_params(module) -> list:
+    """The routed experts' fused weights under ``module`` (``Experts.gate_up_proj`` / ``down_proj``)."""
+    from longstraw.models.moe_block import Experts
+
+    return [p for m in module.modules() if isinstance(m, Experts) for p in (m.gate_up_proj, m.down_proj)]
+
+
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
-                 master_dtype: str, optimizer_states: int, optimizer_offload: bool) -> tuple[dict, dict, dict]:
+                 master_dtype: str, optimizer_states: int, optimizer_offload: bool, ep: int = 1
+                 ) -> tuple[dict, dict, dict]:
     """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, what was assumed
     (which group shards what, in which dtype) and how ``weights`` splits (frozen / adapters / other trained). The
     trained parameters (``requires_grad``: every one, or a LoRA model's adapters and ``modules_to_save``) are held
     in the master dtype with a gradient and the moments; the frozen ones (a LoRA model's base) in the compute
-    dtype, weights only."""
+    dtype, weights only. ``ep > 1``: the routed experts split over ``ep`` ranks instead of FSDP-sharded (module
+    docstring)."""
     from longstraw.checkpoint.hf import parse_dtype
     from longstraw.models.lora import is_adapter_param
 
@@ -464,10 +486,12 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     def count(params, trained: bool) -> int:
         return sum(p.numel() for p in params if p.requires_grad == trained)
 
-    params = list(model.parameters())
+    experts = {id(p) for p in _expert_params(model)} if ep > 1 else set()
+    params = [p for p in model.parameters() if id(p) not in experts]  # experts under EP: counted apart, below
     n, frozen = count(params, True), count(params, False)  # n: trained parameters
-    layer_all = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers), default=0)
-    layer_n = max((count(layer.parameters(), True) for layer in model.layers), default=0)
+    layer_params = [[p for p in layer.parameters() if id(p) not in experts] for layer in model.layers]
+    layer_all = max((sum(p.numel() for p in lp) for lp in layer_params), default=0)
+    layer_n = max((count(lp, True) for lp in layer_params), default=0)
     b = model.model
     ends = list({id(p): p for m in (b.embed_tokens, b.norm, model.lm_head) for p in m.parameters()}.values())
     ends_all, ends_n = sum(p.numel() for p in ends), count(ends, True)
@@ -480,6 +504,18 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     weights = split["frozen_weight_bytes"] + split["adapter_weight_bytes"] + split["saved_weight_bytes"]
     fixed = {"weights": weights, "grads": n * mb // shard,
              "optimizer": 0 if optimizer_offload else optimizer_states * n * mb // shard, "gathered": 0}
+    ex = [p for p in _expert_params(model) if id(p) in experts]
+    ex_n, ex_frozen = count(ex, True) // ep, count(ex, False) // ep  # this rank's experts
+    fixed["weights"] += ex_n * mb + ex_frozen * cb
+    fixed["grads"] += ex_n * mb
+    fixed["optimizer"] += 0 if optimizer_offload else optimizer_states * ex_n * mb
+    if ep > 1:  # the split of ``weights`` (LoRA lines) and the counts below include the experts
+        split["frozen_params"] += ex_frozen * ep
+        split["frozen_weight_bytes"] += ex_frozen * cb
+        split["saved_params"] += ex_n * ep
+        split["saved_weight_bytes"] += ex_n * mb
+        n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
+    split.update(expert_params_per_device=ex_n + ex_frozen)
     if fsdp:  # two units gathered (current + prefetched), or the embedding/head group; one unit's gradient
         unit = max(2 * layer_all, ends_all)  # unsharded (compute dtype) and its float32 copy for the reduction
         fixed["gathered"] = unit * cb + max(layer_n, ends_n) * (cb + 4)
@@ -487,7 +523,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         fixed["gathered"] = layer_n * cb
     m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
     where = (f"sharded over {shard} GPUs (FSDP2" + (f", HSDP x{replicate})" if replicate > 1 else ")")
-             if fsdp else "whole on every GPU")
+             if fsdp else "whole on every GPU") + (f"; routed experts split over ep={ep}" if ep > 1 else "")
     of = f"of the {n:,} trained parameters only, " if frozen else ""
     assumptions = {
         "parameters": (f"{n:,} in {m} (master) " + where if not frozen else
@@ -499,7 +535,25 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         "prompt_state": f"split by position over cp={cp} ranks" if cp > 1 else "whole on each data-parallel replica",
         "data_parallel_replicas": gpus // cp,
     }
+    if ep > 1:
+        assumptions["experts"] = (f"routed experts split over ep={ep} ranks ({(ex_n + ex_frozen) * ep:,} parameters, "
+                                  f"{ex_n + ex_frozen:,} per device), replicated over {gpus // ep} expert-data-"
+                                  "parallel groups, not FSDP-sharded; token exchanges with balanced routing")
     return fixed, assumptions, split
+
+
+def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> int:
+    """The expert-parallel exchanges' buffers at their largest (module docstring), with balanced routing."""
+    from longstraw.models.moe_block import SparseMoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return 0
+    slot = max(b.gate.top_k * b.experts.gate_up_proj.shape[2] for b in blocks) * _dtype_bytes(compute)
+    branch = cfg.branch_batch * response_len
+    graph_tokens = max(branch, cfg.prefill_chunk if cfg.exact else 0)
+    kept = 1 if cfg.checkpoint_layers else len(blocks)  # checkpointed layers: one layer's graph at a time
+    return max(4 * cfg.prefill_chunk * slot, 2 * graph_tokens * slot * kept)
 
 
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
@@ -521,7 +575,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     longer than the model takes, or a LoRA setting the model refuses (a target that matches none of its linear
     layers, with the names it has). ``reserve``: bytes of ``gpu_mem`` the run's tensors cannot use
     (:func:`device_reserve`; the verdict compares the peak with ``gpu_mem - reserve``). ``ep``: expert parallelism
-    (not yet: only 1). ``max_positions``: the positions the run extends the model to (RoPE scaling such as YaRN),
+    over ``ep`` ranks (needs FSDP over ``gpus > 1``, ``replicate=1``, and ``ep`` dividing ``gpus`` and every MoE
+    layer's experts; module docstring). ``max_positions``: the positions the run extends the model to (RoPE scaling such as YaRN),
     instead of the config's ``max_position_embeddings``. ``graph_budget``: exact mode's bytes for kept prompt-step
     graphs (default ``cfg.graph_budget_bytes``), or ``"auto"``: what ``gpu_mem`` less the reserve leaves after the
     peak without them (0 without ``gpu_mem``); ``Plan.settings["graph_budget"]`` then has the budget, the bytes and
@@ -543,9 +598,15 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                          f"cp={cp})")
     if gpu_mem is not None and not (isinstance(gpu_mem, (int, float)) and math.isfinite(gpu_mem) and gpu_mem > 0):
         raise ValueError(f"gpu_mem={gpu_mem!r} must be a finite number of bytes > 0")
-    if ep != 1:
-        raise ValueError(f"ep={ep}: expert parallelism is not planned yet (the planner shards experts with FSDP "
-                         "like every parameter); plan ep=1")
+    _check_positive(ep=ep)
+    if ep > 1:
+        if fsdp is False or gpus < 2:
+            raise ValueError(f"ep={ep} needs FSDP over several GPUs (expert parallelism runs with the rest of the "
+                             f"model FSDP-sharded); got gpus={gpus}" + (", fsdp=False" if fsdp is False else ""))
+        if replicate != 1:
+            raise ValueError(f"ep={ep} with replicate={replicate} (HSDP) is not supported; plan replicate=1")
+        if gpus % ep:
+            raise ValueError(f"ep={ep} must divide gpus={gpus}")
     if not (isinstance(reserve, int) and reserve >= 0):
         raise ValueError(f"reserve={reserve!r} must be a number of bytes >= 0")
     if gpu_mem is not None and reserve >= gpu_mem:
@@ -576,9 +637,21 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     longest = model.spec.max_position_embeddings - response_len
     if model.spec.sliding_window is not None:
         longest = min(longest, model.spec.sliding_window - response_len)
+    if ep > 1:
+        from longstraw.models.moe_block import Experts
+
+        counts = sorted({m.num_experts for m in model.modules() if isinstance(m, Experts)})
+        if not counts:
+            raise ValueError(f"ep={ep}: the model ({hf_config.get('model_type')}) has no routed experts; plan ep=1")
+        if any(c % ep for c in counts):
+            ok = [d for d in range(1, gpus + 1) if gpus % d == 0 and all(c % d == 0 for c in counts)]
+            raise ValueError(f"ep={ep} does not divide the {'/'.join(map(str, counts))} routed experts of a layer; "
+                             f"allowed with gpus={gpus}: {', '.join(map(str, ok))}")
     fixed, assumptions, split = _fixed_bytes(model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate,
                                              master_dtype=master_dtype, optimizer_states=optimizer_states,
-                                             optimizer_offload=optimizer_offload)
+                                             optimizer_offload=optimizer_offload, ep=ep)
+    if ep > 1:
+        fixed["all_to_all"] = _all_to_all_bytes(model, dt, cfg, response_len)
 
     cache: dict[int, dict[str, int]] = {}
     samples = layer_samples(model) if SAMPLE_LAYERS else None
@@ -609,7 +682,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     def peak_of(b: dict[str, int]) -> int:
         return (b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b["prompt_state"]
                 + b["prompt_state_grad"] + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
-                + b.get("kept_graphs", 0))
+                + b.get("kept_graphs", 0) + b.get("all_to_all", 0))
 
     requested = graph_budget if graph_budget is not None else cfg.graph_budget_bytes
     if requested is not None and requested != "auto" and not (isinstance(requested, int) and requested >= 0):
@@ -659,7 +732,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=cfg.prompt_grad.value,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
-                    checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer,
+                    checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer, ep=ep,
                     assumptions=assumptions)
     if lora_settings is not None:
         t = lora_settings.target_modules
@@ -772,7 +845,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="positions the run extends the model to (RoPE scaling, e.g. YaRN), instead of the config's "
                         "max_position_embeddings: 4M, 8M")
     p.add_argument("--ep", type=int, default=1, metavar="E",
-                   help="expert-parallel ranks (not yet: only 1; experts are sharded by FSDP like every parameter)")
+                   help="expert parallelism: the routed experts split over E ranks (each holds 1/E of them, not "
+                        "FSDP-sharded; tokens exchanged all-to-all); must divide --gpus and each layer's experts")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
     p.add_argument("--graph-budget", default=None, metavar="SIZE",
                    help="exact mode: memory for prompt-step graphs kept from the prefill (the reverse pass does not "
@@ -818,6 +892,7 @@ def explain(res: Plan) -> dict[str, str]:
         "logits": "one LM-head chunk of float32 logits",
         "kept_graphs": "prompt-step graphs kept for the reverse pass (graph budget)" if res.breakdown.get(
             "kept_graphs") else "none (no graph budget)",
+        "all_to_all": f"expert parallelism's token exchanges (ep={st.get('ep', 1)}, balanced routing)",
     }
     return out
 
@@ -914,9 +989,6 @@ def plan_from_args(args) -> int:
     gcfg = GRPOConfig(prompt_grad=args.prompt_grad, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch,
                       checkpoint_layers=args.checkpoint_layers)
     gpu_mem = parse_gpu_mem(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
-    if args.ep != 1:
-        raise ValueError(f"--ep {args.ep}: expert parallelism is not planned yet (the planner shards the experts "
-                         "with FSDP like every parameter); leave --ep out")
     reserve = 0
     if gpu_mem is not None:
         text = str(args.reserve).strip().lower()
@@ -935,7 +1007,7 @@ def plan_from_args(args) -> int:
     res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
                gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem, fsdp=False if args.no_fsdp else None,
                replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload,
-               lora=lora, reserve=reserve, max_positions=max_positions, graph_budget=budget)
+               lora=lora, reserve=reserve, max_positions=max_positions, graph_budget=budget, ep=args.ep)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
@@ -947,16 +1019,18 @@ def plan_from_args(args) -> int:
                      f"({lo['adapted_modules']:,} modules)")
     print(f"model {Path(args.model)} ({cfg.get('model_type')}): prompt {format_tokens(prompt_len)} tokens, response "
           f"{format_tokens(response_len)}, G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, "
-          f"cp={args.cp}{', checkpointed layers' if args.checkpoint_layers else ''}{lora_text}")
+          f"cp={args.cp}{f', ep={args.ep}' if args.ep > 1 else ''}"
+          f"{', checkpointed layers' if args.checkpoint_layers else ''}{lora_text}")
     print("per device:")
     why = explain(res)
-    for k in BREAKDOWN_KEYS:
+    for k in BREAKDOWN_KEYS + (("all_to_all",) if "all_to_all" in res.breakdown else ()):
         print(f"  {k:<18} {format_bytes(res.breakdown[k]):>12}   {why[k]}")
         if k == "weights" and lo is not None:
             for label, b, text in lora_lines(res):
                 print(f"    {label:<16} {format_bytes(b):>12}   {text}")
     print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + gathered + "
-          "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits) + kept_graphs")
+          "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits) + kept_graphs"
+          + (" + all_to_all" if "all_to_all" in res.breakdown else ""))
     gb = res.settings.get("graph_budget")
     if gb is not None:
         print(f"graph budget {format_bytes(gb['budget'])}: keeps {format_bytes(gb['kept_bytes'])} of prompt-step "

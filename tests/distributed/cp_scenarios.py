@@ -394,7 +394,8 @@ def ep_experts(paths, *, family="deepseek_v3"):
 
 
 def ep_save(paths, *, family="deepseek_v3"):
-    """save_model of an EP model (every rank joins), read back with safetensors: the checkpoint's tensors."""
+    """save_model of an EP model (every rank joins), read back with safetensors: the checkpoint's tensors; the
+    experts are written by ranks that hold them (no all-gather over the EP group: counted)."""
     import os
     from pathlib import Path
 
@@ -404,7 +405,14 @@ def ep_save(paths, *, family="deepseek_v3"):
     model = longstraw.load_model(paths[family])
     ctx = distributed.get_context()
     out = Path(paths[family]).parent / f"ep_saved_{ctx.world_size if ctx else 1}_{family}"
-    longstraw.save_model(model, out, max_shard_size="20KB")
+    from longstraw.distributed.context import Comm
+
+    gathers, real = [], Comm.all_gather
+    Comm.all_gather = lambda self, *a, **k: (gathers.append(self.size), real(self, *a, **k))[1]
+    try:
+        longstraw.save_model(model, out, max_shard_size="20KB")
+    finally:
+        Comm.all_gather = real
     if ctx is not None:
         dist.barrier()
     saved, orig = {}, {}
@@ -415,7 +423,8 @@ def ep_save(paths, *, family="deepseek_v3"):
         if f.endswith(".safetensors"):
             orig.update(load_file(Path(paths[family]) / f))
     same = set(saved) == set(orig) and all(torch.equal(saved[k], orig[k].to(saved[k].dtype)) for k in orig)
-    return {"same": same, "missing": sorted(set(orig) - set(saved))[:5], "extra": sorted(set(saved) - set(orig))[:5]}
+    return {"same": same, "missing": sorted(set(orig) - set(saved))[:5], "extra": sorted(set(saved) - set(orig))[:5],
+            "comm_gathers": len(gathers)}
 
 
 SCENARIOS.update({

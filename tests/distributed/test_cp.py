@@ -61,7 +61,7 @@ EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "
 EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
            "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init"]
-EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_init"]
+EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
@@ -307,6 +307,7 @@ def check_ep_experts(ranks, single, job):
 def check_ep_save(ranks):
     for got in _result(ranks, "ep_save"):
         assert got["same"], got
+        assert got["comm_gathers"] == 0, got  # each rank wrote the experts it holds: nothing gathered
 
 
 def check_ep_init(ranks, job):

@@ -44,7 +44,7 @@ def _branch_logits_detached(hf, prompt, responses):
 
 def reference_loss(hf, prompt, responses, adv, *, mode="token-mean", clip_low=0.2, clip_high=0.2, clip_c=3.0,
                    kl_coef=0.0, kl_type="low_var_kl", entropy_coef=0.0, old=None, ref=None, detached=False,
-                   temperature=1.0, scale_factor=None):
+                   temperature=1.0, scale_factor=None, ratio_level="token", kl_ratio_weight=False):
     """Returns (loss, per-branch log-probs [n_i]) computed the naive way, graph attached to hf's parameters."""
     g = len(responses)
     p = prompt.numel()
@@ -73,7 +73,11 @@ def reference_loss(hf, prompt, responses, adv, *, mode="token-mean", clip_low=0.
                                       for x in xs])
         old_m = pad(old) if old is not None else logp.detach()
         a = torch.as_tensor(adv, dtype=dtype)[:, None]
-        neg_kl = torch.clamp(logp - old_m, -20, 20)
+        if ratio_level == "sequence":  # GSPO: one ratio per response, exp of its mean log-ratio
+            mean = ((logp - old_m) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+            neg_kl = torch.clamp(mean, -20, 20).expand_as(logp)
+        else:
+            neg_kl = torch.clamp(logp - old_m, -20, 20)
         ratio = torch.exp(neg_kl)
         pg1, pg2 = -a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
         c1 = torch.maximum(pg1, pg2)
@@ -85,9 +89,14 @@ def reference_loss(hf, prompt, responses, adv, *, mode="token-mean", clip_low=0.
                 kl = logp - ref_m
             elif kl_type == "k2":
                 kl = 0.5 * (logp - ref_m) ** 2
+            elif kl_type == "k3":
+                d = ref_m - logp
+                kl = torch.exp(d) - d - 1
             else:
                 d = torch.clamp(ref_m - logp, -20, 20)
                 kl = torch.clamp(torch.exp(d) - d - 1, -10, 10)
+            if kl_ratio_weight:
+                kl = kl * ratio
             loss = loss + kl_coef * agg_loss(kl, mask, mode, scale_factor)
         if entropy_coef:
             loss = loss - entropy_coef * agg_loss(ent, mask, mode, scale_factor)
@@ -140,7 +149,8 @@ def run_against_reference(model, hf, prompt, responses, adv, cfg, *, seed=0, off
     with hf_patch():
         loss, ref_lp = reference_loss(hf, prompt, responses, adv, mode=_value(cfg.loss_agg_mode),
                                       clip_c=cfg.clip_ratio_c, kl_coef=cfg.kl_coef, kl_type=_value(cfg.kl_type),
-                                      entropy_coef=cfg.entropy_coef, old=old, ref=ref, detached=not cfg.exact)
+                                      entropy_coef=cfg.entropy_coef, old=old, ref=ref, detached=not cfg.exact,
+                                      ratio_level=_value(cfg.ratio_level), kl_ratio_weight=cfg.kl_ratio_weight)
         loss.backward()
     for a, b in zip(stats.logprobs, ref_lp):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)

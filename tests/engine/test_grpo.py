@@ -33,13 +33,14 @@ def _group(seed, p, lens):
 
 
 def _run_both(pair, *, p, lens, mode, chunk, prompt_grad, branch_batch=1, kl=True, entropy=0.01, clip_c=3.0,
-              checkpoint_layers=False, seed=0, off_policy=True):
+              checkpoint_layers=False, seed=0, off_policy=True, kl_type="low_var_kl", **loss):
     hf, path = pair
     prompt, responses, adv = _group(seed, p, lens)
     model = longstraw.load_model(path)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, loss_agg_mode=mode, clip_ratio_c=clip_c,
-                               kl_coef=0.05 if kl else 0.0, kl_type="low_var_kl", entropy_coef=entropy,
-                               prefill_chunk=chunk, branch_batch=branch_batch, checkpoint_layers=checkpoint_layers)
+                               kl_coef=0.05 if kl else 0.0, kl_type=kl_type, entropy_coef=entropy,
+                               prefill_chunk=chunk, branch_batch=branch_batch, checkpoint_layers=checkpoint_layers,
+                               **loss)
     stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=seed, off_policy=off_policy)
     return model, hf, stats
 
@@ -54,6 +55,17 @@ def test_every_loss_mode_matches_reference(llama_pair, mode, prompt_grad):
     model, hf, stats = _run_both(llama_pair, p=22, lens=[5, 1, 9, 3], mode=mode, chunk=8, prompt_grad=prompt_grad)
     assert_grads_close(longstraw.hf_grads(model), hf)
     assert stats.metrics["pg_clipfrac"] > 0 and stats.metrics["pg_clipfrac_lower"] > 0  # both clips active
+
+
+@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+@pytest.mark.parametrize("loss", [dict(ratio_level="sequence"), dict(kl_type="k3", kl_ratio_weight=True),
+                                  dict(ratio_level="sequence", kl_type="k3", kl_ratio_weight=True)])
+def test_sequence_ratio_k3_and_ratio_weighted_kl_match_reference(llama_pair, prompt_grad, loss):
+    """TRL's options in the engine (GSPO's sequence-level ratio, the unclamped k3 KL, the ratio-weighted KL)
+    against the naive full-graph reference, which states them on its own."""
+    model, hf, _ = _run_both(llama_pair, p=19, lens=[4, 1, 7], mode="seq-mean-token-mean", chunk=6,
+                             prompt_grad=prompt_grad, branch_batch=2, **loss)
+    assert_grads_close(longstraw.hf_grads(model), hf)
 
 
 @pytest.mark.parametrize("p,chunk", [(6, 16), (17, 16), (41, 16), (2, 4), (1, 4)])
@@ -173,7 +185,9 @@ def test_bad_input_raises_and_leaves_grad_untouched(llama_pair):
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(prompt_grad="full"), r"prompt_grad='full' is not supported; allowed: 'exact', 'detached'"),
     (dict(loss_agg_mode="mean"), r"loss_agg_mode='mean' is not supported; allowed: 'token-mean'"),
-    (dict(kl_type="k3"), r"kl_type='k3' is not supported"),
+    (dict(kl_type="k4"), r"kl_type='k4' is not supported; allowed: 'k1', 'k2', 'k3', 'low_var_kl'"),
+    (dict(ratio_level="seq"), r"ratio_level='seq' is not supported; allowed: 'token', 'sequence'"),
+    (dict(kl_ratio_weight=1), r"kl_ratio_weight=1 must be true or false"),
     (dict(prefill_chunk=0), r"prefill_chunk=0 must be an integer >= 1"),
     (dict(clip_ratio_c=0.5), r"clip_ratio_c=0.5 must be > 1"),
     (dict(clip_ratio_low=-0.1), r"clip_ratio_low=-0.1 must be a finite number >= 0"),

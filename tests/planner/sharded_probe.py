@@ -1,6 +1,6 @@
 """One rank of the planner's sharded check: ``python sharded_probe.py SPEC.json`` under torchrun's environment.
 
-Loads a checkpoint under ``init_distributed(cp, fsdp=True)``, runs one ``grpo_backward`` and one AdamW step, and
+Loads a checkpoint under ``init_distributed(cp, fsdp=True, ep=E)``, runs one ``grpo_backward`` and one AdamW step, and
 writes this rank's peak resident bytes above the process's baseline before loading (``VmHWM`` reset just before
 the step, so loading's own peak is not counted) and its local parameter bytes."""
 
@@ -18,7 +18,7 @@ from longstraw.profiling import cpu_current_bytes, peak_window, trim_heap  # noq
 
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
-    ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=True)
+    ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=True, ep=spec.get("ep", 1))
     trim_heap()
     base = cpu_current_bytes()
     model = longstraw.load_model(spec["path"], dtype=spec["dtype"])
@@ -33,7 +33,8 @@ def main(spec_path: str) -> None:
         longstraw.grpo_backward(model, prompt, responses, torch.randn(spec["group"], generator=g), cfg)
         opt.step()
         step_peak = peak()
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()  # EP experts: plain
+                for p in model.parameters())
     out = {"peak_above_base": step_peak - base, "local_param_bytes": local}
     with open(os.path.join(spec["out"], f"rank{ctx.rank}.json"), "w") as f:
         json.dump(out, f)

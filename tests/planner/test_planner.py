@@ -233,8 +233,9 @@ def _meta_model(cfg, dtype):
 
 @pytest.mark.slow  # four gloo ranks
 def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
-    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32) against each rank's peak resident
-    memory during a grpo_backward + AdamW step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
+    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32; and a Qwen3.5-MoE-style model with its
+    experts split over the 4 ranks, ep = 4) against each rank's peak resident memory during a grpo_backward + AdamW
+    step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
     from hf_reference import save_tiny, tiny_hf
     from transformers import LlamaConfig
 
@@ -244,10 +245,20 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
                       num_key_value_heads=4, vocab_size=8000, max_position_embeddings=8192)
     path = save_tiny(tiny_hf(big, seed=1, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
     cfg = json.loads((path / "config.json").read_text())
+    from longstraw.models.qwen_hybrid import tiny_config
+    from transformers import AutoConfig
+
+    moe_cfg = tiny_config(model_type="qwen3_5_moe_text", hidden_size=256, num_experts=32, num_experts_per_tok=4,
+                          moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=1024,
+                          max_position_embeddings=8192, tie_word_embeddings=False)
+    moe_path = save_tiny(tiny_hf(AutoConfig.for_model(**moe_cfg), seed=2, dtype=torch.float32, init_std=0.02),
+                         dtype=torch.float32)
+    moe = json.loads((moe_path / "config.json").read_text())
     probe = Path(__file__).with_name("sharded_probe.py")
-    for cp in (1, 2):
-        spec = {"path": str(path), "cp": cp, "dtype": "float32", "prompt_len": 4096, "response_len": 64, "group": 4,
-                "chunk": 1024, "mode": "exact", "out": str(tmp_path)}
+    for cp, ep in ((1, 1), (2, 1), (1, 4)):
+        model_cfg, model_path = (moe, moe_path) if ep > 1 else (cfg, path)
+        spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": "float32", "prompt_len": 4096,
+                "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path)}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
@@ -260,11 +271,11 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
         logs = [p.communicate(timeout=600)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
         got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-        pl = plan(cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=4, cp=cp,
+        pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=4, cp=cp, ep=ep,
                   cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024))
         for r, g in enumerate(got):
             ratio = pl.peak_bytes / g["peak_above_base"]
-            print(f"cp={cp} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
+            print(f"cp={cp} ep={ep} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
                   f"{g['peak_above_base'] / 2**20:.1f} MiB (x{ratio:.2f}); local parameters "
                   f"{g['local_param_bytes'] / 2**20:.1f} MiB")
             assert 0.85 <= ratio <= 1.15, (cp, r, pl.breakdown, g)
@@ -498,7 +509,7 @@ def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
 def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
     """``--gpu-mem H200`` is the device's usable total; the verdict compares the peak with it less the reserve
     (CUDA context, NCCL with --gpus > 1, 5% fragmentation); ``--max-positions`` extends the config's positions;
-    ``--ep`` > 1 is refused as not yet planned."""
+    ``--ep`` > 1 on a dense model is refused."""
     from longstraw.planner import DEVICES_MIB, device_reserve
 
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
@@ -512,5 +523,87 @@ def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
     long = _cli("--model", str(tmp_path), "--prompt-len", "1M", "--max-positions", "2M", "--response-len", "64",
                 "--prompt-grad", "detached", "--json")
     assert long.returncode == 0, long.stderr
-    ep = _cli(*base, "--ep", "4")
-    assert ep.returncode == 2 and "--ep 4: expert parallelism is not planned yet" in ep.stderr
+    ep = _cli(*base, "--ep", "4", "--gpus", "4")  # a dense model has no experts to split
+    assert ep.returncode == 2 and "ep=4: the model (llama) has no routed experts; plan ep=1" in ep.stderr
+
+
+# ------------------------------------------------------------------------------------------- expert parallelism
+def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
+    """``ep=E``: the routed experts count 1/E per GPU (master weights, gradients, moments), outside FSDP's shards
+    and gathered units; everything else is sharded over the GPUs as before; the all-to-all buffers are added."""
+    from longstraw.planner import _expert_params
+
+    model = _meta_model(MLA_MOE, torch.bfloat16)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_ex = sum(p.numel() for p in _expert_params(model))
+    kw = dict(prompt_len=1024, response_len=32, group=2, dtype="bfloat16", gpus=4)
+    fsdp = plan(MLA_MOE, **kw)
+    ep = plan(MLA_MOE, ep=2, **kw)
+    b, f = ep.breakdown, fsdp.breakdown
+    assert (f["weights"], f["grads"], f["optimizer"]) == (4 * n_all // 4, 4 * n_all // 4, 8 * n_all // 4)
+    rest = n_all - n_ex
+    assert (b["weights"], b["grads"], b["optimizer"]) == (4 * rest // 4 + 4 * n_ex // 2, 4 * rest // 4 + 4 * n_ex // 2,
+                                                          8 * rest // 4 + 8 * n_ex // 2)
+    assert b["gathered"] < f["gathered"]  # FSDP's units no longer hold the experts
+    # balanced exchanges: a no-grad prefill chunk's 4 buffers, or every MoE layer's 2 kept in a graph
+    layers_moe, k, h = 16 - 3, 2, 64
+    chunk = GRPOConfig().prefill_chunk
+    assert b["all_to_all"] == max(4 * chunk * k * h * 2, 2 * chunk * k * h * 2 * layers_moe)
+    assert "all_to_all" not in f and "all_to_all" in ep.to_json()["breakdown"]
+    peak = sum(b[x] for x in ("weights", "grads", "optimizer", "gathered", "prompt_state", "prompt_state_grad",
+                              "all_to_all")) + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
+    assert ep.peak_bytes == peak
+    assert "routed experts split over ep=2 ranks" in ep.settings["assumptions"]["experts"]
+    # with LoRA the experts are frozen: 1/E of them, weights only, in the compute dtype
+    lo = plan(MLA_MOE, ep=2, lora={"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}, **kw).breakdown
+    assert lo["weights"] - plan(MLA_MOE, lora={"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}, **kw).breakdown[
+        "weights"] == 2 * n_ex // 2 - 2 * n_ex // 4
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(ep=3), r"ep=3 must divide gpus=4"),
+    (dict(ep=4, gpus=8), r"ep=4 does not divide the 4 routed experts|allowed"),
+    (dict(ep=2, fsdp=False), r"ep=2 needs FSDP over several GPUs"),
+    (dict(ep=2, gpus=4, replicate=2), r"ep=2 with replicate=2 \(HSDP\) is not supported"),
+    (dict(ep=0), r"ep=0 must be"),
+])
+def test_expert_parallel_bad_input(kw, msg):
+    cfg = {**MLA_MOE, "n_routed_experts": 4 if kw.get("gpus") != 8 else 6}
+    with pytest.raises(ValueError, match=msg):
+        plan(cfg, prompt_len=256, response_len=8, group=2, **{"gpus": 4, **kw})
+
+
+def test_cli_ep(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MLA_MOE))
+    out = _cli("--model", str(tmp_path), "--prompt-len", "1K", "--response-len", "64", "--gpus", "4", "--ep", "4")
+    assert out.returncode == 0, out.stderr
+    assert "ep=4" in out.stdout and "all_to_all" in out.stdout and "+ all_to_all" in out.stdout
+
+
+def test_dsa_meta_shortcut_changes_no_tracked_byte(monkeypatch):
+    """The DSA indexer's and the sparse attention's repeated blocks on meta (ops/meta.py ``skip_repeated_block``):
+    plans of a GLM-5-style model (full and shared indexer layers) with many query blocks and key chunks (small
+    score and gather budgets) are byte-equal with the shortcut on and off, detached and exact."""
+    from longstraw.models import dsa
+    from longstraw.ops import meta, sparse_attention
+
+    cfg = {"model_type": "glm_moe_dsa", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
+           "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
+           "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
+           "v_head_dim": 5, "q_lora_rank": 10, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 16,
+           "indexer_types": ["full", "shared", "full"], "max_position_embeddings": 4096}
+    monkeypatch.setattr(dsa, "SCORE_ELEMS", 1 << 14)  # ~30 query blocks of ~4 key chunks per layer call
+    monkeypatch.setattr(sparse_attention, "GATHER_ELEMS", 1 << 12)  # ~8 query blocks per sparse attention call
+
+    def plans():
+        return [plan(cfg, prompt_len=1100, response_len=8, group=2, dtype="float32",
+                     cfg=GRPOConfig(prompt_grad=m, prefill_chunk=512)).breakdown for m in ("detached", "exact")]
+
+    calls = []
+    real = meta.skip_repeated_block
+    monkeypatch.setattr(meta, "skip_repeated_block", lambda *a: calls.append(real(*a)) or calls[-1])
+    fast = plans()
+    assert sum(calls) > 50  # the shortcut did skip blocks
+    monkeypatch.setattr(meta, "SHORTCUTS", False)
+    assert plans() == fast

@@ -229,3 +229,31 @@ def test_two_nodes_under_torchrun(tmp_path):
     assert sum("done: 2 steps" in n.stdout for n in nodes) == 1  # rank 0 (on whichever node) reports
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
     assert [c.name for c in checkpoint_dirs(run)] == ["step-00000001", "step-00000002"]
+
+
+def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layouts(tmp_path):
+    """parallel.ep: the built-in MoE model (8 routed experts per layer) on 4 ranks, 2 replicas x 2 CP, experts split
+    over all 4 (2 per rank, tokens moved by all-to-all): the metrics (expert load included: summed over the ranks,
+    it is the work of the job) and weights equal a one-process run; its sharded checkpoint stores each expert once
+    (DTensors on the (edp, ep) mesh) and resumes on 2 ranks with ep=2 and in one process."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    moe = ['model.builtin="tiny-moe"']
+    _ok(train(0, _args(tmp_path / "one", *moe)), "MoE, one process")
+    _ok(train(4, _args(tmp_path / "four", *moe, "parallel.cp=2", "parallel.ep=4")), "MoE, 4 ranks, ep=4")
+    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    # the expert load counts the routed slots each process computed: CP splits the prompt, not the work
+    assert all(r["expert_load_max_over_mean"] > 1 for r in one)
+    _close([{k: v for k, v in r.items() if not k.startswith("expert_")} for r in four],
+           [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])
+    _close_weights(_weights(tmp_path / "four"), _weights(tmp_path / "one"))
+    for name, world, extra in (("two-ep2", 2, ["parallel.cp=1", "parallel.ep=2"]),
+                               ("single", 0, ["parallel.cp=1", "parallel.ep=1"])):
+        run = tmp_path / f"from-four-{name}"
+        shutil.copytree(tmp_path / "four", run)
+        for c in checkpoint_dirs(run)[1:]:
+            shutil.rmtree(c)
+        sets = [x for s in extra for x in ("--set", s)]
+        _ok(train(world, ["--resume", str(run), *sets]), f"MoE resume {name}")
+        _close([{k: v for k, v in r.items() if not k.startswith("expert_")} for r in read_metrics(run)],
+               [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])
+        _close_weights(_weights(run), _weights(tmp_path / "one"))

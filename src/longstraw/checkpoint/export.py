@@ -8,7 +8,9 @@ into files of at most ``max_shard_size`` (one file when everything fits in one, 
 
 :func:`write_export` then walks the parameters in the plan's order on every rank. A sharded parameter (an FSDP2
 DTensor) is gathered whole with ``full_tensor()``, a collective of its shard group that every rank joins; only the
-rank that owns it keeps it, writes its tensor(s) into the open file and frees it. Since every header is known in
+rank that owns it keeps it, writes its tensor(s) into the open file and frees it. Routed experts split over
+expert-parallel ranks are planned as one item per EP slice (:class:`ExpertRows`), owned by a rank that holds it,
+which writes those experts from its own rows: no gather at all. Since every header is known in
 advance, a file is written as a stream: its header first, then each tensor's bytes as it arrives
 (:class:`SafetensorsStream`); so peak extra memory is one full tensor per rank, and no rank ever holds the model.
 A failed write (a full disk) stops that rank's writing but not its part in the gathers; the error is agreed on at the
@@ -84,7 +86,8 @@ def plan_export(named: list[tuple[str, torch.Tensor]], wmap, world: int, max_sha
     items = []
     for i, (name, t) in enumerate(named):
         meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-        outs = [Entry(n, o.dtype, tuple(o.shape)) for n, o in wmap.save_tensors([(name, meta)])]
+        pairs = wmap.save_rows(name, meta, t.first) if isinstance(t, ExpertRows) else wmap.save_tensors([(name, meta)])
+        outs = [Entry(n, o.dtype, tuple(o.shape)) for n, o in pairs]
         items.append(Item(i, outs))
     items.sort(key=lambda it: -max((_element_size(o.dtype) for o in it.outs), default=1))  # stable: aligned data
     sizes = [sum(o.nbytes for o in it.outs) for it in items]
@@ -92,6 +95,9 @@ def plan_export(named: list[tuple[str, torch.Tensor]], wmap, world: int, max_sha
     start = 0
     for it, nb in zip(items, sizes):  # contiguous runs of about total / world bytes
         it.owner = min(world - 1, int((start + nb / 2) * world // total))
+        t = named[it.index][1]
+        if isinstance(t, ExpertRows) and it.owner not in t.holders:  # a rank that holds these experts: the nearest
+            it.owner = min(t.holders, key=lambda r: (abs(r - it.owner), r))
         start += nb
     files: list[File] = []
     for r in range(world):
@@ -171,6 +177,19 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True)
+class ExpertRows:
+    """Rows ``[first, first + shape[0])`` of a fused expert parameter split over expert-parallel ranks: written by a
+    rank that holds them (``local``: this rank's tensor of those rows, None elsewhere), without a gather. ``holders``:
+    the ranks that hold them (the same EP coordinate in every expert-data-parallel group)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    first: int
+    holders: tuple[int, ...]
+    local: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class Computed:
     """A tensor of the export made when its turn comes (a LoRA-merged weight): ``shape`` and ``dtype`` for the
     plan, ``make()`` for the full tensor (a collective on a sharded model, called on every rank in plan order)."""
@@ -195,13 +214,19 @@ def write_export(named: list[tuple[str, torch.Tensor]], wmap, items: list[Item],
     open_streams: dict[str, SafetensorsStream] = {}
     err: BaseException | None = None
     for it in items:
-        _, t = named[it.index]
-        full = _whole(t)
-        if it.owner != rank or err is not None:
-            del full
-            continue
+        name, t = named[it.index]
+        if isinstance(t, ExpertRows):  # this rank's own experts, if it writes them: no collective, no gather
+            if it.owner != rank or err is not None:
+                continue
+            full, pairs = None, wmap.save_rows(name, t.local.detach(), t.first)
+        else:
+            full = _whole(t)
+            if it.owner != rank or err is not None:
+                del full
+                continue
+            pairs = wmap.save_tensors([(name, full.detach())])
         try:
-            for hf_name, out in wmap.save_tensors([(named[it.index][0], full.detach())]):
+            for hf_name, out in pairs:
                 f = file_of[hf_name]
                 s = open_streams.get(f.name)
                 if s is None:

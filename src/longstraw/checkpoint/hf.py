@@ -455,6 +455,16 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copytree(src / name, dst / name)
 
 
+def _expert_slices(t: torch.Tensor, m) -> list:
+    """The EP slices of a split expert parameter ``t`` (this rank's rows) of module ``m``, as export items: every
+    rank lists all of them (the same plan everywhere), holding the tensor of its own."""
+    from longstraw.checkpoint.export import ExpertRows
+
+    local, size, world = t.shape[0], m.ep.size, torch.distributed.get_world_size()
+    return [ExpertRows((local, *t.shape[1:]), t.dtype, j * local, tuple(range(j, world, size)),
+                       t if j == m.ep.rank else None) for j in range(size)]
+
+
 def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                merge_lora: bool = False) -> None:
     """Write ``model`` as an HF checkpoint directory (config.json + safetensors, sharded above max_shard_size),
@@ -477,7 +487,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     from longstraw.checkpoint.export import index_json, plan_export, write_export
     from longstraw.distributed.agree import agree, together
     from longstraw.checkpoint.export import Computed
-    from longstraw.distributed.expert_parallel import ep_modules, gather_experts
+    from longstraw.distributed.expert_parallel import ep_modules
     from longstraw.distributed.fsdp import is_sharded
 
     p = Path(path)
@@ -490,10 +500,8 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
     sharded = any(is_sharded(t) for _, t in named)
     ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
-    if ep:  # expert-parallel experts: gathered over the EP group when their turn comes (every rank joins)
-        named = [(n, Computed((t.shape[0] * ep[id(t)].ep.size, *t.shape[1:]), t.dtype,
-                              lambda m=ep[id(t)], t=t: gather_experts(m, t)) if id(t) in ep else t)
-                 for n, t in named]
+    if ep:  # expert-parallel experts: one item per EP slice, written by a rank that holds it (no gather)
+        named = [(n, s) for n, t in named for s in (_expert_slices(t, ep[id(t)]) if id(t) in ep else [t])]
     if merge_lora:
         from longstraw.checkpoint.adapter import merged_weights
 

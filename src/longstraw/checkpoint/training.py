@@ -154,6 +154,21 @@ def _state_options(model, setting: bool = False):
     return StateDictOptions(ignore_frozen_params=True, strict=not setting)
 
 
+def _ep_model(model) -> bool:
+    from longstraw.distributed.expert_parallel import ep_modules
+
+    return bool(ep_modules(model))
+
+
+def _ep_to_dtensors(model, state: dict) -> None:
+    """Expert-parallel experts (plain per-rank tensors) described as DTensors, so DCP stores each expert once and
+    reads it into any layout (``longstraw.distributed.expert_parallel``)."""
+    if _ep_model(model):
+        from longstraw.distributed.expert_parallel import ep_state_to_dtensors
+
+        ep_state_to_dtensors(model, state["model"], state.get("optimizer"))
+
+
 def _dcp_error(what: str, e: BaseException) -> ValueError:
     """A ``CheckpointException`` (DCP's error on every rank) as one line naming the first failing rank's error."""
     import traceback
@@ -191,6 +206,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, tr
     state = {"model": get_model_state_dict(model, options=opts)}
     if has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=opts)
+    _ep_to_dtensors(model, state)
     try:
         save(state, storage_writer=FileSystemWriter(tmp / SHARDED_DIR))  # each rank its shards; fsynced
     except CheckpointException as e:
@@ -227,12 +243,17 @@ def load_sharded_state(ckpt_dir: str | Path, model, optimizer, *, optimizer_stat
     state = {"model": get_model_state_dict(model, options=opts)}
     if optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=opts)
+    _ep_to_dtensors(model, state)
     try:
         with warnings.catch_warnings():  # one process: DCP says it assumes so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             load(state, storage_reader=FileSystemReader(where))
     except CheckpointException as e:
         raise damaged_checkpoint(ckpt_dir, str(_dcp_error(SHARDED_DIR, e))) from None
+    if _ep_model(model):
+        from longstraw.distributed.expert_parallel import ep_state_to_local
+
+        ep_state_to_local(model, state["model"], state.get("optimizer"))
     set_opts = _state_options(model, setting=True)
     set_model_state_dict(model, state["model"], options=set_opts)
     if optimizer_state:

@@ -98,6 +98,7 @@ class ParallelContext:
     ep_rank: int = 0
     ep: Comm | None = None
     edp: Comm | None = None
+    ep_mesh: Any = None  # the 2-D ("edp", "ep") mesh of expert parallelism (checkpoints describe experts on it)
 
     @property
     def cp_mesh(self):
@@ -228,7 +229,7 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
         fsdp_mesh = (DeviceMesh(device.type, ranks, mesh_dim_names=("fsdp",)) if replicate == 1 else
                      DeviceMesh(device.type, ranks.view(replicate, world // replicate),
                                 mesh_dim_names=("replicate", "fsdp")))
-    ep_comm = edp_comm = None
+    ep_comm = edp_comm = ep_mesh = None
     if ep > 1:  # EP groups of ep consecutive ranks; edp: the ranks holding the same experts
         ep_mesh = DeviceMesh(device.type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("edp", "ep"))
         ep_comm = Comm(ep_mesh.get_group("ep"), rank % ep, ep)
@@ -236,7 +237,8 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
     _CONTEXT = ParallelContext(rank=rank, world_size=world, cp_size=cp, cp_rank=rank % cp, dp_size=dp_size,
                                dp_rank=rank // cp, backend=backend, device=device, fsdp=fsdp, mesh=mesh,
                                cp=cp_comm, dp=dp_comm, owns_process_group=owns, replicate=replicate,
-                               fsdp_mesh=fsdp_mesh, ep_size=ep, ep_rank=rank % ep, ep=ep_comm, edp=edp_comm)
+                               fsdp_mesh=fsdp_mesh, ep_size=ep, ep_rank=rank % ep, ep=ep_comm, edp=edp_comm,
+                               ep_mesh=ep_mesh)
     return _CONTEXT
 
 

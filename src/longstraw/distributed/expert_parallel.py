@@ -43,7 +43,7 @@ from longstraw.ops import meta
 from longstraw.ops.moe import experts_forward
 
 __all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
-           "set_ep_divide_factor", "mark_params"]
+           "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,6 +91,7 @@ class ExpertParallelExperts(Experts):
     edp: Comm | None
     first: int
     divide_factor: float
+    mesh: object  # the ("edp", "ep") DeviceMesh: replicated over edp, rows sharded over ep (state dicts)
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         gu, dn = self.gate_up_proj, self.down_proj
@@ -190,7 +191,52 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
                 p = getattr(m, pname)
                 setattr(m, pname, nn.Parameter(p[a:a + local].clone(), requires_grad=p.requires_grad))
         m.__class__ = ExpertParallelExperts
-        m.ep, m.edp, m.first = ctx.ep, ctx.edp, a
+        m.ep, m.edp, m.first, m.mesh = ctx.ep, ctx.edp, a, ctx.ep_mesh
         m.divide_factor = float(ctx.world_size)
     mark_params(model)
     return model
+
+
+def _ep_tensors(model: nn.Module) -> dict[str, ExpertParallelExperts]:
+    return {f"{n}.{p}" if n else p: m for n, m in ep_modules(model) for p in ("gate_up_proj", "down_proj")}
+
+
+def _entries(model: nn.Module, model_sd: dict | None, optim_sd: dict | None):
+    """``(container, key, module)`` of every expert-parallel tensor in a model and an optimiser state dict (DCP's
+    ``get_model_state_dict`` / ``get_optimizer_state_dict``: keyed by parameter FQN; optimiser entries whose shape
+    is the parameter's, e.g. AdamW's moments; its ``step`` scalar is the same on every rank). An optimiser entry's
+    dict is replaced by a copy first: DCP's dict may be the optimiser's own state, which must keep plain tensors."""
+    states = (optim_sd or {}).get("state", {})
+    for fqn, m in _ep_tensors(model).items():
+        if model_sd is not None and fqn in model_sd:
+            yield model_sd, fqn, m
+        if states.get(fqn) is None:
+            continue
+        st = states[fqn] = dict(states[fqn])
+        for k, v in list(st.items()):  # a DTensor's shape is the global one
+            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] in (m.num_experts // m.ep.size, m.num_experts):
+                yield st, k, m
+
+
+def ep_state_to_dtensors(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None) -> None:
+    """In place: each expert-parallel tensor of the state dicts (this rank's rows, a plain tensor that FSDP leaves
+    alone) becomes a DTensor on the ``("edp", "ep")`` mesh, replicated over ``edp`` and row-sharded over ``ep``, so
+    that DCP writes each expert once and reads it back into any layout (another ``ep``, or one process)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for d, k, m in _entries(model, model_sd, optim_sd):
+        t = d[k]
+        full = (m.num_experts, *t.shape[1:])
+        d[k] = DTensor.from_local(t, m.mesh, [Replicate(), Shard(0)], run_check=False, shape=torch.Size(full),
+                                  stride=torch.empty(full, device="meta").stride())
+
+
+def ep_state_to_local(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None) -> None:
+    """In place, the inverse of :func:`ep_state_to_dtensors` (after DCP has read into them): this rank's rows as
+    plain tensors again, as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect for parameters FSDP
+    does not manage."""
+    from torch.distributed.tensor import DTensor
+
+    for d, k, _ in _entries(model, model_sd, optim_sd):
+        if isinstance(d[k], DTensor):
+            d[k] = d[k].to_local()

@@ -14,7 +14,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from longstraw.losses import KLType, LossAggMode, PolicyLoss, parse_enum
+from longstraw.losses import KLType, LossAggMode, PolicyLoss, RatioLevel, parse_enum
 
 
 class PromptGrad(str, Enum):
@@ -31,7 +31,8 @@ class GRPOConfig:
 
     prompt_grad: ``"exact"`` (gradient through the prompt state) or ``"detached"``.
     loss_agg_mode, clip_ratio_low/high, clip_ratio_c (dual clip, None disables), kl_coef, kl_type, entropy_coef:
-        the loss, as verl defines it (see :mod:`longstraw.losses`).
+        the loss, as verl defines it (see :mod:`longstraw.losses`); ratio_level (``"token"`` or GSPO's
+        ``"sequence"``) and kl_ratio_weight (the KL term times the ratio), as TRL offers them.
     loss_scale_factor: the divisor of ``seq-mean-token-sum-norm`` (default: the longest response of the group;
         set a constant, e.g. the max response length, to reproduce Dr. GRPO exactly).
     prefill_chunk: prompt tokens per prefill chunk (memory: one chunk's activations; exact mode: one chunk's graph).
@@ -59,9 +60,16 @@ class GRPOConfig:
         "weight of the KL penalty to a frozen reference model (the initial weights); > 0 keeps that copy and "
         "scores every response with it")})
     kl_type: KLType = field(default=KLType.LOW_VAR_KL, metadata={"help": (
-        "the KL estimator, as verl's kl_penalty (k1: logp - ref; k2: (logp - ref)^2 / 2; low_var_kl: clamped k3)")})
+        "the KL estimator, as verl's kl_penalty (k1: logp - ref; k2: (logp - ref)^2 / 2; low_var_kl: clamped k3; "
+        "k3: e^(ref - logp) - (ref - logp) - 1 unclamped, TRL's)")})
     entropy_coef: float = field(default=0.0, metadata={"help": (
         "weight of the entropy bonus (subtracted from the loss; > 0 computes the entropy of every token)")})
+    ratio_level: RatioLevel = field(default=RatioLevel.TOKEN, metadata={"help": (
+        "the importance ratio of the PPO clip: token (per token) or sequence (GSPO: one ratio per response, exp of "
+        "its mean log-ratio)")})
+    kl_ratio_weight: bool = field(default=False, metadata={"help": (
+        "multiply the KL term by the importance ratio (the unbiased reverse-KL gradient of DeepSeek-V3.2; TRL's "
+        "use_bias_correction_kl)")})
     loss_scale_factor: float | None = field(default=None, metadata={"help": (
         "the divisor of seq-mean-token-sum-norm (used by that mode only); none: the longest response (the "
         "trainer's: of the step); a constant such as the max response length reproduces Dr. GRPO exactly")})
@@ -99,6 +107,9 @@ class GRPOConfig:
                              "prompt_grad='detached' there is none: use graph_budget_bytes=None or 0")
         set_("loss_agg_mode", parse_enum(LossAggMode, self.loss_agg_mode, "loss_agg_mode"))
         set_("kl_type", parse_enum(KLType, self.kl_type, "kl_type"))
+        set_("ratio_level", parse_enum(RatioLevel, self.ratio_level, "ratio_level"))
+        if not isinstance(self.kl_ratio_weight, bool):
+            raise ValueError(f"kl_ratio_weight={self.kl_ratio_weight!r} must be true or false")
         for name in ("prefill_chunk", "branch_batch", "logprob_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -125,7 +136,7 @@ class GRPOConfig:
 
     def policy_loss(self) -> PolicyLoss:
         return PolicyLoss(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.kl_coef, self.kl_type,
-                          self.entropy_coef)
+                          self.entropy_coef, self.ratio_level, self.kl_ratio_weight)
 
     def to_dict(self) -> dict:
         return {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v) for f in fields(self)}

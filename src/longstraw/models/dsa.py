@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from longstraw.models.context import CallContext
 from longstraw.models.mla import LatentDecoder, LatentState, MLAttention
 from longstraw.models.rope import apply_rope, apply_rope_interleaved
+from longstraw.ops import meta
 from longstraw.ops.attention import KVSegment
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sparse_attention import Selection, acc_dtype, sparse_latent_attention
@@ -176,12 +177,17 @@ class Indexer(nn.Module):
         b, bt = qb.shape[:2]
         kc = max(1, SCORE_ELEMS // (b * bt * self.num_heads))
         wb = wb[:, :, None, :]  # [B, bt, 1, Hi]
+        chunks = [(k, c0, min(k.shape[1], c0 + kc)) for k in keys for c0 in range(0, k.shape[1], kc)]
+        n = len(chunks)
+        last_full = max((i for i, (_, c0, c1) in enumerate(chunks) if c1 - c0 == kc), default=0)
         parts = []
-        for k in keys:
-            for c0 in range(0, k.shape[1], kc):
-                kt = k[:, c0 : c0 + kc].to(qb.dtype).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
-                sc = torch.relu(torch.matmul(qb, kt) * self.softmax_scale)  # [B, bt, Hi, kc]
-                parts.append(torch.matmul(wb, sc).squeeze(-2))  # [B, bt, kc]
+        for i, (k, c0, c1) in enumerate(chunks):
+            if meta.skip_repeated_block(qb, i, (0, last_full, n - 2, n - 1)):  # the planner's dry run (ops/meta.py)
+                parts.append(qb.new_empty(b, bt, c1 - c0))
+                continue
+            kt = k[:, c0:c1].to(qb.dtype).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
+            sc = torch.relu(torch.matmul(qb, kt) * self.softmax_scale)  # [B, bt, Hi, kc]
+            parts.append(torch.matmul(wb, sc).squeeze(-2))  # [B, bt, kc]
         return torch.cat(parts, dim=-1)
 
     @torch.no_grad()
@@ -207,7 +213,10 @@ class Indexer(nn.Module):
         valid = torch.empty(b, t, k_eff, dtype=torch.bool, device=x.device)
         bt = max(1, min(t, SCORE_ELEMS // max(1, b * s_all)))
         key_pos = torch.arange(s_all, device=x.device) - s_pre  # own-token index of each key (< 0: prefix)
-        for t0 in range(0, t, bt):
+        starts = range(0, t, bt)
+        for i, t0 in enumerate(starts):
+            if meta.skip_repeated_block(x, i, (0, len(starts) - 1)):  # the planner's dry run: as block 0 (ops/meta.py)
+                continue
             t1 = min(t, t0 + bt)
             sc = self.scores(q[:, t0:t1].to(acc), w[:, t0:t1], segs)
             future = key_pos[None, :] > torch.arange(t0, t1, device=x.device)[:, None]  # [bt, S]

@@ -224,14 +224,27 @@ class ExpertWeightMap(WeightMap):
 
     def save_tensors(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         for name, t in super().save_tensors(named):
-            m = _FUSED.fullmatch(name)
-            if not m:
-                yield name, t
-            elif m.group(2) == "gate_up_proj":
-                inter = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    yield f"{m.group(1)}.{e}.gate_proj.weight", t[e, :inter].clone()
-                    yield f"{m.group(1)}.{e}.up_proj.weight", t[e, inter:].clone()
+            if _FUSED.fullmatch(name):
+                yield from self._split(name, t, 0)
             else:
-                for e in range(t.shape[0]):
-                    yield f"{m.group(1)}.{e}.down_proj.weight", t[e].clone()
+                yield name, t
+
+    def save_rows(self, name: str, rows: Tensor, first: int) -> Iterator[tuple[str, Tensor]]:
+        """The checkpoint tensors of experts ``first .. first + rows.shape[0] - 1`` of the fused expert parameter
+        ``name``, from its rows ``rows`` only (an expert-parallel rank's share, written without a gather)."""
+        for renamed, t in super().save_tensors([(name, rows)]):
+            if not _FUSED.fullmatch(renamed):
+                raise ValueError(f"{name} is not a fused expert parameter")
+            yield from self._split(renamed, t, first)
+
+    @staticmethod
+    def _split(name: str, t: Tensor, first: int) -> Iterator[tuple[str, Tensor]]:
+        m = _FUSED.fullmatch(name)
+        if m.group(2) == "gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{m.group(1)}.{first + e}.gate_proj.weight", t[e, :inter].clone()
+                yield f"{m.group(1)}.{first + e}.up_proj.weight", t[e, inter:].clone()
+        else:
+            for e in range(t.shape[0]):
+                yield f"{m.group(1)}.{first + e}.down_proj.weight", t[e].clone()

@@ -15,6 +15,15 @@ lifetimes) as the real path, and a test holds every tracked byte equal with the 
     The torch gated delta rule processes a long input in blocks of chunks; without autograd each block frees its
     intermediates, so on meta the blocks between the first and the last only add their output (prefill dry runs of
     a long prompt would otherwise run thousands of meta ops per layer).
+``skip_repeated_block``
+    Loops over blocks whose transients are freed before the next block and whose results go into buffers allocated
+    before the loop: DeepSeek Sparse Attention's lightning indexer (``models/dsa.py``, always without autograd)
+    scoring a chunk's queries against every stored key in blocks of queries and, within one, chunks of keys, and
+    the sparse attention over the selected latents (``ops/sparse_attention.py``, forward and backward, blocked over
+    queries). Over a long prefix that is hundreds of blocks per layer and chunk. On meta only the blocks that can
+    set the peak run: the first and the last query blocks (the others repeat the first), and of the indexer's key
+    chunks (whose partial scores accumulate until they are concatenated) the first, the last full-size one and the
+    last two; a skipped key chunk only allocates its partial scores.
 ``value``
     Where the engine turns a 0-d tensor into a Python number (the loss and statistics it reports), meta gives NaN.
 
@@ -24,13 +33,13 @@ documented in ``longstraw.planner``: those are choices of what to run, not diffe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SHORTCUTS", "is_meta", "value", "experts_forward_shapes", "skip_delta_rule_block"]
+__all__ = ["SHORTCUTS", "is_meta", "value", "experts_forward_shapes", "skip_delta_rule_block", "skip_repeated_block"]
 
 SHORTCUTS = True  # tests switch this off to check that the shortcuts change no tracked byte
 
@@ -65,3 +74,9 @@ def skip_delta_rule_block(inputs: tuple[Tensor | None, ...], t0: int, last_start
     if not (SHORTCUTS and x is not None and is_meta(x)) or not 0 < t0 < last_start:
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs))
+
+
+def skip_repeated_block(x: Tensor, i: int, keep: Iterable[int]) -> bool:
+    """Whether block ``i`` of a loop of repeated blocks may be skipped (``skip_repeated_block`` in the module
+    docstring): on meta, with the shortcuts on, and ``i`` not among the blocks to ``keep``."""
+    return SHORTCUTS and is_meta(x) and i not in set(keep)

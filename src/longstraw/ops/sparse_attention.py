@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from longstraw.ops import meta
 from longstraw.ops.attention import KVSegment
 from longstraw.ops.partitioned import PartitionedSegment
 
@@ -117,7 +118,10 @@ def partial_forward(qt: Tensor, lats: tuple[Tensor, ...], offsets: tuple[int, ..
     o = torch.empty(b, t, h, d, dtype=acc, device=qt.device)
     lse = torch.empty(b, t, h, dtype=acc, device=qt.device)
     bt = _block(b, idx.shape[-1], d, h)
-    for t0 in range(0, t, bt):
+    starts = range(0, t, bt)
+    for i, t0 in enumerate(starts):
+        if meta.skip_repeated_block(qt, i, (0, len(starts) - 1)):  # the planner's dry run (ops/meta.py)
+            continue
         sl = slice(t0, min(t, t0 + bt))
         keys = gather_keys(lats, offsets, idx[:, sl], valid[:, sl], acc)  # [B, bt, K, D]
         s = torch.matmul(qt[:, sl].to(acc), keys.transpose(-1, -2)) * scale  # [B, bt, H, K]
@@ -139,7 +143,10 @@ def partial_backward(qt: Tensor, dt: Tensor, ot: Tensor, lse: Tensor, lats: tupl
     b, t, h, d = qt.shape
     dq = torch.empty(b, t, h, d, dtype=acc, device=qt.device)
     bt = _block(b, idx.shape[-1], d, h)
-    for t0 in range(0, t, bt):
+    starts = range(0, t, bt)
+    for i, t0 in enumerate(starts):
+        if meta.skip_repeated_block(qt, i, (0, len(starts) - 1)):  # the planner's dry run (ops/meta.py)
+            continue
         sl = slice(t0, min(t, t0 + bt))
         keys = gather_keys(lats, offsets, idx[:, sl], valid[:, sl], acc)
         qb, do, ob = qt[:, sl].to(acc), dt[:, sl].to(acc), ot[:, sl].to(acc)

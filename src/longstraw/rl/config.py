@@ -81,7 +81,7 @@ class _Section:
                 raise ValueError(f"{name}.{f.name}={value!r} must be a {typ.__name__}")
 
 
-BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
+BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense", "tiny-moe")
 MODEL_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -92,7 +92,8 @@ class ModelSection(_Section):
     path: str = _key("", "an HF checkpoint directory (config.json, safetensors, tokenizer); empty: build the "
                          "built-in random model named by model.builtin")
     builtin: str = _key("tiny-hybrid", "the built-in random model used when model.path is empty: tiny-hybrid "
-                                       "(Gated DeltaNet + attention, Qwen3.5-style) or tiny-dense (Llama-style)")
+                                       "(Gated DeltaNet + attention, Qwen3.5-style), tiny-dense (Llama-style) or tiny-moe (the hybrid with 8 "
+                                       "routed experts, top-2, and a shared expert in every layer: Qwen3.5-MoE-style)")
     dtype: str = _key("float32", "the model's dtype (its compute dtype; the checkpoint is read into it): float32, "
                                  "float64, bfloat16 or float16 (bfloat16/float16: see model.master_weights)")
     compute_dtype: str | None = _key(None, "autocast compute dtype over float32 parameters: bfloat16 or float16 "
@@ -264,6 +265,10 @@ class ParallelSection(_Section):
     replicate: int = _key(1, "HSDP: shard over each of this many groups of world / replicate consecutive ranks and "
                              "replicate across them (the number of nodes, so parameter all-gathers stay inside a "
                              "node); 1: shard over the whole job; > 1 needs fsdp = true")
+    ep: int = _key(1, "expert parallelism (MoE models): the routed experts of every MoE layer are split over groups "
+                      "of this many consecutive ranks, which exchange tokens (all-to-all) instead of gathering "
+                      "experts; must divide the world size and every layer's number of experts; > 1 needs fsdp = "
+                      "true and replicate = 1 (docs/DISTRIBUTED.md)")
 
 
 SECTIONS = {
@@ -275,7 +280,7 @@ SECTIONS = {
     "optim": OptimSection,
     "lora": LoraSection,
     "train": TrainSection,
-    "parallel": ParallelSection,  # room for ep (expert parallelism) beside cp
+    "parallel": ParallelSection,
 }
 
 _SECTION_NAMES = {cls: name for name, cls in SECTIONS.items()}
@@ -663,7 +668,7 @@ def validate(cfg: RunConfig) -> None:
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
     g, s = a.grpo, r.sampling
     _require(bool(m.path) or m.builtin in BUILTIN_MODELS,
-             f"model.builtin={m.builtin!r} is not a built-in model; allowed: 'tiny-hybrid', 'tiny-dense' "
+             f"model.builtin={m.builtin!r} is not a built-in model; allowed: {', '.join(map(repr, BUILTIN_MODELS))} "
              "(or set model.path to a checkpoint directory)")
     _require(m.dtype in MODEL_DTYPES, f"model.dtype={m.dtype!r}; allowed: 'float32', 'float64', 'bfloat16', 'float16'")
     resolve_device(m.device, "model.device")
@@ -730,6 +735,11 @@ def validate(cfg: RunConfig) -> None:
     _require(p.replicate >= 1, f"parallel.replicate={p.replicate} must be >= 1 (HSDP replica groups; 1: plain FSDP)")
     _require(p.replicate == 1 or p.fsdp, f"parallel.replicate={p.replicate} needs parallel.fsdp = true (it "
                                          "replicates FSDP's shards over groups of ranks)")
+    _require(p.ep >= 1, f"parallel.ep={p.ep} must be >= 1 (ranks the routed experts are split over; 1: off)")
+    _require(p.ep == 1 or p.fsdp, f"parallel.ep={p.ep} needs parallel.fsdp = true (the rest of the model is FSDP-"
+                                  "sharded and every rank runs in lockstep)")
+    _require(p.ep == 1 or p.replicate == 1, f"parallel.ep={p.ep} with parallel.replicate={p.replicate} (HSDP) is not "
+                                            "supported; set replicate = 1")
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:

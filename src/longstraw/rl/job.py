@@ -4,9 +4,9 @@ how its results meet the other ranks', and who writes.
 :meth:`Job.start` reads ``[parallel]``:
 
 * without a torch.distributed environment (no ``torchrun``: ``RANK`` / ``WORLD_SIZE`` unset), or in a job of one
-  rank: one process. ``parallel.cp`` and ``parallel.replicate`` must be 1 (a one-line error says to launch with
-  torchrun otherwise); ``parallel.fsdp`` is simply off with one process.
-* under ``torchrun`` with ``W > 1`` ranks: ``init_distributed(cp, fsdp, replicate)`` (NCCL for a CUDA
+  rank: one process. ``parallel.cp``, ``parallel.replicate`` and ``parallel.ep`` must be 1 (a one-line error says
+  to launch with torchrun otherwise); ``parallel.fsdp`` is simply off with one process.
+* under ``torchrun`` with ``W > 1`` ranks: ``init_distributed(cp, fsdp, replicate, ep)`` (NCCL for a CUDA
   ``model.device``, each rank on ``cuda:LOCAL_RANK``; gloo for ``cpu``), so that ``load_model`` shards the model
   with FSDP2. The ``W / cp`` data-parallel replicas split every step's prompts: replica ``d`` takes prompts
   ``[d L, (d + 1) L)`` of the step, ``L = prompts_per_step / (W / cp)`` (it must divide evenly).
@@ -49,7 +49,7 @@ def check_parallel(cfg, world: int, have_env: bool) -> None:
     config's terms (raised alike on every rank, before any process group exists)."""
     p, pps = cfg.parallel, cfg.algorithm.prompts_per_step
     if world == 1:
-        bad = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "replicate") if getattr(p, k) != 1]
+        bad = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "replicate", "ep") if getattr(p, k) != 1]
         if bad:
             where = ("there is no torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not "
                      "set)" if not have_env else "this job has one process")
@@ -62,6 +62,8 @@ def check_parallel(cfg, world: int, have_env: bool) -> None:
     if replicas % p.replicate:
         raise JobError(f"parallel.replicate={p.replicate} does not divide the {replicas} data-parallel replicas "
                        f"(world {world} / parallel.cp={p.cp}); allowed: {_divisors(replicas)}")
+    if world % p.ep:
+        raise JobError(f"parallel.ep={p.ep} does not divide the job's {world} ranks; allowed: {_divisors(world)}")
     if pps % replicas:
         raise JobError(f"algorithm.prompts_per_step={pps} does not split evenly over the {replicas} data-parallel "
                        f"replicas (world {world} / parallel.cp={p.cp}); make it a multiple of {replicas} (or raise "
@@ -113,11 +115,12 @@ class Job:
         if ctx is None:  # torchrun (a job of one rank too: --nproc_per_node 1, where FSDP is simply off)
             device, backend = _device_for_job(device)
             ctx = init_distributed(cp=p.cp, fsdp=p.fsdp and world // p.replicate > 1, replicate=p.replicate,
-                                   backend=backend)
-        elif (ctx.cp_size, ctx.replicate) != (p.cp, p.replicate) or ctx.fsdp != (p.fsdp and ctx.shard_size > 1):
+                                   ep=p.ep, backend=backend)
+        elif ((ctx.cp_size, ctx.replicate, ctx.ep_size) != (p.cp, p.replicate, p.ep)
+              or ctx.fsdp != (p.fsdp and ctx.shard_size > 1)):
             raise JobError(f"this process already runs with cp={ctx.cp_size}, fsdp={ctx.fsdp}, replicate="
-                           f"{ctx.replicate} (init_distributed), but [parallel] says cp={p.cp}, fsdp={p.fsdp}, "
-                           f"replicate={p.replicate}")
+                           f"{ctx.replicate}, ep={ctx.ep_size} (init_distributed), but [parallel] says cp={p.cp}, "
+                           f"fsdp={p.fsdp}, replicate={p.replicate}, ep={p.ep}")
         return cls(rank=ctx.rank, world=ctx.world_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                    cp_rank=ctx.cp_rank, cp_size=ctx.cp_size, sharded=ctx.fsdp, device=ctx.device, ctx=ctx, owns=owns)
 

@@ -1,4 +1,5 @@
-"""PNG plots of a run from its ``metrics.jsonl``: reward, loss, KL and peak memory against the step.
+"""PNG plots of a run from its ``metrics.jsonl``: reward, loss, KL and peak memory against the step, and for a
+mixture-of-experts model the expert load (from ``expert_load.jsonl``).
 
 Every panel labels both axes (x: the training step; y: the quantity and its unit) and draws each series raw (faint)
 and smoothed. Two panels read more than the metrics:
@@ -9,6 +10,9 @@ and smoothed. Two panels read more than the metrics:
 - memory: starts at 0; when the run recorded an estimate of a naive full-graph GRPO step
   (``RUN/naive_estimate.json``, written by ``longstraw demo`` through ``plot_run(..., naive_bytes=)``), it is a dashed
   horizontal line beside the measured peaks.
+- expert load (MoE models): left, per step, the busiest expert's routed slots over the mean (worst layer and the
+  mean over layers; 1 = balanced, what expert parallelism's speed depends on); right, a heat map of every expert's
+  share of its layer's slots over the whole run, relative to an even share.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import warnings
 from pathlib import Path
 
-from longstraw.rl.runlog import read_metrics
+from longstraw.rl.runlog import EXPERT_LOAD, read_metrics
 
 try:
     import tomllib
@@ -139,4 +143,41 @@ def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
         fig.savefig(p)
         plt.close(fig)
         paths.append(p)
+    load = read_metrics(run_dir, EXPERT_LOAD)
+    if load:
+        paths.append(_plot_expert_load(plt, rows, load, out_dir / "expert_load.png"))
     return paths
+
+
+def _plot_expert_load(plt, rows: list[dict], load: list[dict], path: Path) -> Path:
+    """The expert-load figure (module docstring) from the metrics rows and the ``expert_load.jsonl`` rows."""
+    import numpy as np
+
+    fig, (ax, hx) = plt.subplots(1, 2, figsize=(12, 4), dpi=100, gridspec_kw={"width_ratios": [1, 1.3]})
+    steps = [r["step"] for r in rows]
+    for key, label in (("expert_load_max_over_mean", "worst layer"),
+                       ("expert_load_mean_max_over_mean", "mean over layers")):
+        ys = [r.get(key, float("nan")) for r in rows]
+        ax.plot(steps, ys, lw=1.5, label=label)
+    ax.axhline(1.0, ls="--", color="gray", lw=1, label="balanced")
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert's slots / mean (unitless)")
+    ax.set_title("expert load imbalance per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    total = np.sum([np.asarray(r["tokens"], dtype=np.float64) for r in load], axis=0)  # [layers, experts]
+    share = total / np.maximum(total.mean(axis=1, keepdims=True), 1e-12)
+    im = hx.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
+    from matplotlib.ticker import MaxNLocator
+
+    hx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    hx.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    hx.set_xlabel("expert")
+    hx.set_ylabel("MoE layer (in model order)")
+    hx.set_title(f"routed slots over {len(load)} steps / layer mean")
+    fig.colorbar(im, ax=hx, label="share of the layer's slots / even share")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

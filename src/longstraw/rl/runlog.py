@@ -1,5 +1,7 @@
 """A run's log: ``RUN/metrics.jsonl`` (one JSON object per step, appended and fsynced), read back by the plots and
-the summary, truncated to the last checkpoint on resume; and atomic writes of small text files beside it.
+the summary, truncated to the last checkpoint on resume; ``RUN/expert_load.jsonl`` beside it for MoE models (per step,
+the routed slots of every expert of every MoE layer: too large for a metrics row), kept the same way; and atomic
+writes of small text files.
 
 A crash can leave a torn last line; readers stop at the first line that is not JSON (everything before it is
 intact, because every complete line was fsynced before the next step began).
@@ -12,11 +14,12 @@ import os
 from pathlib import Path
 
 METRICS = "metrics.jsonl"
+EXPERT_LOAD = "expert_load.jsonl"
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The complete rows of ``run_dir/metrics.jsonl`` (empty if there is none)."""
-    p = Path(run_dir) / METRICS
+def read_metrics(run_dir: str | Path, name: str = METRICS) -> list[dict]:
+    """The complete rows of ``run_dir/metrics.jsonl`` (or of the log ``name``; empty if there is none)."""
+    p = Path(run_dir) / name
     if not p.exists():
         return []
     out = []
@@ -28,17 +31,18 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return out
 
 
-def append_metrics(run_dir: str | Path, row: dict) -> None:
-    """Append one row and fsync it (a later crash cannot lose it)."""
-    with open(Path(run_dir) / METRICS, "a") as f:
+def append_metrics(run_dir: str | Path, row: dict, name: str = METRICS) -> None:
+    """Append one row (with its ``step``) to the log ``name`` and fsync it (a later crash cannot lose it)."""
+    with open(Path(run_dir) / name, "a") as f:
         f.write(json.dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def truncate_metrics(run_dir: str | Path, upto_step: int) -> None:
-    """Keep the rows of steps ``<= upto_step`` (resuming from a checkpoint drops what came after it)."""
-    p = Path(run_dir) / METRICS
+def truncate_metrics(run_dir: str | Path, upto_step: int, name: str = METRICS) -> None:
+    """Keep the rows of steps ``<= upto_step`` of the log ``name`` (resuming from a checkpoint drops what came
+    after it)."""
+    p = Path(run_dir) / name
     if not p.exists():
         return
     keep = []

@@ -57,12 +57,13 @@ from longstraw.devices import resolve_device
 from longstraw.models.lora import adapters_disabled
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
+from longstraw.expert_load import ExpertLoad, imbalance
 from longstraw.profiling import PhaseMeter, current_bytes, delayed_bar, tune_allocator
 from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config, sampling_config
 from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.job import Job, JobError
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
-from longstraw.rl.runlog import append_metrics, read_metrics, truncate_metrics, write_atomic
+from longstraw.rl.runlog import EXPERT_LOAD, append_metrics, read_metrics, truncate_metrics, write_atomic
 from longstraw.rl.tracking import check_tracking, close_writers, log_metrics, make_writers
 from longstraw.units import format_bytes
 
@@ -71,7 +72,7 @@ RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "trai
                      "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit",
                      "train.wandb", "train.wandb_project", "train.wandb_mode",
                      # the job's layout: a run resumes on another number of ranks (docs/DISTRIBUTED.md)
-                     "parallel.cp", "parallel.fsdp", "parallel.replicate")
+                     "parallel.cp", "parallel.fsdp", "parallel.replicate", "parallel.ep")
 
 
 @dataclass
@@ -135,19 +136,32 @@ def builtin_model_config(name: str, vocab_size: int, max_positions: int) -> dict
         from longstraw.models.qwen_hybrid import tiny_config
 
         return tiny_config(vocab_size=vocab_size, max_position_embeddings=max_positions)
-    raise ValueError(f"unknown built-in model {name!r}; allowed: 'tiny-hybrid', 'tiny-dense'")
+    if name == "tiny-moe":  # the hybrid with a routed-expert MoE block in every layer (expert parallelism, load)
+        from longstraw.models.qwen_hybrid import tiny_config
+
+        return tiny_config(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+                           vocab_size=vocab_size, max_position_embeddings=max_positions, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    raise ValueError(f"unknown built-in model {name!r}; allowed: 'tiny-hybrid', 'tiny-dense', 'tiny-moe'")
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """HF-style init of Linear/Embedding weights (normal(0, std), zero biases); other parameters keep the values
-    their modules set (norms, DeltaNet decay parameters)."""
+    """HF-style init of Linear/Embedding weights, MoE routers and routed experts (normal(0, std), zero biases), from
+    ``seed``; other parameters keep the values their modules set (norms, DeltaNet decay parameters). A router left
+    at zero would send every token to the same experts (all logits tie)."""
+    from longstraw.models.deepseek import SigmoidGroupedRouter
+    from longstraw.models.moe_block import Experts, SoftmaxTopKRouter
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding, SoftmaxTopKRouter, SigmoidGroupedRouter)):
                 m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
                 if getattr(m, "bias", None) is not None:
                     m.bias.zero_()
+            elif isinstance(m, Experts):
+                for p in (m.gate_up_proj, m.down_proj):
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
 class Trainer:
@@ -213,6 +227,7 @@ class Trainer:
                 if st is not None:
                     with self._writing("metrics.jsonl"):
                         truncate_metrics(self.run_dir, self.start_step)
+                        truncate_metrics(self.run_dir, self.start_step, EXPERT_LOAD)
         if ckpt is None and not cfg.model.path:
             with job.together():
                 self._load_models(None, None)
@@ -221,6 +236,8 @@ class Trainer:
         else:
             torch.manual_seed(cfg.train.seed)
         self.sampling = self._sampling()
+        # MoE models: routed slots per expert of every pass of a step (rollout, scoring, update), in expert_load.jsonl
+        self.expert_load = ExpertLoad(self.model)
         self.baseline_bytes = current_bytes(self.device)  # after loading: weights, tokenizer, framework
 
     # ------------------------------------------------------------------ setup
@@ -551,12 +568,13 @@ class Trainer:
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         meter = PhaseMeter(self.device)
-        with meter.phase("rollout"):
+        with meter.phase("rollout"), self.expert_load.recording():
             groups = [self._collect(step, k) for k in self.job.local_prompts(self.cfg.algorithm.prompts_per_step)]
         t1 = time.perf_counter()
-        with meter.phase("train"):
+        with meter.phase("train"), self.expert_load.recording():
             upd = self._update(groups)
         t2 = time.perf_counter()
+        expert_tokens = self._expert_tokens()
         peak_bytes = max(meter.peak_bytes.values())
         mine = {"rewards": [r for g in groups for r in g.rewards], "errors": sum(g.reward_errors for g in groups),
                 "lens": [r.numel() for g in groups for r in g.responses],
@@ -583,7 +601,19 @@ class Trainer:
             "peak_above_start_bytes": max(r["above"] for r in ranks),
             "sample": reps[0]["sample"],
         }
+        if expert_tokens is not None:
+            m.update(imbalance(expert_tokens))
+            self.last_expert_tokens = expert_tokens
         return m
+
+    def _expert_tokens(self) -> torch.Tensor | None:
+        """The routed slots per expert of every MoE layer in this step (its rollouts, scoring and update: the work
+        each expert did), summed over the job's processes
+        (``[moe layers, experts]``); None for a model without routed experts."""
+        if not self.expert_load:
+            return None
+        job = self.job
+        return self.expert_load.take(reduce=(lambda c: sum(job.gather(c))) if job.distributed else None)
 
     # ------------------------------------------------------------------ the loop
     def _save(self, step_done: int) -> Path:
@@ -662,6 +692,9 @@ class Trainer:
                 with self._main_writes() as mine:
                     if mine:
                         append_metrics(self.run_dir, m)
+                        if self.expert_load:
+                            append_metrics(self.run_dir, {"step": m["step"], "layers": self.expert_load.layers,
+                                                          "tokens": self.last_expert_tokens.tolist()}, EXPERT_LOAD)
                         log_metrics(writers, m)
                         if bar is not None:
                             bar.update(1)

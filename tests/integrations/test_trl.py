@@ -1,0 +1,351 @@
+"""LongStrawGRPOTrainer against stock TRL (trl==1.16.0) on a tiny Llama and a tokenizer trained offline.
+
+* Same batch, same completions: the gradient LongStraw adds equals stock TRL's ``compute_loss`` + ``backward`` to
+  float32 tolerance, for every mapped ``loss_type``, with the KL term (``beta > 0``), with old-policy log-probs
+  (``num_iterations > 1``), with gradient accumulation and with masked (truncated) completions.
+* A real ``trainer.train()`` loop: with a ``rollout_func`` giving both trainers the same completions, the
+  gradients TRL's optimiser sees agree; with LongStraw's own sampling, steps run, TRL logs and calls back, and
+  ``max_grad_norm`` clips.
+* Settings the engine cannot honour are refused with one line naming them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+import longstraw  # noqa: E402
+from longstraw.integrations.trl import LOSS_TYPES, LongStrawGRPOTrainer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["The grass is green. What colour is the grass?", "What is the pass key? 12345",
+           "The sky is blue. The sky is", "Remember 67890. The number was"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A random tiny Llama checkpoint (float32) with a BPE tokenizer trained offline, in one directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(PROMPTS * 4, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                                  unk_token="<unk>")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=len(hf_tok), max_position_embeddings=256,
+                                   eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id,
+                                   bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model.to(torch.float32).save_pretrained(d)
+    hf_tok.save_pretrained(d)
+    return str(d)
+
+
+def _reward_len(completions, **kwargs):
+    """A reward that differs within a group: the completion's length in characters, scaled."""
+    return [len(c) / 10.0 for c in completions]
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=6, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+                use_cpu=True, gradient_checkpointing=False, seed=0, dataloader_num_workers=0,
+                disable_tqdm=True)
+    base.update(kw)
+    return trl.GRPOConfig(**base)
+
+
+def _dataset(n=4):
+    return datasets.Dataset.from_dict({"prompt": (PROMPTS * n)[:n]})
+
+
+def _trainers(tiny_dir, tmp_path, **kw):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(reward_funcs=_reward_len, train_dataset=_dataset(), processing_class=tok)
+    stock = trl.GRPOTrainer(model=tiny_dir, args=_args(tmp_path / "stock", **kw), **common)
+    ours = LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path / "ls", **kw), **common)
+    return stock, ours, tok
+
+
+def _batch(tok, rows_per_prompt=3, seed=0, truncated_row=None, old=False, ref=False, max_len=6, scorer=None):
+    """TRL's prepared-batch dict for two prompts of different lengths (left-padded) and completions of several
+    lengths (right-padded), as _generate_and_score_completions returns it (rows shuffled)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    rows = [(p, torch.randint(3, len(tok), (int(torch.randint(1, max_len + 1, (1,), generator=g)),), generator=g))
+            for p in prompts for _ in range(rows_per_prompt)]
+    order = torch.randperm(len(rows), generator=g).tolist()
+    rows = [rows[i] for i in order]
+    P = max(len(p) for p, _ in rows)
+    C = max_len
+    B = len(rows)
+    prompt_ids = torch.full((B, P), tok.pad_token_id)
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    completion_ids = torch.full((B, C), tok.pad_token_id)
+    completion_mask = torch.zeros(B, C, dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        prompt_ids[i, P - len(p):] = torch.tensor(p)
+        prompt_mask[i, P - len(p):] = 1
+        completion_ids[i, :len(c)] = c
+        completion_mask[i, :len(c)] = 1
+    if truncated_row is not None:
+        completion_mask[truncated_row] = 0
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask, advantages=torch.randn(B, generator=g),
+                 num_items_in_batch=completion_mask.sum())
+    if old or ref:  # near the model's own log-probs, as they are in training: some ratios clipped, KL moderate
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        lp, _, _ = scorer._get_per_token_logps_and_entropies(scorer.model, ids, mask, C)
+        if old:
+            batch["old_per_token_logps"] = lp + 0.2 * torch.randn(B, C, generator=g)
+        if ref:
+            batch["ref_per_token_logps"] = lp + 0.5 * torch.randn(B, C, generator=g)
+    return batch
+
+
+def _stock_grads(trainer, batch, ga=1):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = ga
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def _ours_grads(trainer, batch, ga=1):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = ga
+    loss = trainer.longstraw_backward(batch)
+    return float(loss), longstraw.hf_grads(trainer.model)
+
+
+def _assert_close(ref: dict, got: dict):
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    for n in ref:  # float32: relative to the tensor's largest entry
+        atol = 1e-5 * float(ref[n].abs().max()) + 1e-9
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=atol, msg=lambda m: f"{n}: {m}")
+
+
+CASES = [dict(loss_type=t) for t in LOSS_TYPES] + [
+    dict(loss_type="grpo", beta=0.1, ref=True, old=True),
+    dict(loss_type="bnpo", beta=0.1, ref=True, use_bias_correction_kl=False),
+    dict(loss_type="grpo", importance_sampling_level="sequence", old=True, beta=0.05, ref=True),
+    dict(loss_type="dr_grpo", delta=1.5, old=True),
+    dict(loss_type="dapo", num_iterations=2, old=True, epsilon=0.1, epsilon_high=0.3),
+    dict(loss_type="bnpo", truncated_row=1, old=True, ga=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_gradients_equal_stock_trl_on_the_same_batch(tiny_dir, tmp_path, case):
+    case = dict(case)
+    extra = {k: case.pop(k) for k in ("ref", "old", "truncated_row", "ga") if k in case}
+    stock, ours, tok = _trainers(tiny_dir, tmp_path, **case)
+    batch = _batch(tok, old=extra.get("old", False), ref=extra.get("ref", False),
+                   truncated_row=extra.get("truncated_row"), scorer=ours)
+    ga = extra.get("ga", 1)
+    loss_ref, g_ref = _stock_grads(stock, batch, ga)
+    loss, g = _ours_grads(ours, batch, ga)
+    assert math.isclose(loss, loss_ref, rel_tol=1e-4, abs_tol=1e-6), (loss, loss_ref)
+    _assert_close(g_ref, g)
+    assert ours.engine_config.prompt_grad.value == "exact"  # the default: gradients through the prompt
+
+
+def test_detached_prompt_differs_only_by_the_prompt_path(tiny_dir, tmp_path):
+    """prompt_grad='detached' is available as a keyword; its gradient lacks the prompt's share, so it differs."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ours = LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=_args(tmp_path),
+                                train_dataset=_dataset(), processing_class=tok, prompt_grad="detached")
+    batch = _batch(tok)
+    _, g = _ours_grads(ours, batch)
+    stock = trl.GRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=_args(tmp_path / "s"),
+                            train_dataset=_dataset(), processing_class=tok)
+    _, g_ref = _stock_grads(stock, batch)
+    torch.testing.assert_close(g["lm_head.weight"], g_ref["lm_head.weight"], rtol=2e-4, atol=2e-6)
+    assert not torch.allclose(g["model.layers.0.self_attn.k_proj.weight"],
+                              g_ref["model.layers.0.self_attn.k_proj.weight"], rtol=1e-3, atol=1e-7)
+
+
+def _fixed_rollout(tok):
+    """A rollout_func giving every prompt the same deterministic completions (so two trainers see one batch)."""
+    texts = [" green", " blue and", " 12345", " the"]
+
+    def rollout(prompts, trainer):
+        prompt_ids = [tok(p)["input_ids"] for p in prompts]
+        completion_ids = [tok(texts[i % len(texts)])["input_ids"] + [tok.eos_token_id] for i in range(len(prompts))]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+    return rollout
+
+
+class _GradRecorder(transformers.TrainerCallback):
+    """Gradients as the optimiser receives them (after clipping), under transformers' names."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        g = longstraw.hf_grads(model) if hasattr(model, "spec") else {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        self.grads.append(g)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_real_trl_loop_with_the_same_completions_matches_stock(tiny_dir, tmp_path, loss_type):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    kw = dict(loss_type=loss_type, max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=2,
+              num_generations=4, learning_rate=1e-2, max_grad_norm=1.0, num_iterations=1,
+              optim="sgd")  # SGD: Adam would amplify float32 rounding in the first update into the second step
+    recs = []
+    for cls, name in ((trl.GRPOTrainer, "stock"), (LongStrawGRPOTrainer, "ls")):
+        rec = _GradRecorder()
+        tr = cls(model=tiny_dir, reward_funcs=_reward_len, args=_args(tmp_path / name, **kw),
+                 train_dataset=_dataset(4), processing_class=tok, rollout_func=_fixed_rollout(tok), callbacks=[rec])
+        out = tr.train()
+        assert out.global_step == 2
+        recs.append(rec.grads)
+    assert len(recs[0]) == len(recs[1]) == 2
+    for g_ref, g in zip(*recs):
+        _assert_close(g_ref, g)
+
+
+def test_train_loop_with_longstraw_sampling(tiny_dir, tmp_path):
+    """LongStraw samples (generate from the prompt state), TRL rewards, logs and calls back; max_grad_norm clips;
+    the model trains and is saved as an HF checkpoint transformers loads."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    seen, steps = [], []
+
+    class Spy(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            seen.append(dict(logs or {}))
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append(state.global_step)
+
+    args = _args(tmp_path, max_steps=3, learning_rate=5e-2, max_grad_norm=1.0, beta=0.05, temperature=1.2,
+                 num_iterations=2, per_device_train_batch_size=8)  # two prompts of 4 completions per batch
+    tr = LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=args, train_dataset=_dataset(4),
+                              processing_class=tok, callbacks=[Spy()])
+    assert isinstance(tr.model, longstraw.models.transformer.CausalLM)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    tr.train()
+    assert steps == [1, 2, 3]
+    train_logs = [entry for entry in seen if "loss" in entry]
+    assert train_logs and all(math.isfinite(entry["loss"]) for entry in train_logs)
+    assert "reward" in train_logs[0] and all("kl" in entry for entry in train_logs)  # num_iterations=2: one
+    # generation serves two steps, so TRL logs rewards on the steps that generate
+    assert all(entry["grad_norm"] >= 0 for entry in train_logs)
+    changed = [n for n, p in tr.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed
+    out = tmp_path / "saved"
+    tr.save_model(str(out))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(reloaded.model.embed_tokens.weight, tr.model.model.embed_tokens.weight)
+
+
+def test_max_grad_norm_clips_the_longstraw_gradient(tiny_dir, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    rec = _GradRecorder()
+    args = _args(tmp_path, max_steps=1, max_grad_norm=1e-3)
+    tr = LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=args, train_dataset=_dataset(4),
+                              processing_class=tok, rollout_func=_fixed_rollout(tok), callbacks=[rec])
+    tr.train()
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in rec.grads[0].values()]))
+    assert norm <= 1e-3 * (1 + 1e-4)
+
+
+def test_hf_grads_on_trainer_model(tiny_dir, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    tr = LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=_args(tmp_path),
+                              train_dataset=_dataset(), processing_class=tok)
+    tr.current_gradient_accumulation_steps = 1
+    tr.longstraw_backward(_batch(tok))
+    grads = longstraw.hf_grads(tr.model)
+    assert "model.layers.1.mlp.down_proj.weight" in grads and "lm_head.weight" in grads
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_accepts_an_hf_model_instance(tiny_dir, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tr = LongStrawGRPOTrainer(model=hf, reward_funcs=_reward_len, args=_args(tmp_path), train_dataset=_dataset(),
+                              processing_class=tok)
+    torch.testing.assert_close(tr.model.lm_head.weight, hf.lm_head.weight)
+
+
+REFUSED = [
+    (dict(loss_type="cispo"), "loss_type='cispo'"),
+    (dict(loss_type="sapo"), "loss_type='sapo'"),
+    (dict(delta=1.1), "delta=1.1"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
+    (dict(entropy_coef=0.01), "entropy_coef=0.01"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
+    (dict(use_vllm=True), "use_vllm=True"),
+    (dict(repetition_penalty=1.1), "repetition_penalty=1.1"),
+    (dict(min_p=0.1), "min_p=0.1"),
+]
+
+
+@pytest.mark.parametrize("kw,needle", REFUSED, ids=[n for _, n in REFUSED])
+def test_settings_it_cannot_honour_are_refused_in_one_line(tiny_dir, tmp_path, kw, needle):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    try:
+        args = _args(tmp_path, **kw)
+    except (ValueError, ImportError) as e:  # TRL itself refuses some (e.g. use_vllm without vllm installed)
+        pytest.skip(f"trl.GRPOConfig refuses it already: {e}")
+    with pytest.raises(ValueError) as ei:
+        LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=args, train_dataset=_dataset(),
+                             processing_class=tok)
+    msg = str(ei.value)
+    assert needle in msg and "allowed" in msg and "\n" not in msg
+
+
+def test_constructor_arguments_it_cannot_honour_are_refused(tiny_dir, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(reward_funcs=_reward_len, args=_args(tmp_path), train_dataset=_dataset(), processing_class=tok)
+
+    def tool(x: int) -> int:
+        """A tool.
+
+        Args:
+            x: a number
+        """
+        return x
+
+    with pytest.raises(ValueError, match=r"tools=\['tool'\]"):
+        LongStrawGRPOTrainer(model=tiny_dir, tools=[tool], **common)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match="optimizers"):
+        LongStrawGRPOTrainer(model=tiny_dir, optimizers=(opt, None), **common)
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="peft_config='LoraConfig'"):
+        LongStrawGRPOTrainer(model=tiny_dir, peft_config=peft.LoraConfig(r=4), **common)
+
+
+def test_accepts_every_argument_of_trl_grpo_trainer():
+    import inspect
+
+    stock = inspect.signature(trl.GRPOTrainer.__init__).parameters
+    ours = inspect.signature(LongStrawGRPOTrainer.__init__).parameters
+    assert list(stock) == list(ours)[:len(stock)]  # same names, same order (positional calls work too)
+    assert all(ours[n].default == p.default for n, p in stock.items())
+    extra = list(ours)[len(stock):]
+    assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk"]
+    assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra) and ours["prompt_grad"].default == "exact"
