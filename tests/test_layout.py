@@ -6,6 +6,7 @@ Layers, lowest first (a module may import its own package and any lower layer, n
     offload
     state                                                the prompt state protocol and the placement seam
     models                                               model definitions (know nothing of RL or distribution)
+    expert_load                                          MoE routing counters hooked onto a model from outside
     engine                                               prefill, replay, reverse pass, score, rollouts
     distributed                                          context parallelism and FSDP, plugged in from outside
     checkpoint                                           HF checkpoints in and out (applies the parallelism)
@@ -29,6 +30,7 @@ LAYERS = [
     {"ops", "losses", "units", "devices", "profiling", "tokenizer", "offload"},
     {"state"},
     {"models"},
+    {"expert_load"},
     {"engine"},
     {"distributed"},
     {"checkpoint"},
