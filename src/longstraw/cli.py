@@ -37,22 +37,22 @@ DEMO_EVAL_MAX_LEN = 65536  # held-out evaluation lengths above this are skipped 
 
 
 def demo_steps(args) -> int:
-    """80 GRPO steps at prompts up to 8K tokens (a few minutes on 2 cores); fewer for longer prompts, whose steps
+    """200 GRPO steps at prompts up to 8K tokens (a few minutes on 2 cores); fewer for longer prompts, whose steps
     cost more (the O(P^2) attention), unless --steps says otherwise."""
     if args.steps is not None:
         return args.steps
-    return 80 if args.prompt_len <= 8192 else max(10, 80 * 8192 // args.prompt_len)
+    return 200 if args.prompt_len <= 8192 else max(2, 200 * 2048 // args.prompt_len)
 
 
 def demo_eval_lengths(prompt_len: int, prompts: int | None = None) -> list[tuple[int, int]]:
     """(length, held-out prompts) of the demo's evaluation: the training length and 4x and 16x it, up to
     ``DEMO_EVAL_MAX_LEN`` tokens (the training length always); ``prompts`` at each, or by default fewer at longer
-    lengths (48 at 4K tokens and below, 12 at 16K, 4 at 64K)."""
+    lengths (32 at 4K tokens and below, 8 at 16K, 2 at 64K)."""
     out = []
     for k in (1, 4, 16):
         n = prompt_len * k
         if k == 1 or n <= DEMO_EVAL_MAX_LEN:
-            out.append((n, prompts or max(4, min(48, 200_000 // n))))
+            out.append((n, prompts or max(2, min(32, 131072 // n))))
     return out
 
 
@@ -446,11 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "synthetic long-context task and evaluate it at 1x, 4x and 16x the length")
     d.add_argument("--prompt-len", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--steps", type=int, default=None,
-                   help="GRPO steps (default: 80, fewer above 8K-token prompts)")
-    d.add_argument("--warmup-steps", type=int, default=250,
+                   help="GRPO steps (default: 200, fewer above 8K-token prompts)")
+    d.add_argument("--warmup-steps", type=int, default=400,
                    help="supervised warm-up steps on short prompts before GRPO (0: none)")
     d.add_argument("--eval-prompts", type=int, default=None,
-                   help="held-out prompts per evaluation length (default: 48 up to 4K tokens, fewer above)")
+                   help="held-out prompts per evaluation length (default: 32 up to 4K tokens, fewer above)")
     d.add_argument("--group-size", type=int, default=8, help="G, responses sampled per prompt")
     d.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"],
                    help="exact: the gradient flows back through the prompt; detached: it stops at the prompt state")
