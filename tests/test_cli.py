@@ -1,6 +1,7 @@
 """Every CLI command once, and each bad input: one line on stderr, exit code 2, nothing written is corrupted."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -23,7 +24,8 @@ def cli(*args, cwd=None, timeout=600):
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     r = cli("demo", "--steps", 3, "--prompt-len", 200, "--group-size", 4, "--no-progress", "--out", out,
-            "--set", "data.max_prompt_len=512", "--set", "algorithm.prefill_chunk=64")
+            "--warmup-steps", 5, "--eval-prompts", 2, "--set", "data.max_prompt_len=512",
+            "--set", "algorithm.prefill_chunk=64")
     assert r.returncode == 0, r.stderr
     return out, r.stdout
 
@@ -31,10 +33,19 @@ def demo_run(tmp_path_factory):
 @pytest.mark.slow  # runs the demo in a subprocess
 def test_demo_prints_the_summary(demo_run):
     out, stdout = demo_run
-    for line in ("prompt length      200 tokens", "group size G       4", "steps              3", "reward ",
-                 "peak memory", "naive full-graph GRPO step", "plots"):
+    for line in ("prompt length      200 tokens", "group size G       4", "steps              3 in ", "reward ",
+                 "warm-up            5 supervised steps", "steps with a learning signal: ", " of 3 ",
+                 "exactly solved: ", "held-out evaluation", "peak memory", "naive full-graph GRPO step", "plots"):
         assert line in stdout
-    assert (out / "metrics.jsonl").exists() and (out / "plots" / "reward.png").exists()
+    assert re.search(r"exactly solved: \d+% -> \d+%", stdout)
+    table = stdout[stdout.index("held-out evaluation"):].splitlines()[2:5]
+    assert [x.split()[:2] for x in table] == [["200", "2"], ["800", "2"], ["3,200", "2"]]
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert summary["grpo_steps"] == 3 and 0 <= summary["signal_steps"] <= 3 and len(summary["eval"]) == 3
+    assert summary["solved_before"] == summary["eval"][0]["before"]
+    for name in ("reward", "solved", "signal", "memory"):
+        assert (out / "plots" / f"{name}.png").exists()
+    assert (out / "metrics.jsonl").exists() and (out / "warmup_model" / "config.json").exists()
     assert json.loads((out / "naive_estimate.json").read_text())["bytes"] > 0  # drawn in plots/memory.png
     assert (out / "checkpoints" / "step-00000003" / "model" / "longstraw_tokenizer.json").exists()
 
@@ -73,9 +84,9 @@ def test_generate_and_score_from_a_checkpoint(demo_run, tmp_path):
 @pytest.mark.slow  # runs the CLI in subprocesses
 def test_plan_json(demo_run, tmp_path):
     out, _ = demo_run
-    over = cli("plan", "--model", out / "initial_model", "--prompt-len", "64K", "--response-len", 16)
+    over = cli("plan", "--model", out / "warmup_model", "--prompt-len", "64K", "--response-len", 16)
     _one_error_line(over, "needs 65552 positions, more than the model's max_position_embeddings=")
-    cfg = json.loads((out / "initial_model" / "config.json").read_text())
+    cfg = json.loads((out / "warmup_model" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 1 << 20}))
     r = cli("plan", "--model", tmp_path, "--prompt-len", "64K", "--response-len", 16, "--group", 8,
             "--dtype", "float32", "--gpu-mem", "2G", "--json")

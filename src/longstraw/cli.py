@@ -33,12 +33,27 @@ def _fail(msg: str) -> int:
 # ---------------------------------------------------------------------------------------------------- demo
 
 
+DEMO_EVAL_MAX_LEN = 65536  # held-out evaluation lengths above this are skipped (dense attention: O(P^2) prefill)
+
+
 def demo_steps(args) -> int:
-    """300 steps at prompts up to 8K tokens (a few minutes on 2 cores); fewer for longer prompts, whose steps
-    cost more (the O(P^2) attention layer), unless --steps says otherwise."""
+    """200 GRPO steps at prompts up to 8K tokens (a few minutes on 2 cores); fewer for longer prompts, whose steps
+    cost more (the O(P^2) attention), unless --steps says otherwise."""
     if args.steps is not None:
         return args.steps
-    return 300 if args.prompt_len <= 8192 else max(10, 300 * 8192 // args.prompt_len)
+    return 200 if args.prompt_len <= 8192 else max(2, 200 * 2048 // args.prompt_len)
+
+
+def demo_eval_lengths(prompt_len: int, prompts: int | None = None) -> list[tuple[int, int]]:
+    """(length, held-out prompts) of the demo's evaluation: the training length and 4x and 16x it, up to
+    ``DEMO_EVAL_MAX_LEN`` tokens (the training length always); ``prompts`` at each, or by default fewer at longer
+    lengths (32 at 4K tokens and below, 8 at 16K, 2 at 64K)."""
+    out = []
+    for k in (1, 4, 16):
+        n = prompt_len * k
+        if k == 1 or n <= DEMO_EVAL_MAX_LEN:
+            out.append((n, prompts or max(2, min(32, 131072 // n))))
+    return out
 
 
 def demo_config(args):
@@ -46,13 +61,15 @@ def demo_config(args):
 
     out = args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     sets = [
-        # tuned so that a random tiny model learns from GRPO alone in a few minutes on 2 CPU cores: a shaped
-        # reward (digits first, then the right digits), short answers, a high learning rate, 2 prompts per step
-        'reward.fn="digits_shaped"',
-        "rollout.max_new_tokens=4",
-        "optim.lr=1e-2",
-        "algorithm.prompts_per_step=2",
-        "algorithm.prefill_chunk=1024",
+        # the GRPO phase at the long prompt, after a supervised warm-up on short prompts (longstraw.rl.warmup):
+        # a one-digit pass key (exact match), 4 prompts of G responses per step
+        'data.task="passkey"',
+        "data.answer_digits=1",
+        'reward.fn="exact_match"',
+        "rollout.max_new_tokens=2",
+        "optim.lr=3e-3",
+        "algorithm.prompts_per_step=4",
+        "algorithm.prefill_chunk=4096",
         f"model.builtin={json.dumps(args.model)}",
         f"data.prompt_len={args.prompt_len}",
         f"data.max_prompt_len={max(args.prompt_len, 16)}",
@@ -65,32 +82,123 @@ def demo_config(args):
     return apply_overrides(RunConfig(), sets + list(args.set or []))
 
 
-def cmd_demo(args) -> int:
-    from longstraw.planner import naive_step_bytes
-    from longstraw.rl.trainer import Trainer
+def _demo_warm_model(cfg, args, run_dir: Path, max_len: int) -> tuple[Path, object]:
+    """The built-in model, warmed up on short prompts (``--warmup-steps``), saved as ``RUN/warmup_model``; returns
+    its directory and the :class:`~longstraw.rl.warmup.WarmupResult` (None without a warm-up)."""
+    import torch
 
+    from longstraw.checkpoint.hf import save_model
+    from longstraw.models.registry import build_model
+    from longstraw.rl.trainer import builtin_model_config, init_weights
+    from longstraw.rl.warmup import supervised_warmup
+    from longstraw.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    hf = builtin_model_config(cfg.model.builtin, tok.vocab_size, max_len + cfg.rollout.sampling.max_new_tokens + 1)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(hf)
+    init_weights(model, cfg.train.seed)
+    res = None
+    if args.warmup_steps:
+        res = supervised_warmup(model, tok, task=cfg.data.task, steps=args.warmup_steps, seed=cfg.train.seed,
+                                answer_digits=cfg.data.answer_digits)
+    d = run_dir / "warmup_model"
+    save_model(model, d)
+    tok.save(d)
+    return d, res
+
+
+def cmd_demo(args) -> int:
+    from longstraw.checkpoint.hf import load_model
+    from longstraw.planner import naive_step_bytes
+    from longstraw.rl.config import apply_overrides
+    from longstraw.rl.trainer import Trainer
+    from longstraw.rl.warmup import length_table, solved_rate
+    from longstraw.tokenizer import ByteTokenizer
+
+    if args.warmup_steps < 0:
+        return _fail(f"--warmup-steps={args.warmup_steps} must be >= 0")
+    if args.eval_prompts is not None and args.eval_prompts < 1:
+        return _fail(f"--eval-prompts={args.eval_prompts} must be >= 1")
     cfg = demo_config(args)
-    print(f"LongStraw demo: GRPO on a built-in {cfg.model.builtin} model, synthetic '{cfg.data.task}' task, "
-          f"{cfg.data.prompt_len}-token prompts, G={cfg.rollout.group_size}, {cfg.train.steps} steps, "
-          f"prompt_grad={cfg.algorithm.grpo.prompt_grad.value} -> {cfg.train.out_dir}")
+    run_dir = Path(cfg.train.out_dir)
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "warmup_model").exists():
+        return _fail(f"run directory {str(run_dir)!r} already holds a run; choose another --out")
+    evals = demo_eval_lengths(cfg.data.prompt_len, args.eval_prompts)
+    print(f"LongStraw demo: a built-in {cfg.model.builtin} model, synthetic '{cfg.data.task}' task "
+          f"({cfg.data.answer_digits}-digit key); {args.warmup_steps} supervised warm-up steps on short prompts, then "
+          f"GRPO at {cfg.data.prompt_len}-token prompts, G={cfg.rollout.group_size}, {cfg.train.steps} steps, "
+          f"prompt_grad={cfg.algorithm.grpo.prompt_grad.value} -> {run_dir}", flush=True)
     t0 = time.time()
+    tw = time.time()
+    model_dir, warm = _demo_warm_model(cfg, args, run_dir, max(n for n, _ in evals))
+    warm_s = time.time() - tw
+    tok = ByteTokenizer()
+    opts = {"answer_digits": cfg.data.answer_digits}
+    task = cfg.data.task
+
+    def measure(model) -> list[float]:
+        return [solved_rate(model, tok, task, n, k, seed=cfg.train.seed, **opts) for n, k in evals]
+
+    te = time.time()
+    before = measure(load_model(model_dir))
+    eval_s = time.time() - te
+    print(f"before GRPO: greedy solved {before[0]:.1%} of {evals[0][1]} held-out {evals[0][0]}-token prompts "
+          f"({eval_s:.0f} s of evaluation)", flush=True)
+    cfg = apply_overrides(cfg, [f"model.path={json.dumps(str(model_dir))}"])
+    tg = time.time()
     trainer = Trainer(cfg, resume=False)
     s = trainer.train()
+    grpo_s = time.time() - tg
+    te = time.time()
+    after = measure(trainer.model)
+    eval_s += time.time() - te
     naive = naive_step_bytes(trainer.model, s.prompt_len, cfg.rollout.sampling.max_new_tokens, cfg.rollout.group_size)
-    if cfg.train.plots:  # redrawn with the naive step's estimate in the memory panel (RUN/naive_estimate.json)
+    rows = [{"length": n, "prompts": k, "before": b, "after": a} for (n, k), b, a in zip(evals, before, after)]
+    summary = {"prompt_len": s.prompt_len, "group_size": s.group_size, "model": cfg.model.builtin,
+               "warmup_steps": warm.steps if warm else 0, "warmup_seconds": warm_s,
+               "warmup_short_len": warm.short_len if warm else None,
+               "warmup_short_solved": warm.short_solved if warm else None,
+               "warmup_loss_first": warm.loss_first if warm else None,
+               "warmup_loss_last": warm.loss_last if warm else None,
+               "grpo_steps": s.steps, "grpo_seconds": grpo_s, "signal_steps": s.signal_steps,
+               "eval_prompts": evals[0][1], "solved_before": before[0], "solved_after": after[0],
+               "sampled_solved_first10": s.solved_first, "sampled_solved_last10": s.solved_last,
+               "reward_first10": s.reward_first, "reward_last10": s.reward_last, "eval": rows,
+               "eval_seconds": eval_s, "total_seconds": time.time() - t0,
+               "peak_above_start_bytes": s.peak_above_start_bytes, "peak_memory_bytes": s.peak_memory_bytes,
+               "naive_step_bytes": naive}
+    from longstraw.rl.plots import DEMO_SUMMARY
+
+    (run_dir / DEMO_SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    if cfg.train.plots:  # redrawn with the naive step's estimate and the before/after evaluation
         from longstraw.rl.plots import plot_run
 
         s.plots = plot_run(s.run_dir, naive_bytes=naive)
     print("\n=== LongStraw demo summary ===")
     print(f"prompt length      {s.prompt_len} tokens")
     print(f"group size G       {s.group_size}")
-    print(f"steps              {s.steps} in {time.time() - t0:.0f} s")
+    if warm:
+        print(f"warm-up            {warm.steps} supervised steps on {warm.short_len}-token-or-shorter prompts in "
+              f"{warm_s:.0f} s (answer loss {warm.loss_first:.2f} -> {warm.loss_last:.2f}; greedy solved "
+              f"{warm.short_solved:.0%} at {warm.short_len} tokens)")
+    else:
+        print("warm-up            none (--warmup-steps 0)")
+    print(f"steps              {s.steps} in {grpo_s:.0f} s (the GRPO phase; {time.time() - t0:.0f} s in all, "
+          f"{eval_s:.0f} s of it evaluation)")
+    print(f"steps with a learning signal: {s.signal_steps} of {s.steps} (a group's rewards not all equal)")
+    print(f"exactly solved: {before[0]:.0%} -> {after[0]:.0%} (greedy, {evals[0][1]} held-out {s.prompt_len}-token "
+          f"prompts: after the warm-up, before GRPO -> after GRPO)")
     print(f"reward             first 10 steps {s.reward_first:.3f} -> last 10 steps {s.reward_last:.3f} "
-          f"(reward '{cfg.reward.fn}'; exactly solved: {s.solved_first:.1%} -> {s.solved_last:.1%})")
+          f"(reward '{cfg.reward.fn}'; sampled responses solved: {s.solved_first:.1%} -> {s.solved_last:.1%})")
+    print("held-out evaluation (greedy, exactly solved):")
+    for line in length_table(rows):
+        print(line)
     print(f"peak memory        {s.peak_above_start_bytes / 2**20:.0f} MiB above the post-load baseline measured "
           f"(process peak {s.peak_memory_bytes / 2**20:.0f} MiB), vs {naive / 2**20:.0f} MiB estimated for one naive "
           f"full-graph GRPO step on G x (P + R) tokens (planner dry run)")
-    print(f"run directory      {s.run_dir}  (metrics.jsonl, config.toml, checkpoints/)")
+    print(f"run directory      {s.run_dir}  (metrics.jsonl, {DEMO_SUMMARY}, config.toml, warmup_model/, "
+          "checkpoints/)")
     if s.plots:
         print(f"plots              {', '.join(str(p) for p in s.plots)}")
     return 0
@@ -334,15 +442,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="longstraw", description="GRPO post-training on million-token prompts.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="train a built-in tiny hybrid model with GRPO on a synthetic long-context task")
+    d = sub.add_parser("demo", help="warm up a built-in tiny model on short prompts, then train it with GRPO on a "
+                                    "synthetic long-context task and evaluate it at 1x, 4x and 16x the length")
     d.add_argument("--prompt-len", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--steps", type=int, default=None,
-                   help="training steps (default: 300, fewer above 8K-token prompts)")
+                   help="GRPO steps (default: 200, fewer above 8K-token prompts)")
+    d.add_argument("--warmup-steps", type=int, default=400,
+                   help="supervised warm-up steps on short prompts before GRPO (0: none)")
+    d.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out prompts per evaluation length (default: 32 up to 4K tokens, fewer above)")
     d.add_argument("--group-size", type=int, default=8, help="G, responses sampled per prompt")
     d.add_argument("--prompt-grad", default="exact", choices=["exact", "detached"],
                    help="exact: the gradient flows back through the prompt; detached: it stops at the prompt state")
-    d.add_argument("--model", default="tiny-hybrid", choices=list(BUILTIN_MODELS),
-                   help="the built-in random model")
+    d.add_argument("--model", default="tiny-dense", choices=list(BUILTIN_MODELS),
+                   help="the built-in random model (tiny-hybrid does not learn the copy in the warm-up's budget)")
     d.add_argument("--out", default=None, help="run directory (default: runs/demo-<date>-<time>)")
     d.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override any config value (repeatable; default: the demo's settings)")

@@ -1,4 +1,5 @@
-"""PNG plots of a run from its ``metrics.jsonl``: reward, loss, KL and peak memory against the step, and for a
+"""PNG plots of a run from its ``metrics.jsonl``: reward, solved rate, the fraction of groups with a learning signal,
+loss, KL and peak memory against the step, and for a
 mixture-of-experts model the expert load (from ``expert_load.jsonl``).
 
 Every panel labels both axes (x: the training step; y: the quantity and its unit) and draws each series raw (faint)
@@ -7,6 +8,8 @@ and smoothed. Two panels read more than the metrics:
 - KL: ``kl`` (the KL to the frozen reference model, a term of the loss) is drawn only when the run's loss had it
   (``algorithm.kl_coef > 0`` in ``RUN/config.toml``); ``ppo_kl`` (how far one update moved the policy from the one
   that sampled) is a diagnostic and labelled as one.
+- solved: with ``RUN/demo_summary.json`` (``longstraw demo``), the greedy solved rate on held-out prompts before
+  and after the GRPO phase is drawn as two markers at the first and last step.
 - memory: starts at 0; when the run recorded an estimate of a naive full-graph GRPO step
   (``RUN/naive_estimate.json``, written by ``longstraw demo`` through ``plot_run(..., naive_bytes=)``), it is a dashed
   horizontal line beside the measured peaks.
@@ -29,6 +32,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 NAIVE_ESTIMATE = "naive_estimate.json"
+DEMO_SUMMARY = "demo_summary.json"
 NAIVE_LABEL = "naive full-graph GRPO step (estimate)"
 NAIVE_WHAT = ("peak bytes above the weights of one naive full-graph GRPO step: G x (P + R) tokens through autograd "
               "with logits at every position, at the run's longest prompt (planner dry run)")
@@ -38,6 +42,10 @@ PANELS = {
     "reward": ("reward", "reward / fraction solved (unitless)",
                [("reward_mean", "reward_mean: mean reward of the step's responses"),
                 ("solved", "solved: fraction of responses with reward >= 1")]),
+    "solved": ("solved rate", "fraction of the step's sampled responses (unitless)",
+               [("solved", "solved: fraction of responses with reward >= 1 (sampled, at the training prompt)")]),
+    "signal": ("learning signal", "fraction of the step's groups (unitless)",
+               [("signal_groups", "groups whose rewards were not all equal (non-zero advantages)")]),
     "loss": ("loss", "loss (unitless; aggregated by loss_agg_mode)", [("loss", "loss: the step's GRPO loss")]),
     "kl": ("KL", "KL (nats per token)",
            [("kl", "kl: KL to the reference model (in the loss, kl_coef > 0)"),
@@ -71,6 +79,21 @@ def _kl_in_loss(run_dir: Path) -> bool | None:
     return isinstance(kl_coef, (int, float)) and kl_coef > 0
 
 
+def _demo_evals(run_dir: Path) -> list[tuple[str, float]]:
+    """``longstraw demo``'s greedy solved rates at the training length before and after GRPO
+    (``RUN/demo_summary.json``), drawn as two markers in the solved panel; empty without that file."""
+    p = run_dir / DEMO_SUMMARY
+    if not p.is_file():
+        return []
+    try:
+        d = json.loads(p.read_text())
+        n = d["eval_prompts"]
+        return [(f"greedy, {n} held-out prompts: before GRPO (after warm-up)", float(d["solved_before"])),
+                (f"greedy, {n} held-out prompts: after GRPO", float(d["solved_after"]))]
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
 def read_naive_estimate(run_dir: str | Path) -> int | None:
     p = Path(run_dir) / NAIVE_ESTIMATE
     if not p.is_file():
@@ -83,7 +106,7 @@ def write_naive_estimate(run_dir: str | Path, nbytes: int) -> None:
 
 
 def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
-    """Write ``RUN/plots/{reward,loss,kl,memory}.png``; returns the paths (empty if matplotlib is missing).
+    """Write ``RUN/plots/{reward,solved,signal,loss,kl,memory}.png``; returns the paths (empty if matplotlib is missing).
 
     naive_bytes: an estimate of a naive full-graph GRPO step's peak, recorded in ``RUN/naive_estimate.json`` and
     drawn in the memory panel (a recorded one is drawn without it)."""
@@ -95,6 +118,7 @@ def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
         write_naive_estimate(run_dir, naive_bytes)
     naive = read_naive_estimate(run_dir)
     kl_in_loss = _kl_in_loss(run_dir)
+    evals = _demo_evals(run_dir)
     try:
         import matplotlib
 
@@ -128,6 +152,12 @@ def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
         if not drawn:
             plt.close(fig)
             continue
+        if name in ("solved", "signal"):
+            ax.set_ylim(-0.02, 1.02)
+        if name == "solved" and evals:
+            for i, (label, v) in enumerate(evals):
+                ax.scatter([steps[0] if i == 0 else steps[-1]], [v], marker="D" if i == 0 else "s", s=50,
+                           zorder=5, label=label)
         if name == "memory":
             if naive is not None:
                 ax.axhline(naive / 2**20, ls="--", color="tab:red", lw=1.5, label=f"{NAIVE_LABEL}: "

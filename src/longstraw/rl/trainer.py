@@ -103,6 +103,7 @@ class RunSummary:
     peak_above_start_bytes: int
     plots: list[Path]
     last_checkpoint: Path | None
+    signal_steps: int = 0  # steps in which at least one group's rewards were not all equal (a learning signal)
 
 
 def _quiet(*_args) -> None:
@@ -579,6 +580,8 @@ class Trainer:
         mine = {"rewards": [r for g in groups for r in g.rewards], "errors": sum(g.reward_errors for g in groups),
                 "lens": [r.numel() for g in groups for r in g.responses],
                 "prompt_len": max(int(g.prompt_ids.numel()) for g in groups), "sample": groups[0].texts[0][:64],
+                # a group has a learning signal when its rewards are not all equal (some advantage is non-zero)
+                "signal": sum(not bool((g.advantages == 0).all()) for g in groups), "groups": len(groups),
                 "peak": peak_bytes, "above": peak_bytes - self.baseline_bytes}
         ranks = self.job.gather(mine)
         reps = ranks[:: self.job.cp_size]  # one per replica, in prompt order
@@ -590,6 +593,7 @@ class Trainer:
             "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
             "reward_max": max(rewards),
             "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "signal_groups": sum(rep["signal"] for rep in reps) / max(1, sum(rep["groups"] for rep in reps)),
             "reward_errors": sum(rep["errors"] for rep in reps),
             "response_len": sum(lens) / len(lens),
             "prompt_len": max(rep["prompt_len"] for rep in reps),
@@ -732,7 +736,7 @@ class Trainer:
             solved_last=sum(r["solved"] for r in rows[-10:]) / max(1, len(rows[-10:])),
             peak_memory_bytes=max((r["peak_memory_bytes"] for r in rows), default=0),
             peak_above_start_bytes=max((r.get("peak_above_start_bytes", 0) for r in rows), default=0), plots=plots,
-            last_checkpoint=last_ckpt)
+            last_checkpoint=last_ckpt, signal_steps=sum(r.get("signal_groups", 0) > 0 for r in rows))
 
 
 def _progress(total: int, initial: int, enabled: bool):
