@@ -20,7 +20,7 @@ def _model(max_len=512):
 def test_warmup_lowers_the_answer_loss_and_reports_what_it_did():
     m, tok = _model()
     r = supervised_warmup(m, tok, lengths=(64,), steps=25, batch_size=4, seed=1, eval_prompts=2, answer_digits=1)
-    assert r.steps == 25 and r.short_len == 64 and r.seconds > 0
+    assert r.steps == 25 and r.short_len == 64
     assert r.loss_last < r.loss_first  # from ~log(259) towards the one-digit answer's entropy
     assert 0.0 <= r.short_solved <= 1.0
     assert all(p.grad is None for p in m.parameters())  # no gradients left behind
