@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_step import _inputs, add_model_arguments, tiny_dense_dir  # noqa: E402
+from grpo_step import _inputs, add_model_arguments, measure_method, tiny_dense_dir  # noqa: E402
 
 METHODS = ("prefix_grouper", "exact", "exact_budget")
 ATTN = "longstraw_cpu_sdpa"
@@ -119,7 +119,6 @@ def worker(args) -> dict:
     import torch
 
     import longstraw
-    from longstraw.profiling import measure_step
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -129,11 +128,7 @@ def worker(args) -> dict:
     else:
         model = longstraw.load_model(args.ckpt, dtype="float32", device=device)
     model.train()
-    small = min(args.prompt_len, 256)
-    warm = _step_fn(args.worker_method, model, args, prompt[:small], responses[:2], adv[:2], device)
-    step = _step_fn(args.worker_method, model, args, prompt, responses, adv, device)
-    peak, first = measure_step(step, model.parameters(), device, warmup=warm)
-    _, secs = measure_step(step, model.parameters(), device)
+    peak, first, secs, step = measure_method(_step_fn, model, args, prompt, responses, adv, device)
     res = {"method": args.worker_method, "prompt_len": args.prompt_len, "G": args.group, "R": args.response_len,
            "seconds": round(secs, 3), "first_step_seconds": round(first, 3), "peak_bytes": int(peak)}
     if args.worker_method == "exact_budget":

@@ -103,6 +103,21 @@ def _step_fn(method, model, args, prompt, responses, adv, device):
     return lambda: longstraw.grpo_backward(model, prompt, responses, adv, cfg)
 
 
+def measure_method(step_fn, model, args, prompt, responses, adv, device):
+    """``(peak bytes, first step s, second step s, the step)`` of ``args.worker_method``'s step made by ``step_fn``
+    (same signature as :func:`_step_fn`): warmed up on a small group (256 prompt tokens, 2 responses), then measured
+    twice with :func:`longstraw.profiling.measure_step`; the peak is the first measured step's. The step itself is
+    returned for what it recorded (e.g. its engine stats)."""
+    from longstraw.profiling import measure_step
+
+    small = min(args.prompt_len, 256)
+    warm = step_fn(args.worker_method, model, args, prompt[:small], responses[:2], adv[:2], device)
+    step = step_fn(args.worker_method, model, args, prompt, responses, adv, device)
+    peak, first = measure_step(step, model.parameters(), device, warmup=warm)
+    _, secs = measure_step(step, model.parameters(), device)
+    return peak, first, secs, step
+
+
 def worker(args) -> dict:
     """Peak memory above the post-load baseline and time of one step, in this (fresh) process.
 
@@ -112,7 +127,6 @@ def worker(args) -> dict:
     import torch
 
     import longstraw
-    from longstraw.profiling import measure_step
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -127,11 +141,7 @@ def worker(args) -> dict:
         model = longstraw.load_model(args.ckpt, dtype="float32", device=device)
     model.train()
 
-    small = min(args.prompt_len, 256)
-    warm = _step_fn(args.worker_method, model, args, prompt[:small], responses[:2], adv[:2], device)
-    step = _step_fn(args.worker_method, model, args, prompt, responses, adv, device)
-    peak, first = measure_step(step, model.parameters(), device, warmup=warm)
-    _, secs = measure_step(step, model.parameters(), device)
+    peak, first, secs, _ = measure_method(_step_fn, model, args, prompt, responses, adv, device)
     return {"method": args.worker_method, "G": g, "prompt_len": args.prompt_len, "response_len": args.response_len,
             "seconds": round(secs, 4), "first_step_seconds": round(first, 4), "peak_bytes": int(peak)}
 
