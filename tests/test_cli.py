@@ -118,6 +118,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
                     "prompt 0 has 600 tokens, more than data.max_prompt_len=500")
     _one_error_line(cli(*base, "--set", 'reward.fn="no_such_module_xyz:score"'), "no_such_module_xyz")
     _one_error_line(cli("plot", tmp_path / "nowhere"), "does not exist")
+    _one_error_line(cli("demo", "--warmup-until", "1.5", "--out", tmp_path / "d"),
+                    "--warmup-until=1.5 must be a fraction in [0, 1]")
     _one_error_line(cli("generate", "--model", tmp_path / "nowhere", "--prompt", "x"), "does not exist")
 
 

@@ -33,15 +33,16 @@ def _fail(msg: str) -> int:
 # ---------------------------------------------------------------------------------------------------- demo
 
 
+DEMO_WARMUP_LR = 3e-3  # the supervised warm-up's AdamW learning rate (1e-2 stalled below 75% copying in trials)
 DEMO_EVAL_MAX_LEN = 65536  # held-out evaluation lengths above this are skipped (dense attention: O(P^2) prefill)
 
 
 def demo_steps(args) -> int:
-    """200 GRPO steps at prompts up to 8K tokens (a few minutes on 2 cores); fewer for longer prompts, whose steps
+    """150 GRPO steps at prompts up to 8K tokens (a few minutes on 2 cores); fewer for longer prompts, whose steps
     cost more (the O(P^2) attention), unless --steps says otherwise."""
     if args.steps is not None:
         return args.steps
-    return 200 if args.prompt_len <= 8192 else max(2, 200 * 2048 // args.prompt_len)
+    return 150 if args.prompt_len <= 8192 else max(2, 150 * 2048 // args.prompt_len)
 
 
 def demo_eval_lengths(prompt_len: int, prompts: int | None = None) -> list[tuple[int, int]]:
@@ -101,6 +102,11 @@ def _demo_warm_model(cfg, args, run_dir: Path, max_len: int) -> tuple[Path, obje
     res = None
     if args.warmup_steps:
         res = supervised_warmup(model, tok, task=cfg.data.task, steps=args.warmup_steps, seed=cfg.train.seed,
+                                lr=DEMO_WARMUP_LR, until_solved=args.warmup_until or None,
+                                on_check=lambda step, solved, loss: print(
+                                    f"warm-up step {step}/{args.warmup_steps}: answer loss {loss:.2f}, greedy solved "
+                                    f"{solved:.0%} of the check prompts (stops at {args.warmup_until:.0%})",
+                                    flush=True),
                                 answer_digits=cfg.data.answer_digits)
     d = run_dir / "warmup_model"
     save_model(model, d)
@@ -118,6 +124,8 @@ def cmd_demo(args) -> int:
 
     if args.warmup_steps < 0:
         return _fail(f"--warmup-steps={args.warmup_steps} must be >= 0")
+    if not 0 <= args.warmup_until <= 1:
+        return _fail(f"--warmup-until={args.warmup_until} must be a fraction in [0, 1] (0: no stopping check)")
     if args.eval_prompts is not None and args.eval_prompts < 1:
         return _fail(f"--eval-prompts={args.eval_prompts} must be >= 1")
     cfg = demo_config(args)
@@ -126,7 +134,8 @@ def cmd_demo(args) -> int:
         return _fail(f"run directory {str(run_dir)!r} already holds a run; choose another --out")
     evals = demo_eval_lengths(cfg.data.prompt_len, args.eval_prompts)
     print(f"LongStraw demo: a built-in {cfg.model.builtin} model, synthetic '{cfg.data.task}' task "
-          f"({cfg.data.answer_digits}-digit key); {args.warmup_steps} supervised warm-up steps on short prompts, then "
+          f"({cfg.data.answer_digits}-digit key); up to {args.warmup_steps} supervised warm-up steps on short "
+          f"prompts, then "
           f"GRPO at {cfg.data.prompt_len}-token prompts, G={cfg.rollout.group_size}, {cfg.train.steps} steps, "
           f"prompt_grad={cfg.algorithm.grpo.prompt_grad.value} -> {run_dir}", flush=True)
     t0 = time.time()
@@ -157,6 +166,7 @@ def cmd_demo(args) -> int:
     rows = [{"length": n, "prompts": k, "before": b, "after": a} for (n, k), b, a in zip(evals, before, after)]
     summary = {"prompt_len": s.prompt_len, "group_size": s.group_size, "model": cfg.model.builtin,
                "warmup_steps": warm.steps if warm else 0, "warmup_seconds": warm_s,
+               "warmup_until": args.warmup_until, "warmup_stopped_early": warm.stopped_early if warm else None,
                "warmup_short_len": warm.short_len if warm else None,
                "warmup_short_solved": warm.short_solved if warm else None,
                "warmup_loss_first": warm.loss_first if warm else None,
@@ -179,9 +189,13 @@ def cmd_demo(args) -> int:
     print(f"prompt length      {s.prompt_len} tokens")
     print(f"group size G       {s.group_size}")
     if warm:
+        why = (f"stopped when greedy decoding solved >= {args.warmup_until:.0%} of the check prompts"
+               if warm.stopped_early else
+               f"all of --warmup-steps; {args.warmup_until:.0%} of the check prompts never solved"
+               if args.warmup_until else "all of --warmup-steps")
         print(f"warm-up            {warm.steps} supervised steps on {warm.short_len}-token-or-shorter prompts in "
-              f"{warm_s:.0f} s (answer loss {warm.loss_first:.2f} -> {warm.loss_last:.2f}; greedy solved "
-              f"{warm.short_solved:.0%} at {warm.short_len} tokens)")
+              f"{warm_s:.0f} s ({why}; answer loss {warm.loss_first:.2f} -> {warm.loss_last:.2f}; greedy solved "
+              f"{warm.short_solved:.0%} of held-out prompts at {warm.short_len} tokens)")
     else:
         print("warm-up            none (--warmup-steps 0)")
     print(f"steps              {s.steps} in {grpo_s:.0f} s (the GRPO phase; {time.time() - t0:.0f} s in all, "
@@ -447,8 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--steps", type=int, default=None,
                    help="GRPO steps (default: 200, fewer above 8K-token prompts)")
-    d.add_argument("--warmup-steps", type=int, default=400,
-                   help="supervised warm-up steps on short prompts before GRPO (0: none)")
+    d.add_argument("--warmup-steps", type=int, default=1500,
+                   help="the most supervised warm-up steps on short prompts before GRPO (0: no warm-up)")
+    d.add_argument("--warmup-until", type=float, default=0.9,
+                   help="stop the warm-up once greedy decoding solves this fraction of 32 check prompts at its longest "
+                        "length (checked every 25 steps; 0: run all --warmup-steps)")
     d.add_argument("--eval-prompts", type=int, default=None,
                    help="held-out prompts per evaluation length (default: 32 up to 4K tokens, fewer above)")
     d.add_argument("--group-size", type=int, default=8, help="G, responses sampled per prompt")

@@ -233,9 +233,9 @@ def _meta_model(cfg, dtype):
 
 @pytest.mark.slow  # four gloo ranks
 def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
-    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32; and a Qwen3.5-MoE-style model with its
-    experts split over the 4 ranks, ep = 4) against each rank's peak resident memory during a grpo_backward + AdamW
-    step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
+    """The planner's per-GPU peak (FSDP2 over 4 ranks, cp = 1 and 2, float32; a Qwen3.5-MoE-style model with its
+    experts split over the 4 ranks, ep = 4; LoRA r=16 on every linear projection over 2 ranks, cp = 2) against each
+    rank's peak resident memory during a grpo_backward + AdamW step, measured with MALLOC_MMAP_THRESHOLD_=65536."""
     from hf_reference import save_tiny, tiny_hf
     from transformers import LlamaConfig
 
@@ -255,27 +255,29 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
                          dtype=torch.float32)
     moe = json.loads((moe_path / "config.json").read_text())
     probe = Path(__file__).with_name("sharded_probe.py")
-    for cp, ep in ((1, 1), (2, 1), (1, 4)):
+    for world, cp, ep, lora_rank in ((4, 1, 1, 0), (4, 2, 1, 0), (4, 1, 4, 0), (2, 2, 1, 16)):
         model_cfg, model_path = (moe, moe_path) if ep > 1 else (cfg, path)
         spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": "float32", "prompt_len": 4096,
-                "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path)}
+                "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path),
+                "lora_rank": lora_rank}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
             port = sk.getsockname()[1]
         procs = [subprocess.Popen([sys.executable, str(probe), str(tmp_path / "spec.json")],
-                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                                        "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": SRC},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
         logs = [p.communicate(timeout=600)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
-        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-        pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=4, cp=cp, ep=ep,
-                  cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024))
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+        lora = {"rank": lora_rank, "alpha": 2 * lora_rank, "target_modules": "all-linear"} if lora_rank else None
+        pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=world, cp=cp, ep=ep,
+                  cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024), lora=lora)
         for r, g in enumerate(got):
             ratio = pl.peak_bytes / g["peak_above_base"]
-            print(f"cp={cp} ep={ep} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
+            print(f"ranks={world} cp={cp} ep={ep} lora={lora_rank} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, measured "
                   f"{g['peak_above_base'] / 2**20:.1f} MiB (x{ratio:.2f}); local parameters "
                   f"{g['local_param_bytes'] / 2**20:.1f} MiB")
             assert 0.85 <= ratio <= 1.15, (cp, r, pl.breakdown, g)

@@ -52,3 +52,44 @@ def test_length_table_format():
     assert lines[0].split() == ["prompt", "tokens", "prompts", "before", "GRPO", "after", "GRPO"]
     assert lines[1].split() == ["4,096", "48", "6.2%", "50.0%"]
     assert lines[2].split() == ["65,536", "4", "n/a", "25.0%"]
+
+
+def test_warmup_stops_at_the_first_check_that_reaches_until_solved(monkeypatch):
+    import longstraw.rl.warmup as w
+
+    calls = []
+
+    def fake_rate(model, tokenizer, task, length, n, *, seed=0, seed_base=w.EVAL_SEED_BASE, **opts):
+        calls.append(seed_base)
+        # the stopping check (its own prompts) passes at the second check; the reported figure is the held-out one
+        return 0.25 if seed_base == w.EVAL_SEED_BASE else (1.0 if len(calls) >= 2 else 0.5)
+
+    monkeypatch.setattr(w, "solved_rate", fake_rate)
+    m, tok = _model()
+    seen = []
+    r = w.supervised_warmup(m, tok, lengths=(64,), steps=50, batch_size=2, eval_prompts=2, until_solved=0.9,
+                            check_every=5, answer_digits=1, on_check=lambda *a: seen.append(a))
+    assert r.steps == 10 and r.stopped_early and r.short_solved == 0.25
+    assert [(s, v) for s, v, _ in seen] == [(5, 0.5), (10, 1.0)] and all(loss > 0 for *_, loss in seen)
+    assert calls == [w.CHECK_SEED_BASE, w.CHECK_SEED_BASE, w.EVAL_SEED_BASE]
+
+
+def test_warmup_runs_every_step_when_the_check_never_passes(monkeypatch):
+    import longstraw.rl.warmup as w
+
+    monkeypatch.setattr(w, "solved_rate", lambda *a, **k: 0.0)
+    m, tok = _model()
+    r = w.supervised_warmup(m, tok, lengths=(64,), steps=12, batch_size=2, eval_prompts=2, until_solved=0.5,
+                            check_every=5, answer_digits=1)
+    assert r.steps == 12 and not r.stopped_early
+
+
+def test_bad_until_solved_is_a_one_line_error():
+    m, tok = _model()
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="until_solved=.* must be a fraction in \\(0, 1\\]"):
+            supervised_warmup(m, tok, until_solved=bad)
+    with pytest.raises(ValueError, match="until_solved needs eval_prompts >= 1"):
+        supervised_warmup(m, tok, until_solved=0.9, eval_prompts=0)
+    with pytest.raises(ValueError, match="check_every=0"):
+        supervised_warmup(m, tok, until_solved=0.9, check_every=0)

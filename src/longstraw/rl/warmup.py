@@ -9,7 +9,7 @@ warm-up does not teach (retrieval at a length it never saw) is what the GRPO pha
 solved rate at the long prompt before and after GRPO, and at 4x and 16x it (:func:`length_table`).
 
 Prompts of the warm-up and of the evaluation come from :func:`longstraw.rl.tasks.make_task` with seeds of their own
-(``WARMUP_SEED_BASE``, ``EVAL_SEED_BASE``), disjoint from a run's training prompts (``data.seed * 1_000_003 + k``
+(``WARMUP_SEED_BASE``, ``CHECK_SEED_BASE``, ``EVAL_SEED_BASE``), disjoint from a run's training prompts (``data.seed * 1_000_003 + k``
 for the small ``data.seed`` values a run uses).
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 WARMUP_SEED_BASE = 7_000_000_000_000
+CHECK_SEED_BASE = 8_000_000_000_000  # the warm-up's own stopping check (``until_solved``)
 EVAL_SEED_BASE = 9_000_000_000_000
 
 
@@ -37,6 +38,7 @@ class WarmupResult:
     seconds: float
     short_len: int
     short_solved: float
+    stopped_early: bool = False
 
 
 def _check_pos_int(name: str, v) -> int:
@@ -57,6 +59,7 @@ def _example(task: str, length: int, seed: int, tokenizer, options: dict) -> tup
 
 def supervised_warmup(model, tokenizer, *, task: str = "passkey", lengths=(64, 96, 128), steps: int = 250,
                       batch_size: int = 16, lr: float = 1e-2, seed: int = 0, eval_prompts: int = 32,
+                      until_solved: float | None = None, check_every: int = 25, on_check=None,
                       **task_options) -> WarmupResult:
     """Train ``model`` in place by cross-entropy on the answers of short built-in ``task`` prompts.
 
@@ -65,6 +68,15 @@ def supervised_warmup(model, tokenizer, *, task: str = "passkey", lengths=(64, 9
     loss over the answer tokens and EOS. ``task_options`` go to the task (e.g. ``answer_digits=1``). Afterwards the
     greedy solved rate on ``eval_prompts`` held-out prompts of the longest length is measured (0 prompts: skipped,
     reported as nan). Deterministic for a given ``seed`` and model.
+
+    ``until_solved`` (a fraction in (0, 1]; None: run all ``steps``): every ``check_every`` steps, measure that
+    greedy solved rate and stop as soon as it reaches ``until_solved`` (``steps`` is then the most it runs). Why: how
+    many steps a tiny model needs before it copies at all varies several-fold with the seed, and training far past
+    that point sharpens the copy until it works at lengths it never saw, so a fixed step count gives anything from
+    no copying to solved at the long prompt; stopping when the short prompts are solved leaves the long one to RL.
+    The check's prompts are its own (``CHECK_SEED_BASE``), not the held-out evaluation's. ``on_check(step,
+    solved, loss)`` is called after each check (progress output: steps done, solved fraction, mean answer loss
+    of the last ``check_every`` steps).
     """
     from longstraw.rl.tasks import check_task
 
@@ -77,6 +89,13 @@ def supervised_warmup(model, tokenizer, *, task: str = "passkey", lengths=(64, 9
         _check_pos_int("lengths item", n)
     if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr={lr!r} must be a finite number > 0")
+    if until_solved is not None:
+        if isinstance(until_solved, bool) or not isinstance(until_solved, (int, float)) \
+                or not 0 < until_solved <= 1:
+            raise ValueError(f"until_solved={until_solved!r} must be a fraction in (0, 1] or None")
+        if not eval_prompts:
+            raise ValueError("until_solved needs eval_prompts >= 1 (the check measures the solved rate)")
+        _check_pos_int("check_every", check_every)
     if tokenizer.eos_token_id is None:
         raise ValueError("the warm-up needs a tokenizer with an EOS token (it is trained to end the answer)")
     check_task(task, **task_options)
@@ -85,6 +104,7 @@ def supervised_warmup(model, tokenizer, *, task: str = "passkey", lengths=(64, 9
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     rng = random.Random(f"longstraw/warmup/{seed}")
     losses = []
+    short = max(lengths)
     t0 = time.perf_counter()
     for step in range(steps):
         length = rng.choice(lengths)
@@ -101,22 +121,33 @@ def supervised_warmup(model, tokenizer, *, task: str = "passkey", lengths=(64, 9
         loss.backward()
         opt.step()
         losses.append(loss.item() if not loss.requires_grad else loss.detach().item())
+        if until_solved is not None and (step + 1) % check_every == 0 and step + 1 < steps:
+            solved = solved_rate(model, tokenizer, task, short, eval_prompts, seed=seed, seed_base=CHECK_SEED_BASE,
+                                 **task_options)
+            model.train()
+            if on_check is not None:
+                recent = losses[-check_every:]
+                on_check(step + 1, solved, sum(recent) / len(recent))
+            if solved >= until_solved:
+                break
     seconds = time.perf_counter() - t0
     del opt
     model.zero_grad(set_to_none=True)
-    short = max(lengths)
+    # the reported figure: the held-out evaluation prompts, not the stopping check's
     solved = solved_rate(model, tokenizer, task, short, eval_prompts, seed=seed, **task_options) \
         if eval_prompts else float("nan")
     first, last = losses[:10], losses[-10:]
-    return WarmupResult(steps, sum(first) / len(first), sum(last) / len(last), seconds, short, solved)
+    return WarmupResult(len(losses), sum(first) / len(first), sum(last) / len(last), seconds, short, solved,
+                        stopped_early=len(losses) < steps)
 
 
 @torch.no_grad()
 def solved_rate(model, tokenizer, task: str, length: int, n: int, *, seed: int = 0, prefill_chunk: int = 4096,
-                **task_options) -> float:
+                seed_base: int = EVAL_SEED_BASE, **task_options) -> float:
     """The fraction of ``n`` held-out ``task`` prompts of ``length`` tokens whose greedy answer (up to EOS, at
     most the answer's length + 1 tokens) equals the reference exactly (surrounding whitespace ignored). The prompts
-    are the same for every model given ``seed`` (``EVAL_SEED_BASE + seed * 1_000_003 + i``)."""
+    are the same for every model given ``seed`` (``seed_base + seed * 1_000_003 + i``; the warm-up's stopping check
+    uses ``CHECK_SEED_BASE``, the held-out evaluation ``EVAL_SEED_BASE``)."""
     from longstraw.engine.config import SamplingConfig
     from longstraw.engine.rollout import generate
     from longstraw.rl.tasks import make_task
@@ -129,7 +160,7 @@ def solved_rate(model, tokenizer, task: str, length: int, n: int, *, seed: int =
     ok = 0
     try:
         for i in range(n):
-            s = make_task(task, length, EVAL_SEED_BASE + seed * 1_000_003 + i, tokenizer, **task_options)
+            s = make_task(task, length, seed_base + seed * 1_000_003 + i, tokenizer, **task_options)
             ids = torch.tensor(tokenizer.encode(s.prompt), dtype=torch.long, device=device)
             want = len(tokenizer.encode(s.answer)) + 1
             sp = SamplingConfig(temperature=0, max_new_tokens=want, stop_token_ids=(eos,) if eos is not None else ())
