@@ -131,14 +131,58 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+_SCALARS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _Unkeyed(Exception):
+    """An op argument :func:`_op_key` cannot describe by its metadata (the op is then run, never memoised)."""
+
+
+def _op_key(x):
+    """A hashable description of an op argument by what a meta kernel reads: a tensor's shape, strides, storage
+    offset, dtype, device and conjugate/negative bits; a scalar with its type (``1``, ``1.0`` and ``True`` promote
+    differently); lists, tuples and dicts element by element. Anything else raises :class:`_Unkeyed`."""
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.is_conj(), x.is_neg())
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_op_key(y) for y in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _op_key(v)) for k, v in x.items()))
+    if isinstance(x, _SCALARS):
+        return (type(x), x)
+    raise _Unkeyed
+
+
+def _memoisable(func) -> bool:
+    """Whether ``func`` may be memoised: it writes no argument in place and returns no alias of one (views,
+    in-place and ``out=`` ops keep running)."""
+    schema = func._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+_MEMO: dict = {}  # (op, argument metadata) -> its outputs' layout, or False: not memoisable
+_MEMOISABLE: dict = {}  # op -> _memoisable(op)
+MEMO_OPS = True  # LiveBytes memoises the meta kernels' output metadata; tests switch it off
+
+
 class LiveBytes(TorchDispatchMode):
-    """Tracks bytes of tensor storages created under the mode that are still alive, and their peak."""
+    """Tracks bytes of tensor storages created under the mode that are still alive, and their peak.
+
+    On the meta device an op's outputs are a pure function of its arguments' metadata, and a dry run repeats the
+    same ops on the same shapes thousands of times (every delta-rule block, layer and step alike), while torch's
+    meta kernels (Python reference implementations for most pointwise ops) cost ~100 us each. So with
+    :data:`MEMO_OPS` the mode remembers, per op and argument metadata (:func:`_op_key`), the outputs' shapes,
+    strides and dtypes, and the next time allocates fresh tensors of exactly that layout instead of running the
+    kernel. Only ops that write no argument and return fresh storages laid out as ``empty_strided`` lays them out
+    (checked on the first call) are memoised: the storages and bytes it tracks are the ones the kernel would have
+    created. Tests hold every tracked byte equal with and without it."""
 
     def __init__(self):
         super().__init__()
         self.live = 0
         self.peak = 0
         self._ids: set[int] = set()
+        self._memo = _MEMO  # shared by every dry run of the process (what it holds is true of any)
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -147,8 +191,66 @@ class LiveBytes(TorchDispatchMode):
         self._ids.discard(key)
         self.live -= nbytes
 
+    def _track(self, st) -> None:
+        """Count a new storage as alive until it is freed."""
+        key, n = id(st), st.nbytes()
+        self._ids.add(key)
+        self.live += n
+        weakref.finalize(st, self._free, key, n)
+
+    def _replay(self, func, args, kwargs):
+        """The memoised outputs of ``func`` on these arguments (fresh meta tensors), or None when they are not
+        known (not memoisable, or not seen yet: then ``(key, None)`` so that the caller records them)."""
+        if not MEMO_OPS:
+            return None, None
+        ok = _MEMOISABLE.get(func)
+        if ok is None:
+            ok = _MEMOISABLE[func] = _memoisable(func)
+        if not ok:
+            return None, None
+        try:
+            key = (func, _op_key(args), _op_key(kwargs) if kwargs else None)
+            spec = self._memo.get(key)
+        except (_Unkeyed, TypeError):  # (TypeError: an unhashable value inside a scalar type)
+            return None, None
+        if spec is None:
+            return key, None
+        if spec is False:
+            return None, None
+        many, metas = spec
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
+        return key, (many(outs) if many is not None else outs[0])
+
+    def _record(self, key, func, args, kwargs, out) -> None:
+        """Remember ``out``'s layout under ``key`` when every output is a fresh meta tensor that ``empty_strided``
+        reproduces storage for storage; else mark the key as not memoisable."""
+        spec = False
+        if _memoisable(func):
+            many = type(out) if isinstance(out, (list, tuple)) else None
+            outs = list(out) if many is not None else [out]
+            if outs and all(isinstance(t, torch.Tensor) and t.device.type == "meta" and not t.is_conj()
+                            and not t.is_neg() and t.storage_offset() == 0 and type(t) is torch.Tensor
+                            for t in outs):
+                inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+                storages = [t.untyped_storage() for t in outs]
+                ids = {id(st) for st in storages}
+                fresh = len(ids) == len(outs) and not ids & inputs and not ids & self._ids
+                if fresh and all(st.nbytes() == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                     device="meta").untyped_storage().nbytes()
+                                 for t, st in zip(outs, storages)):
+                    spec = (many, [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in outs])
+        self._memo[key] = spec
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        key, out = self._replay(func, args, kwargs)
+        if out is not None:  # fresh storages by construction (``_record``)
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                self._track(t.untyped_storage())
+            self.peak = max(self.peak, self.live)
+            return out
         out = func(*args, **(kwargs or {}))
+        if key is not None:
+            self._record(key, func, args, kwargs, out)
         outs = list(_tensors(out))
         if not outs:
             return out
@@ -158,10 +260,7 @@ class LiveBytes(TorchDispatchMode):
             key = id(st)
             if key in inputs or key in self._ids:
                 continue
-            n = st.nbytes()
-            self._ids.add(key)
-            self.live += n
-            weakref.finalize(st, self._free, key, n)
+            self._track(st)
         self.peak = max(self.peak, self.live)
         return out
 
