@@ -131,7 +131,8 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-_SCALARS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_SCALARS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format})
 
 
 class _Unkeyed(Exception):
@@ -142,26 +143,42 @@ def _op_key(x):
     """A hashable description of an op argument by what a meta kernel reads: a tensor's shape, strides, storage
     offset, dtype, device and conjugate/negative bits; a scalar with its type (``1``, ``1.0`` and ``True`` promote
     differently); lists, tuples and dicts element by element. Anything else raises :class:`_Unkeyed`."""
+    tx = type(x)
+    if tx in _SCALARS:
+        return (tx, x)
+    if tx is tuple or tx is list:
+        return (tx, tuple([_op_key(y) for y in x]))
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.is_conj(), x.is_neg())
-    if isinstance(x, (list, tuple)):
-        return (type(x), tuple(_op_key(y) for y in x))
-    if isinstance(x, dict):
-        return (dict, tuple((k, _op_key(v)) for k, v in x.items()))
-    if isinstance(x, _SCALARS):
-        return (type(x), x)
+    if tx is dict:
+        return (dict, tuple([(k, _op_key(v)) for k, v in x.items()]))
     raise _Unkeyed
 
 
-def _memoisable(func) -> bool:
-    """Whether ``func`` may be memoised: it writes no argument in place and returns no alias of one (views,
-    in-place and ``out=`` ops keep running)."""
+_RELAYOUT = frozenset({"set_", "resize_", "resize_as_", "as_strided_"})  # in place, but they move the storage
+
+
+def _memo_kind(func) -> str | None:
+    """How ``func`` may be memoised: ``"fresh"`` (it writes no argument and returns no alias of one: its outputs
+    are new storages), ``"inplace"`` (it writes its first argument only and returns it, like ``add_``, ``copy_``,
+    ``index_add_``: on meta only a check of shapes and dtypes; those that change its layout, like ``unsqueeze_``, are
+    found out on their first call), or None (views, ``out=`` ops, ``set_`` and ``resize_``, anything else: they
+    keep running)."""
     schema = func._schema
-    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    if not schema.is_mutable and all(r.alias_info is None for r in schema.returns):
+        return "fresh"
+    args, rets = schema.arguments, schema.returns
+    if schema.name.split("::")[-1] in _RELAYOUT:
+        return None
+    writes = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    if (writes == [0] and len(rets) == 1 and rets[0].alias_info is not None
+            and rets[0].alias_info.before_set == args[0].alias_info.before_set):
+        return "inplace"
+    return None
 
 
-_MEMO: dict = {}  # (op, argument metadata) -> its outputs' layout, or False: not memoisable
-_MEMOISABLE: dict = {}  # op -> _memoisable(op)
+_MEMO: dict = {}  # (op, argument metadata) -> its outputs' layout, "inplace", or False: not memoisable
+_MEMO_KIND: dict = {}  # op -> _memo_kind(op)
 MEMO_OPS = True  # LiveBytes memoises the meta kernels' output metadata; tests switch it off
 
 
@@ -170,12 +187,14 @@ class LiveBytes(TorchDispatchMode):
 
     On the meta device an op's outputs are a pure function of its arguments' metadata, and a dry run repeats the
     same ops on the same shapes thousands of times (every delta-rule block, layer and step alike), while torch's
-    meta kernels (Python reference implementations for most pointwise ops) cost ~100 us each. So with
+    meta kernels (Python reference implementations for most pointwise ops) cost ~0.1-7 ms each. So with
     :data:`MEMO_OPS` the mode remembers, per op and argument metadata (:func:`_op_key`), the outputs' shapes,
     strides and dtypes, and the next time allocates fresh tensors of exactly that layout instead of running the
-    kernel. Only ops that write no argument and return fresh storages laid out as ``empty_strided`` lays them out
-    (checked on the first call) are memoised: the storages and bytes it tracks are the ones the kernel would have
-    created. Tests hold every tracked byte equal with and without it."""
+    kernel; an in-place op that only writes (on meta: checks) its first argument and returns it is answered with
+    that argument. Only ops whose outputs are fresh storages laid out as ``empty_strided`` lays them out, or, in
+    place, the unchanged first argument, are memoised (checked on the first call, :func:`_memo_kind`): the
+    storages and bytes tracked are the ones the kernel would have created. Tests hold every tracked byte equal with
+    and without it, op by op."""
 
     def __init__(self):
         super().__init__()
@@ -199,14 +218,15 @@ class LiveBytes(TorchDispatchMode):
         weakref.finalize(st, self._free, key, n)
 
     def _replay(self, func, args, kwargs):
-        """The memoised outputs of ``func`` on these arguments (fresh meta tensors), or None when they are not
-        known (not memoisable, or not seen yet: then ``(key, None)`` so that the caller records them)."""
+        """``(key, out)``: the memoised result of ``func`` on these arguments (fresh meta tensors, or the first
+        argument of an in-place op) with its key, ``(key, None)`` when it is memoisable but not seen yet (the
+        caller then records it), or ``(None, None)``."""
         if not MEMO_OPS:
             return None, None
-        ok = _MEMOISABLE.get(func)
-        if ok is None:
-            ok = _MEMOISABLE[func] = _memoisable(func)
-        if not ok:
+        kind = _MEMO_KIND.get(func, 0)
+        if kind == 0:
+            kind = _MEMO_KIND[func] = _memo_kind(func)
+        if kind is None:
             return None, None
         try:
             key = (func, _op_key(args), _op_key(kwargs) if kwargs else None)
@@ -217,20 +237,26 @@ class LiveBytes(TorchDispatchMode):
             return key, None
         if spec is False:
             return None, None
+        if spec == "inplace":
+            return key, args[0]
         many, metas = spec
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
         return key, (many(outs) if many is not None else outs[0])
 
     def _record(self, key, func, args, kwargs, out) -> None:
-        """Remember ``out``'s layout under ``key`` when every output is a fresh meta tensor that ``empty_strided``
-        reproduces storage for storage; else mark the key as not memoisable."""
+        """Remember ``out`` under ``key``: its layout when every output is a fresh meta tensor that ``empty_strided``
+        reproduces storage for storage, ``"inplace"`` when an in-place op returned its first argument with its
+        metadata unchanged; else mark the key as not memoisable."""
         spec = False
-        if _memoisable(func):
+        kind = _MEMO_KIND.get(func)
+        if kind == "inplace":
+            if out is args[0] and out.device.type == "meta" and _op_key(out) == key[1][1][0]:
+                spec = "inplace"
+        elif kind == "fresh":
             many = type(out) if isinstance(out, (list, tuple)) else None
             outs = list(out) if many is not None else [out]
-            if outs and all(isinstance(t, torch.Tensor) and t.device.type == "meta" and not t.is_conj()
-                            and not t.is_neg() and t.storage_offset() == 0 and type(t) is torch.Tensor
-                            for t in outs):
+            if outs and all(type(t) is torch.Tensor and t.device.type == "meta" and not t.is_conj()
+                            and not t.is_neg() and t.storage_offset() == 0 for t in outs):
                 inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
                 storages = [t.untyped_storage() for t in outs]
                 ids = {id(st) for st in storages}
@@ -243,8 +269,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         key, out = self._replay(func, args, kwargs)
-        if out is not None:  # fresh storages by construction (``_record``)
-            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+        if out is not None:
+            if out is args[0]:  # an in-place op: no new storage
+                return out
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):  # fresh storages (``_record``)
                 self._track(t.untyped_storage())
             self.peak = max(self.peak, self.live)
             return out
