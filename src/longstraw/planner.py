@@ -162,12 +162,15 @@ def _memo_kind(func) -> str | None:
     """How ``func`` may be memoised: ``"fresh"`` (it writes no argument and returns no alias of one: its outputs
     are new storages), ``"inplace"`` (it writes its first argument only and returns it, like ``add_``, ``copy_``,
     ``index_add_``: on meta only a check of shapes and dtypes; those that change its layout, like ``unsqueeze_``, are
-    found out on their first call), or None (views, ``out=`` ops, ``set_`` and ``resize_``, anything else: they
-    keep running)."""
+    found out on their first call), ``"alias"`` (views: they write nothing and every output aliases an argument,
+    so they keep running but create no storage to track), or None (``out=`` ops, ``set_`` and ``resize_``,
+    anything else: they keep running and are tracked)."""
     schema = func._schema
     if not schema.is_mutable and all(r.alias_info is None for r in schema.returns):
         return "fresh"
     args, rets = schema.arguments, schema.returns
+    if not schema.is_mutable and rets and all(r.alias_info is not None for r in rets):
+        return "alias"
     if schema.name.split("::")[-1] in _RELAYOUT:
         return None
     writes = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
@@ -178,7 +181,7 @@ def _memo_kind(func) -> str | None:
 
 
 _MEMO: dict = {}  # (op, argument metadata) -> its outputs' layout, "inplace", or False: not memoisable
-_MEMO_KIND: dict = {}  # op -> _memo_kind(op)
+_MEMO_KIND: dict = {}  # id(op) -> _memo_kind(op) (ops live as long as the process: ids hash faster)
 MEMO_OPS = True  # LiveBytes memoises the meta kernels' output metadata; tests switch it off
 
 
@@ -200,22 +203,22 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._ids: set[int] = set()
+        self._ids: dict[int, weakref.ref] = {}  # the tracked storages' ids -> a weak reference that frees them
         self._memo = _MEMO  # shared by every dry run of the process (what it holds is true of any)
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._ids.discard(key)
+        self._ids.pop(key, None)
         self.live -= nbytes
 
     def _track(self, st) -> None:
-        """Count a new storage as alive until it is freed."""
+        """Count a new storage as alive until it is freed (a weak reference's callback: cheaper than
+        ``weakref.finalize``, which the mode would pay on every op's output)."""
         key, n = id(st), st.nbytes()
-        self._ids.add(key)
+        self._ids[key] = weakref.ref(st, lambda _, key=key, n=n: self._free(key, n))
         self.live += n
-        weakref.finalize(st, self._free, key, n)
 
     def _replay(self, func, args, kwargs):
         """``(key, out)``: the memoised result of ``func`` on these arguments (fresh meta tensors, or the first
@@ -223,13 +226,13 @@ class LiveBytes(TorchDispatchMode):
         caller then records it), or ``(None, None)``."""
         if not MEMO_OPS:
             return None, None
-        kind = _MEMO_KIND.get(func, 0)
+        kind = _MEMO_KIND.get(id(func), 0)
         if kind == 0:
-            kind = _MEMO_KIND[func] = _memo_kind(func)
-        if kind is None:
+            kind = _MEMO_KIND[id(func)] = _memo_kind(func)
+        if kind is None or kind == "alias":
             return None, None
         try:
-            key = (func, _op_key(args), _op_key(kwargs) if kwargs else None)
+            key = (id(func), _op_key(args), _op_key(kwargs) if kwargs else None)
             spec = self._memo.get(key)
         except (_Unkeyed, TypeError):  # (TypeError: an unhashable value inside a scalar type)
             return None, None
@@ -248,7 +251,7 @@ class LiveBytes(TorchDispatchMode):
         reproduces storage for storage, ``"inplace"`` when an in-place op returned its first argument with its
         metadata unchanged; else mark the key as not memoisable."""
         spec = False
-        kind = _MEMO_KIND.get(func)
+        kind = _MEMO_KIND.get(id(func))
         if kind == "inplace":
             if out is args[0] and out.device.type == "meta" and _op_key(out) == key[1][1][0]:
                 spec = "inplace"
@@ -260,7 +263,7 @@ class LiveBytes(TorchDispatchMode):
                 inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
                 storages = [t.untyped_storage() for t in outs]
                 ids = {id(st) for st in storages}
-                fresh = len(ids) == len(outs) and not ids & inputs and not ids & self._ids
+                fresh = len(ids) == len(outs) and not ids & inputs and not ids & self._ids.keys()
                 if fresh and all(st.nbytes() == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                                                      device="meta").untyped_storage().nbytes()
                                  for t, st in zip(outs, storages)):
@@ -279,6 +282,8 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if key is not None:
             self._record(key, func, args, kwargs, out)
+        elif MEMO_OPS and _MEMO_KIND.get(id(func)) == "alias":  # a view: no new storage
+            return out
         outs = list(_tensors(out))
         if not outs:
             return out
