@@ -90,3 +90,4 @@ def test_memo_keys_tell_apart_what_meta_kernels_read():
             _op_key(((x, x),))]
     assert len(set(keys)) == len(keys)
     assert _op_key((x, 1)) == _op_key((torch.empty(4, 6, device="meta"), 1))
+    assert _op_key((torch._neg_view(x),)) != _op_key((x,))  # the negative bit, on a real tensor too
