@@ -17,7 +17,10 @@ prefix). Tests hold both to a full dry run. And not every layer: a few layers (t
 layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in a few small models and
 the runs combined for the whole depth (byte-exact on test models, the exact-mode transients within a few percent).
 Beyond two chunks and one attention block the prompt's length enters only through the state (see below), so a
-plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers.
+plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers (more when
+``max_prompt_len`` lies below those two lengths: a bisection over dry runs). What a dry run costs is mostly torch's
+meta kernels, which :class:`LiveBytes` memoises per op and argument layout (the same storages, fewer Python calls:
+:data:`MEMO_OPS`, held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
 
 Breakdown (bytes per device):
 
