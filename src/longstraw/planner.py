@@ -17,7 +17,10 @@ prefix). Tests hold both to a full dry run. And not every layer: a few layers (t
 layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in a few small models and
 the runs combined for the whole depth (byte-exact on test models, the exact-mode transients within a few percent).
 Beyond two chunks and one attention block the prompt's length enters only through the state (see below), so a
-plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers.
+plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers (more when
+``max_prompt_len`` lies below those two lengths: a bisection over dry runs). What a dry run costs is mostly torch's
+meta kernels, which :class:`LiveBytes` memoises per op and argument layout (the same storages, fewer Python calls:
+:data:`MEMO_OPS`, held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
 
 Breakdown (bytes per device):
 
@@ -131,24 +134,168 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+_SCALARS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format})
+
+
+class _Unkeyed(Exception):
+    """An op argument :func:`_op_key` cannot describe by its metadata (the op is then run, never memoised)."""
+
+
+def _op_key(x):
+    """A hashable description of an op argument by what a meta kernel reads: a tensor's shape, strides, storage
+    offset, dtype, device and conjugate/negative bits; a scalar with its type (``1``, ``1.0`` and ``True`` promote
+    differently); lists, tuples and dicts element by element. Anything else raises :class:`_Unkeyed`."""
+    tx = type(x)
+    if tx in _SCALARS:
+        return (tx, x)
+    if tx is tuple or tx is list:
+        return (tx, tuple([_op_key(y) for y in x]))
+    if isinstance(x, torch.Tensor):
+        dt = x.dtype
+        if dt.is_complex:  # (the conjugate bit: complex tensors only)
+            return (x.shape, x.stride(), x.storage_offset(), dt, x.device, x.is_neg(), x.is_conj())
+        return (x.shape, x.stride(), x.storage_offset(), dt, x.device, x.is_neg())
+    if tx is dict:
+        return (dict, tuple([(k, _op_key(v)) for k, v in x.items()]))
+    raise _Unkeyed
+
+
+_RELAYOUT = frozenset({"set_", "resize_", "resize_as_", "as_strided_"})  # in place, but they move the storage
+
+
+def _memo_kind(func) -> str | None:
+    """How ``func`` may be memoised: ``"fresh"`` (it writes no argument and returns no alias of one: its outputs
+    are new storages), ``"inplace"`` (it writes its first argument only and returns it, like ``add_``, ``copy_``,
+    ``index_add_``: on meta only a check of shapes and dtypes; those that change its layout, like ``unsqueeze_``, are
+    found out on their first call), ``"alias"`` (views: they write nothing and every output aliases an argument,
+    so they keep running but create no storage to track), or None (``out=`` ops, ``set_`` and ``resize_``,
+    anything else: they keep running and are tracked)."""
+    schema = func._schema
+    if not schema.is_mutable and all(r.alias_info is None for r in schema.returns):
+        return "fresh"
+    args, rets = schema.arguments, schema.returns
+    if not schema.is_mutable and rets and all(r.alias_info is not None for r in rets):
+        return "alias"
+    if schema.name.split("::")[-1] in _RELAYOUT:
+        return None
+    writes = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    if (writes == [0] and len(rets) == 1 and rets[0].alias_info is not None
+            and rets[0].alias_info.before_set == args[0].alias_info.before_set):
+        return "inplace"
+    return None
+
+
+_MEMO: dict = {}  # (op, argument metadata) -> its outputs' layout, "inplace", or False: not memoisable
+_MEMO_KIND: dict = {}  # id(op) -> _memo_kind(op) (ops live as long as the process: ids hash faster)
+MEMO_OPS = True  # LiveBytes memoises the meta kernels' output metadata; tests switch it off
+
+
 class LiveBytes(TorchDispatchMode):
-    """Tracks bytes of tensor storages created under the mode that are still alive, and their peak."""
+    """Tracks bytes of tensor storages created under the mode that are still alive, and their peak.
+
+    On the meta device an op's outputs are a pure function of its arguments' metadata, and a dry run repeats the
+    same ops on the same shapes thousands of times (every delta-rule block, layer and step alike), while torch's
+    meta kernels (Python reference implementations for most pointwise ops) cost ~0.1-7 ms each. So with
+    :data:`MEMO_OPS` the mode remembers, per op and argument metadata (:func:`_op_key`), the outputs' shapes,
+    strides and dtypes, and the next time allocates fresh tensors of exactly that layout instead of running the
+    kernel; an in-place op that only writes (on meta: checks) its first argument and returns it is answered with
+    that argument. Only ops whose outputs are fresh storages laid out as ``empty_strided`` lays them out, or, in
+    place, the unchanged first argument, are memoised (checked on the first call, :func:`_memo_kind`): the
+    storages and bytes tracked are the ones the kernel would have created. Tests hold every tracked byte equal with
+    and without it, op by op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (recent torch adds one to every
+        mode's, ~5-10 us on each of a dry run's million ops): a dry run never runs under ``torch.compile``."""
+        return False
 
     def __init__(self):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._ids: set[int] = set()
+        self._ids: dict[int, weakref.ref] = {}  # the tracked storages' ids -> a weak reference that frees them
+        self._memo = _MEMO  # shared by every dry run of the process (what it holds is true of any)
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._ids.discard(key)
+        self._ids.pop(key, None)
         self.live -= nbytes
 
+    def _track(self, st) -> None:
+        """Count a new storage as alive until it is freed (a weak reference's callback: cheaper than
+        ``weakref.finalize``, which the mode would pay on every op's output)."""
+        key, n = id(st), st.nbytes()
+        self._ids[key] = weakref.ref(st, lambda _, key=key, n=n: self._free(key, n))
+        self.live += n
+
+    def _replay(self, func, args, kwargs):
+        """``(key, out)``: the memoised result of ``func`` on these arguments (fresh meta tensors, or the first
+        argument of an in-place op) with its key, ``(key, None)`` when it is memoisable but not seen yet (the
+        caller then records it), or ``(None, None)``."""
+        if not MEMO_OPS:
+            return None, None
+        kind = _MEMO_KIND.get(id(func), 0)
+        if kind == 0:
+            kind = _MEMO_KIND[id(func)] = _memo_kind(func)
+        if kind is None or kind == "alias":
+            return None, None
+        try:
+            key = (id(func), _op_key(args), _op_key(kwargs) if kwargs else None)
+            spec = self._memo.get(key)
+        except (_Unkeyed, TypeError):  # (TypeError: an unhashable value inside a scalar type)
+            return None, None
+        if spec is None:
+            return key, None
+        if spec is False:
+            return None, None
+        if spec == "inplace":
+            return key, args[0]
+        many, metas = spec
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
+        return key, (many(outs) if many is not None else outs[0])
+
+    def _record(self, key, func, args, kwargs, out) -> None:
+        """Remember ``out`` under ``key``: its layout when every output is a fresh meta tensor that ``empty_strided``
+        reproduces storage for storage, ``"inplace"`` when an in-place op returned its first argument with its
+        metadata unchanged; else mark the key as not memoisable."""
+        spec = False
+        kind = _MEMO_KIND.get(id(func))
+        if kind == "inplace":
+            if out is args[0] and out.device.type == "meta" and _op_key(out) == key[1][1][0]:
+                spec = "inplace"
+        elif kind == "fresh":
+            many = type(out) if isinstance(out, (list, tuple)) else None
+            outs = list(out) if many is not None else [out]
+            if outs and all(type(t) is torch.Tensor and t.device.type == "meta" and not t.is_conj()
+                            and not t.is_neg() and t.storage_offset() == 0 for t in outs):
+                inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+                storages = [t.untyped_storage() for t in outs]
+                ids = {id(st) for st in storages}
+                fresh = len(ids) == len(outs) and not ids & inputs and not ids & self._ids.keys()
+                if fresh and all(st.nbytes() == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                     device="meta").untyped_storage().nbytes()
+                                 for t, st in zip(outs, storages)):
+                    spec = (many, [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in outs])
+        self._memo[key] = spec
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        key, out = self._replay(func, args, kwargs)
+        if out is not None:
+            if out is args[0]:  # an in-place op: no new storage
+                return out
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):  # fresh storages (``_record``)
+                self._track(t.untyped_storage())
+            self.peak = max(self.peak, self.live)
+            return out
         out = func(*args, **(kwargs or {}))
+        if key is not None:
+            self._record(key, func, args, kwargs, out)
+        elif MEMO_OPS and _MEMO_KIND.get(id(func)) == "alias":  # a view: no new storage
+            return out
         outs = list(_tensors(out))
         if not outs:
             return out
@@ -158,10 +305,7 @@ class LiveBytes(TorchDispatchMode):
             key = id(st)
             if key in inputs or key in self._ids:
                 continue
-            n = st.nbytes()
-            self._ids.add(key)
-            self.live += n
-            weakref.finalize(st, self._free, key, n)
+            self._track(st)
         self.peak = max(self.peak, self.live)
         return out
 

@@ -1,0 +1,93 @@
+"""The planner's speed machinery changes no tracked byte: each shortcut is held to the dry run without it, op by op
+where it can be (the live bytes after every op), else plan for plan."""
+
+import pytest
+import torch
+
+from longstraw import GRPOConfig
+from longstraw.planner import plan
+
+DENSE = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 20000}
+GLM_DSA = {"model_type": "glm_moe_dsa", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
+           "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
+           "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
+           "v_head_dim": 5, "q_lora_rank": 10, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 16,
+           "indexer_types": ["full", "shared", "full"], "max_position_embeddings": 4096}
+
+
+def _hybrid():
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    return {**tiny_config(), "num_hidden_layers": 8, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2}
+
+
+def _trace(monkeypatch) -> list:
+    """Record every dry-run op's (name, live bytes, peak) from now on, in the list returned."""
+    import longstraw.planner as planner
+
+    trace = []
+    real = planner.LiveBytes.__torch_dispatch__
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        out = real(self, func, types, args, kwargs)
+        trace.append((str(func), self.live, self.peak))
+        return out
+
+    monkeypatch.setattr(planner.LiveBytes, "__torch_dispatch__", dispatch)
+    return trace
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid", "glm_dsa"])
+def test_memoised_meta_kernels_change_no_tracked_byte(monkeypatch, name):
+    """``LiveBytes`` memoises the meta kernels' output layouts (``planner.MEMO_OPS``): plans of a dense model, a
+    DeltaNet/attention hybrid and a GLM-5-style MLA + DSA + MoE model, detached and exact (checkpointed layers, a
+    LoRA plan, a memory limit that makes the planner search ``max_prompt_len``), allocate the very same storages op
+    for op with the memo on and off (every op's live bytes and peak), and most ops were answered from the memo."""
+    import longstraw.planner as planner
+
+    cfg = {"dense": DENSE, "hybrid": _hybrid(), "glm_dsa": GLM_DSA}[name]
+    cfg = {**cfg, "max_position_embeddings": 1024}  # the max_prompt_len search: dry runs below 1024 positions
+    base = dict(prompt_len=700, response_len=8, group=2, dtype="float32")
+    kws = [dict(base, cfg=GRPOConfig(prompt_grad="detached", prefill_chunk=256)),
+           dict(base, cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=256, checkpoint_layers=True),
+                lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"}, gpu_mem=64 << 20),
+           dict(base, cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=512), dtype="bfloat16")]
+    monkeypatch.setattr(planner, "_MEMO", {})
+    hits = []
+    replay = planner.LiveBytes._replay
+
+    def counted(self, func, args, kwargs):
+        key, out = replay(self, func, args, kwargs)
+        hits.append(out is not None)
+        return key, out
+
+    monkeypatch.setattr(planner.LiveBytes, "_replay", counted)
+    trace = _trace(monkeypatch)
+
+    def plans():
+        trace.clear()
+        return [(p.peak_bytes, p.breakdown, p.max_prompt_len) for p in (plan(cfg, **kw) for kw in kws)], list(trace)
+
+    fast, fast_trace = plans()
+    assert sum(hits) > len(hits) / 4  # the memo answered
+    monkeypatch.setattr(planner, "MEMO_OPS", False)
+    full, full_trace = plans()
+    assert len(fast_trace) == len(full_trace) and fast_trace == full_trace
+    assert fast == full
+
+
+def test_memo_keys_tell_apart_what_meta_kernels_read():
+    """Two calls share a memo entry only when a meta kernel cannot tell them apart: a scalar's type (``1``, ``1.0``,
+    ``True`` promote differently), a tensor's strides and storage offset, its dtype, conjugate bit."""
+    from longstraw.planner import _op_key
+
+    x = torch.empty(4, 6, device="meta")
+    keys = [_op_key((x, 1)), _op_key((x, 1.0)), _op_key((x, True)), _op_key((x.t(),)), _op_key((x[1:],)),
+            _op_key((x.double(),)), _op_key((x,)), _op_key((torch.empty(4, 6, device="meta", dtype=torch.cfloat),)),
+            _op_key((torch.empty(4, 6, device="meta", dtype=torch.cfloat).conj(),)), _op_key(([x, x],)),
+            _op_key(((x, x),))]
+    assert len(set(keys)) == len(keys)
+    assert _op_key((x, 1)) == _op_key((torch.empty(4, 6, device="meta"), 1))
+    assert _op_key((torch._neg_view(x),)) != _op_key((x,))  # the negative bit, on a real tensor too
