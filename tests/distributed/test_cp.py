@@ -40,12 +40,20 @@ FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks"]
 DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_dp_sum_fsdp", "fp32_exact",
       "bf16_exact"]
-MOE2 = ["v3_exact", "v3_detached", "v3_exact_decompressed", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
+MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "v32_exact", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached", "q35moe_exact",
         "q35moe_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
+# MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
+# whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2, score,
+# generate (decoding over the generated tokens' latents), the dense path of DSA layers (GLM-5, DeepSeek-V3.2)
+MLA2 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_exact_fsdp_decompressed",
+        "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate", "dsa_exact_decompressed",
+        "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed"]
+MLA4 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_decompressed_score",
+        "dsa_exact_decompressed", "dsa_exact_absorbed"]
 # FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each
 # kind (dense, hybrid, MLA), float64 and float32/bf16; data-parallel replicas with prompts of different lengths
 FSDP_CP1_W2 = ["exact", "detached", "hybrid_exact", "v3_exact", "fp32_exact", "bf16_exact", "dp_sum_fsdp",
@@ -64,7 +72,8 @@ EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
-        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
+        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "mla_cp2": (2, 2, False, MLA2),
+        "mla_cp4": (4, 4, False, MLA4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
         "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
         "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2),
         "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
@@ -72,7 +81,7 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
 _EP_ONLY = ("ep_experts", "ep_save", "ep_init")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
              "registered_shards", "offload_dcp")
-GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + EP2_CP2 + EP2_CP2_W4
+GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4
                   if s not in _EP_ONLY and not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
 # lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties

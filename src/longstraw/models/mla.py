@@ -184,6 +184,67 @@ def _chunks(length: int, size: int):
     return [(s, min(length, s + size)) for s in range(0, length, size)]
 
 
+def decompressed_partial(fwd, q: Tensor, lat: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float, chunk: int,
+                         acc: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Unmasked attention of ``q [B, H, T, dn + dr]`` over stored latents ``lat [Bk, 1, S, r + dr]`` (``Bk`` 1 or
+    ``B``), expanded ``chunk`` positions at a time into ``K [Bk, H, c, dn + dr]``, ``V [Bk, H, c, dv]`` and merged
+    online by log-sum-exp into ``acc = (out [B, H, T, dv], lse [B, H, T])`` (float32 / float64 accumulators; None:
+    start empty). Returns the merged ``(out, lse)``; an empty ``lat`` and no ``acc`` give ``(0, -inf)``.
+
+    Peak extra memory: one chunk's K/V and the kernel's partial output for the queries (what bounds it: ``chunk``)."""
+    if acc is None:
+        ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(*q.shape[:3], w_uv.shape[1], dtype=ldt)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=ldt, device=q.device)
+    else:
+        out, lse = acc
+    for s, e in _chunks(lat.shape[2], chunk):
+        k, v = _expand(lat[:, 0, s:e], w_uk, w_uv)
+        o, l = segment_forward(fwd, q, k, v, False, scale)
+        new = torch.logaddexp(lse, l)
+        out = out * torch.exp(lse - new)[..., None] + o.to(out.dtype) * torch.exp(l - new)[..., None]
+        lse = new
+        del k, v, o
+    return out, lse
+
+
+def decompressed_partial_backward(bwd, dout: Tensor, q: Tensor, lat: Tensor, w_uk: Tensor, w_uv: Tensor, out: Tensor,
+                                  lse: Tensor, scale: float, chunk: int, sink: Tensor | None,
+                                  dw: tuple[Tensor, Tensor] | None) -> Tensor:
+    """Backward of :func:`decompressed_partial` against the MERGED ``out [B, H, T, dv]`` and GLOBAL ``lse``
+    (ring-attention pattern), each chunk expanded again: returns ``dq [B, H, T, dn + dr]`` (``lse``'s dtype); adds
+    ``d lat`` into ``sink [Bk, 1, S, r + dr]`` and ``(d W_UK, d W_UV)`` into ``dw`` (either may be None: skipped)."""
+    r, dn = w_uk.shape[-1], w_uk.shape[1]
+    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+    wdt = dw[0].dtype if dw is not None else sink.dtype if sink is not None else lse.dtype
+    for s, e in _chunks(lat.shape[2], chunk):
+        c = lat[:, 0, s:e]
+        k, v = _expand(c, w_uk, w_uv)
+        dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, False, scale)
+        dq += dq_i
+        dk, dv = dk.to(wdt), dv.to(wdt)
+        if dw is not None:
+            cw = c[..., :r].to(wdt)
+            dw[0].add_(torch.einsum("bhsd,bsr->hdr", dk[..., :dn], cw))
+            dw[1].add_(torch.einsum("bhsv,bsr->hvr", dv, cw))
+        if sink is not None:
+            dc = (torch.einsum("bhsd,hdr->bsr", dk[..., :dn], w_uk.to(wdt))
+                  + torch.einsum("bhsv,hvr->bsr", dv, w_uv.to(wdt)))
+            sink[:, 0, s:e] += torch.cat((dc, dk[..., dn:].sum(1)), dim=-1).to(sink.dtype)
+        del k, v, dk, dv
+    return dq
+
+
+def weight_grads(w_uk: Tensor, w_uv: Tensor, needs: tuple[bool, bool]) -> tuple[Tensor, Tensor] | None:
+    """Zeroed ``(d W_UK, d W_UV)`` accumulators (float32 for low-precision weights), or None when neither weight
+    needs a gradient."""
+    if not any(needs):
+        return None
+    wdt = grad_dtype_for(w_uk.dtype)
+    return (torch.zeros(w_uk.shape, dtype=wdt, device=w_uk.device),
+            torch.zeros(w_uv.shape, dtype=wdt, device=w_uv.device))
+
+
 class _DecompressedAttention(torch.autograd.Function):
     """Attention of ``q [B, H, T, dn+dr]`` over stored latent segments (expanded chunk by chunk, never all at once)
     and the queries' own causal ``k_own, v_own [B, H, T, .]``; merged online by log-sum-exp.
@@ -196,17 +257,10 @@ class _DecompressedAttention(torch.autograd.Function):
     def forward(ctx, q, w_uk, w_uv, k_own, v_own, scale, backend, chunk, sinks, *lats):
         fwd, _ = kernels(backend)
         out, lse = segment_forward(fwd, q, k_own, v_own, True, scale)
-        acc_dt = lse.dtype
-        out = out.to(acc_dt)
+        acc = (out.to(lse.dtype), lse)
         for lat in lats:
-            for s, e in _chunks(lat.shape[2], chunk):
-                k, v = _expand(lat[:, 0, s:e], w_uk, w_uv)
-                o, l = segment_forward(fwd, q, k, v, False, scale)
-                new = torch.logaddexp(lse, l)
-                out = out * torch.exp(lse - new)[..., None] + o.to(acc_dt) * torch.exp(l - new)[..., None]
-                lse = new
-                del k, v, o
-        out = out.to(q.dtype)
+            acc = decompressed_partial(fwd, q, lat, w_uk, w_uv, scale, chunk, acc)
+        out, lse = acc[0].to(q.dtype), acc[1]
         ctx.save_for_backward(q, w_uk, w_uv, k_own, v_own, out, lse, *lats)
         ctx.scale, ctx.backend, ctx.chunk, ctx.sinks = scale, backend, chunk, sinks
         return out
@@ -218,28 +272,12 @@ class _DecompressedAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk_own, dv_own = segment_backward(bwd, dout, q, k_own, v_own, out, lse, True, ctx.scale)
         dq = dq.to(lse.dtype)
-        wdt = grad_dtype_for(w_uk.dtype)
-        dw_uk = torch.zeros(w_uk.shape, dtype=wdt, device=q.device) if ctx.needs_input_grad[1] else None
-        dw_uv = torch.zeros(w_uv.shape, dtype=wdt, device=q.device) if ctx.needs_input_grad[2] else None
-        r, dn = w_uk.shape[-1], w_uk.shape[1]
+        dw = weight_grads(w_uk, w_uv, tuple(ctx.needs_input_grad[1:3]))
         for lat, sink in zip(lats, ctx.sinks):
-            for s, e in _chunks(lat.shape[2], ctx.chunk):
-                c = lat[:, 0, s:e]
-                k, v = _expand(c, w_uk, w_uv)
-                dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, False, ctx.scale)
-                dq += dq_i
-                dk, dv = dk.to(wdt), dv.to(wdt)
-                cw = c[..., :r].to(wdt)
-                if dw_uk is not None:
-                    dw_uk += torch.einsum("bhsd,bsr->hdr", dk[..., :dn], cw)
-                    dw_uv += torch.einsum("bhsv,bsr->hvr", dv, cw)
-                if sink is not None:
-                    dc = (torch.einsum("bhsd,hdr->bsr", dk[..., :dn], w_uk.to(wdt))
-                          + torch.einsum("bhsv,hvr->bsr", dv, w_uv.to(wdt)))
-                    sink[:, 0, s:e] += torch.cat((dc, dk[..., dn:].sum(1)), dim=-1).to(sink.dtype)
-                del k, v, dk, dv
-        return (dq.to(q.dtype), None if dw_uk is None else dw_uk.to(w_uk.dtype),
-                None if dw_uv is None else dw_uv.to(w_uv.dtype), dk_own, dv_own, None, None, None, None,
+            dq += decompressed_partial_backward(bwd, dout, q, lat, w_uk, w_uv, out, lse, ctx.scale, ctx.chunk, sink,
+                                                dw)
+        return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
+                None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, None, None, None, None,
                 *([None] * len(lats)))
 
 
@@ -396,27 +434,42 @@ class MLAttention(nn.Module):
         return self.absorbed_output(segment_attention(qa, segs, self.scale))
 
     def attend_decompressed(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
-        if _partitioned(prefix):
-            raise ValueError("the decompressed MLA form has no path for a prefix partitioned over processes (context "
-                             "parallelism); MLA layers then attend in the absorbed form (attend() picks it; the result "
-                             "is the same)")
+        """The decompressed form: ``q [B, H, T, dn + dr]`` against the stored latents expanded chunk by chunk (head
+        sizes ``dn + dr`` and ``dv``, within the flash kernels' 256) -> ``[B, H, T, dv]``. A prefix partitioned over
+        processes hands the call to its segment's ``decompressed_attention`` (the same chunked expansion on each
+        process's share, partials merged by LSE over the group)."""
         w_uk, w_uv = self._weights()
         q = torch.cat((q_nope, q_pe), dim=-1)
         w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)  # autocast: the custom backward sees one dtype
         k_own, v_own = _expand(lat[:, 0], w_uk, w_uv)
         backend = default_backend(q, max(q.shape[-1], self.dv))
-        chunk = self.decompress_chunk or max(64, _DECOMPRESS_ELEMS // (self.num_heads * (self.dn + self.dr + self.dv)))
-        lats = [s.k for s in prefix if s.length > 0]
-        sinks = tuple(s.k_grad for s in prefix if s.length > 0)
+        chunk = self.chunk_positions()
         for s in prefix:
             assert s.k is s.v, "MLA prefix segments hold latents (k is v)"
+        part = [s for s in prefix if isinstance(s, PartitionedSegment)]
+        if part:
+            rest = [s for s in prefix if s is not part[0] and s.length > 0]
+            return part[0].decompressed_attention(q.contiguous(), w_uk, w_uv, k_own, v_own, lat, rest,
+                                                  float(self.scale), backend, chunk)
+        lats = [s.k for s in prefix if s.length > 0]
+        sinks = tuple(s.k_grad for s in prefix if s.length > 0)
         return _DecompressedAttention.apply(q.contiguous(), w_uk, w_uv, k_own, v_own, float(self.scale), backend,
                                             int(chunk), sinks, *[x.detach() for x in lats])
+
+    def chunk_positions(self) -> int:
+        """Stored positions the decompressed form expands at once: ``decompress_chunk``, or as many as make
+        ~16M K/V elements (``H (dn + dr + dv)`` per position; DeepSeek-V3: 409 positions, 32 MiB in bf16)."""
+        return int(self.decompress_chunk or max(64, _DECOMPRESS_ELEMS // (self.num_heads * (self.dn + self.dr
+                                                                                             + self.dv))))
 
     def attention_flops(self, batch: int, tokens: int, segments: list[tuple[int, int]]) -> dict[str, float]:
         """Forward FLOPs of each form for ``batch x tokens`` new queries over stored segments given as
         ``(segment batch, length)`` (own tokens: causal, half a square). The projections both forms share are left
-        out; the absorbed form's per-query maps through ``W_UK`` / ``W_UV`` are counted."""
+        out; the absorbed form's per-query maps through ``W_UK`` / ``W_UV`` are counted.
+
+        Per (query, key) pair: absorbed ``2 H 2 (r + dr)``, decompressed ``2 H (dn + dr + dv)``; per stored key
+        expanded (once per call): ``2 H r (dn + dv)``; per query (absorbed): ``2 H r (dn + dv)``. DeepSeek-V3
+        (H 128, r 512, dr 64, dn 128, dv 128): 294,912 against 81,920 per pair, 33.5M per expanded key."""
         h, r, dr, dn, dv = self.num_heads, self.kv_lora_rank, self.dr, self.dn, self.dv
         keys = sum(s for _, s in segments) + (tokens + 1) / 2  # keys seen per query
         stored = sum(bk * s for bk, s in segments) + batch * tokens  # latents the decompressed form expands
@@ -427,22 +480,29 @@ class MLAttention(nn.Module):
     def choose_form(self, batch: int, tokens: int, prefix: list[KVSegment], grad: bool = False) -> str:
         """The form a call runs: ``mode`` unless ``"auto"``, which decompresses only when that costs less than
         ``1 / DECOMPRESS_FLOP_PENALTY`` (``_GRAD`` when a backward follows) of the absorbed FLOPs: long prefill
-        chunks, long or many branches over a long prompt; never decoding."""
+        chunks, long or many branches over a long prompt; never decoding.
+
+        A segment partitioned over processes (context parallelism) is counted as the whole group's call
+        (:meth:`~longstraw.ops.partitioned.PartitionedSegment.group_shape`: in a prefill step every rank's piece
+        queries every rank's stored share, so the step's tokens share each expansion), from numbers that are the
+        same on every process: the group takes one form."""
         if self.mode != "auto":
             return self.mode
-        f = self.attention_flops(batch, tokens, [(s.k.shape[0], s.length) for s in prefix])
+        segs = []
+        for s in prefix:
+            if isinstance(s, PartitionedSegment):
+                tokens, stored = s.group_shape(tokens)
+                segs.append((1, stored))
+            else:
+                segs.append((s.k.shape[0], s.length))
+        f = self.attention_flops(batch, tokens, segs)
         penalty = DECOMPRESS_FLOP_PENALTY_GRAD if grad else DECOMPRESS_FLOP_PENALTY
         return "decompressed" if f["decompressed"] * penalty < f["absorbed"] else "absorbed"
 
     def attend(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
-        """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``.
-
-        A prefix split over a context-parallel group always takes the absorbed form, whatever ``mode`` says: it
-        reaches the sharded latents through ``segment_attention`` (queries shipped to their owners), and the form
-        must not depend on a rank's local share (every rank of the group has to take the same path). Both forms are
-        exact, so only rounding differs from a single-process run that decompresses."""
-        if _partitioned(prefix):
-            return self.attend_absorbed(q_nope, q_pe, lat, prefix)
+        """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``, in the form
+        :meth:`choose_form` picks (both exact: only rounding differs). Under context parallelism the choice is the
+        group's (every rank makes the same collectives), and both forms have their CP path."""
         grad = torch.is_grad_enabled() and q_nope.requires_grad
         if self.choose_form(q_nope.shape[0], q_nope.shape[2], prefix, grad) == "absorbed":
             return self.attend_absorbed(q_nope, q_pe, lat, prefix)
