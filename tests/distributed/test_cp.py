@@ -462,3 +462,33 @@ def test_latent_positions_and_deterministic_topk():
     assert sorted(sel.idx.flatten().tolist()) == [2, 4, 7] and bool(sel.valid.all())
     sel = _global_select([vals], [pos], 6)  # wider than the finite candidates: the -inf one is invalid
     assert sel.valid.sum().item() == 5 and 0 in sel.idx[~sel.valid].tolist()
+
+
+def test_mla_form_is_the_groups_choice():
+    """Under CP the MLA form is chosen from the whole group's call (``group_shape``: a prefill step's pieces share
+    every expansion; replicated queries as in one process), so ranks whose pieces differ in length (the last step)
+    or whose shares differ choose alike; at DeepSeek-V3 sizes the FLOP rule decompresses a 32-rank step of 4096-token
+    pieces and keeps decoding and short replays absorbed."""
+    from longstraw.distributed.cp_attention import StepPieces
+    from longstraw.distributed.cp_latent import ShardedLatentSegment
+    from longstraw.models.mla import MLAttention
+
+    v3 = MLAttention(64, 128, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                     v_head_dim=128, scale=1.0, mode="auto").to("meta")
+
+    def seg(local, stored, step=None):
+        lat = torch.empty(1, 1, local, 576, device="meta")
+        return ShardedLatentSegment(lat, lat, comm=None, step=step, global_length=stored)
+
+    stored = 1 << 20
+    lengths = (4096,) * 31 + (17,)  # the last rank's piece is short
+    forms = {v3.choose_form(1, lengths[r], [seg(stored // 32 + 7 * r, stored, StepPieces(lengths, r))])
+             for r in range(32)}
+    assert forms == {"decompressed"}
+    assert v3.choose_form(1, 17, [seg(5, 0, StepPieces((17, 17), 1))]) == "absorbed"  # a first step of 34 tokens
+    for b, t, want in ((16, 1, "absorbed"), (1, 64, "absorbed"), (1, 4096, "decompressed")):
+        got = {v3.choose_form(b, t, [seg(stored // 32 + r, stored)], grad=True) for r in range(4)}
+        assert got == {want}, (b, t, got)
+    # the count it decides by: the whole step as one call of sum(lengths) queries over the stored prefix
+    assert seg(3, stored, StepPieces(lengths, 5)).group_shape(4096) == (sum(lengths), stored)
+    assert seg(3, stored).group_shape(9) == (9, stored)

@@ -236,19 +236,6 @@ class _DecPlan:
     chunk: int  # stored positions expanded at once
 
 
-def _fold_pieces(x: Tensor) -> Tensor:
-    """``[R, H, Tm, ...]`` (every piece's rows) -> ``[1, H, R Tm, ...]``: the pieces as one query axis, so that one
-    kernel call per chunk serves all of them against a shared (batch-1) chunk without a per-chunk fold copy."""
-    r, h, tm = x.shape[:3]
-    return x.transpose(0, 1).reshape(1, h, r * tm, *x.shape[3:])
-
-
-def _unfold_pieces(x: Tensor, r: int) -> Tensor:
-    """Inverse of :func:`_fold_pieces`: ``[1, H, R Tm, ...]`` -> ``[R, H, Tm, ...]`` (contiguous, for all-to-all)."""
-    h, n = x.shape[1:3]
-    return x.reshape(h, r, n // r, *x.shape[3:]).transpose(0, 1).contiguous()
-
-
 class _CPDecompressed(torch.autograd.Function):
     """MLA's decompressed form with the prompt latents split over the CP group (:func:`cp_decompressed_attention`).
 
@@ -270,11 +257,11 @@ class _CPDecompressed(torch.autograd.Function):
                 o, l = _merge_blocks(comm.all_gather(o.to(q.dtype)), comm.all_gather(l), l.dtype)
             else:  # the step's queries travel to the shares; each piece's partials come back (all-to-all)
                 tm = step.max_len
-                qs = _fold_pieces(comm.all_gather(_pad_time(q, tm)[0]))  # [1, H, R Tm, dn + dr]
-                o, l = decompressed_partial(fwd, qs, sh_lat, w_uk, w_uv, scale, chunk)
+                qs = comm.all_gather(_pad_time(q, tm)[0])  # [R, H, Tm, dn + dr]: every piece's queries
+                o, l = decompressed_partial(fwd, qs, sh_lat, w_uk, w_uv, scale, chunk)  # one piece per block
                 del qs
-                o = comm.all_to_all(_unfold_pieces(o.to(q.dtype), comm.size))  # block j: rank j's for my piece
-                l = comm.all_to_all(_unfold_pieces(l, comm.size))
+                o = comm.all_to_all(o.to(q.dtype))  # [R, H, Tm, dv]; block j: rank j's partial for my piece
+                l = comm.all_to_all(l)
                 o, l = _merge_blocks(o[:, None, :, :t], l[:, None, :, :t], l.dtype)
             outs.append(o)
             lses.append(l)
@@ -335,13 +322,13 @@ class _CPDecompressed(torch.autograd.Function):
                     dw[1].add_(comm.all_reduce(dws[1]))
             else:  # (q, dO, O, lse) of every piece gathered; this share's dq partials back to the pieces' owners
                 tm = step.max_len
-                gather = lambda x: _fold_pieces(comm.all_gather(_pad_time(x, tm)[0]))  # noqa: E731
+                gather = lambda x: comm.all_gather(_pad_time(x, tm)[0])  # noqa: E731  [R, H, Tm, ...]
                 qs, dos, os_ = gather(q), gather(dout), gather(out)
-                ls = _fold_pieces(comm.all_gather(_pad_time(lse[..., None], tm)[0, ..., 0]))  # padded rows: dO = 0
+                ls = comm.all_gather(_pad_time(lse[..., None], tm)[0, ..., 0])  # padded rows: dO = 0, add nothing
                 dqs = decompressed_partial_backward(bwd, dos, qs, sh_lat, w_uk, w_uv, os_, ls, scale, chunk,
                                                     plan.sink, dw)
                 del qs, dos, os_, ls
-                dq += comm.all_to_all(_unfold_pieces(dqs, comm.size)).sum(0)[None, :, :t]
+                dq += comm.all_to_all(dqs).sum(0)[None, :, :t]
         return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
                 None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, d_lat_own, None, None, None,
                 *([None] * len(lats)))

@@ -52,6 +52,7 @@ from longstraw.models.lora import linear_weight
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RopeParams, apply_rope, apply_rope_interleaved
 from longstraw.models.context import CallContext
+from longstraw.ops import meta
 from longstraw.ops.attention import (KVSegment, default_backend, kernels, segment_attention, segment_backward,
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
@@ -60,6 +61,7 @@ from longstraw.state import grad_dtype_for
 MODES = ("auto", "absorbed", "decompressed")
 DEFAULT_MODE = "auto"
 _DECOMPRESS_ELEMS = 1 << 24  # one decompressed chunk holds at most ~16M K/V elements
+_QUERY_ELEMS = 1 << 26  # one query block's partial output / gradient in the decompressed form: at most ~64M elements
 # measured on CPU (docs/MLA.md): per FLOP the decompressed form runs about half as fast as the absorbed one (more,
 # smaller kernel calls; the expansion einsums; V padded to the key size per chunk), and slower still with its
 # backward (every chunk expanded again, four more einsums), so "auto" decompresses only when that divides the
@@ -184,45 +186,79 @@ def _chunks(length: int, size: int):
     return [(s, min(length, s + size)) for s in range(0, length, size)]
 
 
+def _query_blocks(q: Tensor, width: int, shared: bool) -> list[tuple[slice, slice]]:
+    """``(batch, rows)`` slices of ``q [B, H, N, .]`` per kernel call: at most ~64M elements of ``rows x H x width``
+    per block (its partial output / gradient), so that a call with many queries (a context-parallel step ships
+    every rank's piece to every share) keeps its per-block transients bounded. Over a ``shared`` (batch-1) chunk
+    each batch row is its own block, read in place (no fold of the batch into the query axis)."""
+    per = q.shape[1] * width * (1 if shared else q.shape[0])
+    rows = [(a, b) for a, b in _chunks(q.shape[2], max(1, _QUERY_ELEMS // max(1, per)))]
+    if shared and q.shape[0] > 1:
+        return [(slice(i, i + 1), slice(a, b)) for i in range(q.shape[0]) for a, b in rows]
+    return [(slice(None), slice(a, b)) for a, b in rows]
+
+
 def decompressed_partial(fwd, q: Tensor, lat: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float, chunk: int,
                          acc: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """Unmasked attention of ``q [B, H, T, dn + dr]`` over stored latents ``lat [Bk, 1, S, r + dr]`` (``Bk`` 1 or
-    ``B``), expanded ``chunk`` positions at a time into ``K [Bk, H, c, dn + dr]``, ``V [Bk, H, c, dv]`` and merged
-    online by log-sum-exp into ``acc = (out [B, H, T, dv], lse [B, H, T])`` (float32 / float64 accumulators; None:
-    start empty). Returns the merged ``(out, lse)``; an empty ``lat`` and no ``acc`` give ``(0, -inf)``.
+    """Unmasked attention of ``q [B, H, N, dn + dr]`` over stored latents ``lat [Bk, 1, S, r + dr]`` (``Bk`` 1 or
+    ``B``), expanded ``chunk`` positions at a time into ``K [Bk, H, c, dn + dr]``, ``V [Bk, H, c, dv]`` (each chunk
+    once) and merged online, in place, by log-sum-exp into ``acc = (out [B, H, N, dv], lse [B, H, N])`` (float32 /
+    float64 accumulators, updated in place; None: start empty), one block of query rows at a time. Returns
+    ``(out, lse)``; an empty ``lat`` and no ``acc`` give ``(0, -inf)``.
 
-    Peak extra memory: one chunk's K/V and the kernel's partial output for the queries (what bounds it: ``chunk``)."""
+    Transient per (chunk, query block): one chunk's K/V (``chunk x H (dn + dr + dv)`` values) and the block's partial
+    output and merge weights (``~64M`` elements at most: :func:`_query_blocks`). On the meta device (the planner's
+    dry run) only the first and the last chunk run (``ops.meta.skip_repeated_block``): every chunk allocates alike
+    and leaves nothing but what it merged into ``acc``."""
     if acc is None:
         ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros(*q.shape[:3], w_uv.shape[1], dtype=ldt)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=ldt, device=q.device)
     else:
         out, lse = acc
-    for s, e in _chunks(lat.shape[2], chunk):
+    blocks = _query_blocks(q, max(q.shape[-1], w_uv.shape[1]), lat.shape[0] == 1)
+    chunks = _chunks(lat.shape[2], chunk)
+    for i, (s, e) in enumerate(chunks):
+        if meta.skip_repeated_block(q, i, (0, len(chunks) - 1)):
+            continue
         k, v = _expand(lat[:, 0, s:e], w_uk, w_uv)
-        o, l = segment_forward(fwd, q, k, v, False, scale)
-        new = torch.logaddexp(lse, l)
-        out = out * torch.exp(lse - new)[..., None] + o.to(out.dtype) * torch.exp(l - new)[..., None]
-        lse = new
-        del k, v, o
+        for bi, rows in blocks:
+            o, l = segment_forward(fwd, q[bi, :, rows], k, v, False, scale)
+            lb, ob = lse[bi, :, rows], out[bi, :, rows]
+            new = torch.logaddexp(lb, l)
+            ob.mul_(torch.exp(lb - new)[..., None]).add_(o.to(ob.dtype) * torch.exp(l - new)[..., None])
+            lb.copy_(new)
+            del o, l, new
+        del k, v
     return out, lse
 
 
 def decompressed_partial_backward(bwd, dout: Tensor, q: Tensor, lat: Tensor, w_uk: Tensor, w_uv: Tensor, out: Tensor,
                                   lse: Tensor, scale: float, chunk: int, sink: Tensor | None,
                                   dw: tuple[Tensor, Tensor] | None) -> Tensor:
-    """Backward of :func:`decompressed_partial` against the MERGED ``out [B, H, T, dv]`` and GLOBAL ``lse``
-    (ring-attention pattern), each chunk expanded again: returns ``dq [B, H, T, dn + dr]`` (``lse``'s dtype); adds
-    ``d lat`` into ``sink [Bk, 1, S, r + dr]`` and ``(d W_UK, d W_UV)`` into ``dw`` (either may be None: skipped)."""
+    """Backward of :func:`decompressed_partial` against the MERGED ``out [B, H, N, dv]`` and GLOBAL ``lse``
+    (ring-attention pattern), each chunk expanded again (once) and its query blocks run in turn: returns
+    ``dq [B, H, N, dn + dr]`` (``lse``'s dtype); adds ``d lat`` into ``sink [Bk, 1, S, r + dr]`` and
+    ``(d W_UK, d W_UV)`` into ``dw`` (either may be None: skipped). Transient per (chunk, query block): the chunk's
+    K/V and their gradient, the block's ``dq``."""
     r, dn = w_uk.shape[-1], w_uk.shape[1]
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     wdt = dw[0].dtype if dw is not None else sink.dtype if sink is not None else lse.dtype
-    for s, e in _chunks(lat.shape[2], chunk):
+    blocks = _query_blocks(q, max(q.shape[-1], w_uv.shape[1]), lat.shape[0] == 1)
+    chunks = _chunks(lat.shape[2], chunk)
+    for i, (s, e) in enumerate(chunks):
+        if meta.skip_repeated_block(q, i, (0, len(chunks) - 1)):
+            continue
         c = lat[:, 0, s:e]
         k, v = _expand(c, w_uk, w_uv)
-        dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, False, scale)
-        dq += dq_i
-        dk, dv = dk.to(wdt), dv.to(wdt)
+        dk = dv = None
+        for bi, rows in blocks:
+            dq_i, dk_i, dv_i = segment_backward(bwd, dout[bi, :, rows], q[bi, :, rows], k, v, out[bi, :, rows],
+                                                lse[bi, :, rows], False, scale)
+            dq[bi, :, rows] += dq_i
+            dk = dk_i.to(wdt) if dk is None else dk.add_(dk_i)
+            dv = dv_i.to(wdt) if dv is None else dv.add_(dv_i)
+            del dq_i, dk_i, dv_i
         if dw is not None:
             cw = c[..., :r].to(wdt)
             dw[0].add_(torch.einsum("bhsd,bsr->hdr", dk[..., :dn], cw))
