@@ -6,12 +6,19 @@ like full-attention K/V and shard the same way (:class:`~longstraw.distributed.c
 keeps the latents (and keys) of its pieces, in position order, in a local single-process state, whose gradient
 buffer is this rank's sink.
 
-Dense MLA (every DeepSeek-V3 layer; DSA layers whose queries see at most ``index_topk`` keys): the absorbed form
-attends through ``segment_attention`` with ``K = V = lat`` and one shared latent head, so the sharded latents take
-the :class:`ShardedSegment` path of :mod:`longstraw.distributed.cp_attention` unchanged (queries shipped to the
-owners, partials merged by LSE, ``d lat`` into the owner's sink). Under CP the MLA mixer always takes the absorbed
-form (``models/mla.py``, ``attend``): the decompressed one is the same function with other FLOPs, and "auto" would
-pick it from a rank's local lengths, which differ between ranks.
+Dense MLA (every DeepSeek-V3 layer; DSA layers whose queries see at most ``index_topk`` keys) in either form, the
+one ``MLAttention.choose_form`` picks by FLOPs for the whole group's call (:meth:`ShardedSegment.group_shape`: a
+prefill step's ``R`` pieces share every expansion; the numbers are the same on every rank, so all take one path):
+
+* absorbed: ``segment_attention`` with ``K = V = lat`` and one shared latent head, so the sharded latents take the
+  :class:`ShardedSegment` path of :mod:`longstraw.distributed.cp_attention` unchanged (queries shipped to the
+  owners, partials merged by LSE, ``d lat`` into the owner's sink);
+* decompressed (:func:`cp_decompressed_attention`): each rank expands its own share chunk by chunk into per-head
+  K/V (head sizes ``dn + dr`` and ``dv``: flash-sized) and attends the shipped queries to it, one piece's queries
+  per kernel call (``models.mla.decompressed_partial``); partials merged by LSE as above; in backward ``d lat``
+  into the owner's sink, ``dq`` back to the queries' owners, and the partial ``d W_UK, d W_UV`` all-reduced for
+  replicated queries (a reverse-pass step keeps its partial: that pass sums the ranks' parameter gradients). The
+  step's earlier pieces travel as latents and are expanded where they are attended.
 
 DSA (DeepSeek Sparse Attention), the layers whose queries see more than ``index_topk`` keys:
 
@@ -59,7 +66,7 @@ from longstraw.ops.sparse_attention import (Selection, acc_dtype, latent_grad_ta
 from longstraw.ops.topk import first_topk
 
 __all__ = ["ShardedLatentState", "ShardedIndexedLatentState", "ShardedLatentSegment", "ShardedIndexKeys",
-           "cp_decompressed_attention", "cp_sparse_latent_attention", "cp_index_select"]
+           "cp_decompressed_attention", "cp_sparse_latent_attention", "cp_index_select", "mla_step_bytes"]
 
 _NEG = float("-inf")
 _EMPTY_LAT = torch.empty(1, 1, 0, 0)
@@ -357,6 +364,52 @@ def cp_decompressed_attention(sh: ShardedLatentSegment, q: Tensor, w_uk: Tensor,
     sh_lat = sh.k.detach() if local else lat.new_empty(1, 1, 0, lat.shape[-1])  # [1, 1, S_local, r + dr]
     return _CPDecompressed.apply(q, w_uk, w_uv, k_own, v_own, lat, plan, tuple(s.k_grad for s in segments), sh_lat,
                                  *lats)
+
+
+def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, grad: bool) -> tuple[str, int, int]:
+    """What one dense MLA layer (``models.mla.MLAttention``) allocates per rank in a CP prefill step (``grad``:
+    a reverse-pass step, recomputation and backward) beyond one process's chunk of ``piece`` tokens: the shipped
+    queries of the ``cp`` pieces and their partials, by formula (the planner's dry run runs one process).
+    Returns ``(form, step bytes, per-block transient bytes)``, the form being what :meth:`choose_form` picks for
+    the step over ``stored`` prompt positions (``group_shape``).
+
+    Decompressed (``N = cp x piece`` shipped query rows, ``H`` heads, ``b`` bytes of ``dtype``, ``a`` of the
+    float32 accumulators): forward ``N H (dn + dr) b`` gathered queries + ``N H (dv + 1) a`` merged partials, then
+    ``N H dv (a + 2b)`` around the all-to-all; backward ``N H ((dn + dr + 2 dv) b + a)`` gathered ``(q, dO, O,
+    lse)`` + ``N H (dn + dr) a`` partial ``dq`` (twice around its all-to-all). Per block (each expanded chunk
+    against one piece's queries): the chunk's K/V ``c H (dn + dr + dv)`` (and their float32 gradient in backward)
+    plus the block's partial output and merge weights. Absorbed (``D = r + dr`` per head): ``~3 N H D b``
+    forward (gathered queries, a folded copy per key block, partial outputs), and twice that in backward."""
+    h, dk, dv, dl = layer.num_heads, layer.dn + layer.dr, layer.dv, layer.kv_lora_rank + layer.dr
+    b = torch.empty(0, dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    n = cp * piece
+    form = layer.choose_form(1, piece, [_ShapeOnly(n, stored)], grad)
+    c = layer.chunk_positions()
+    if form == "absorbed":
+        step = 3 * n * h * dl * b * (2 if grad else 1)
+        return form, step, 0
+    fwd = max(n * h * dk * b + n * h * (dv + 1) * a, n * h * dv * (a + 2 * b) + 2 * n * h * a)
+    block = c * h * (dk + dv) * b + piece * h * dv * (b + 3 * a)
+    if not grad:
+        return form, fwd, block
+    bwd = max(n * h * ((dk + 2 * dv) * b + a) + n * h * dk * a, 2 * n * h * dk * a)
+    return form, max(fwd, bwd), block + c * h * (dk + dv) * a * 2 + piece * h * dk * (b + a)
+
+
+class _ShapeOnly(PartitionedSegment):
+    """A stand-in segment for :func:`mla_step_bytes`: the group's call shape only (``n`` step rows over ``stored``
+    positions), to ask an MLA layer which form it picks."""
+
+    def __init__(self, n: int, stored: int):
+        self.n, self.stored = n, stored
+
+    @property
+    def key_count(self) -> int:
+        return self.stored
+
+    def group_shape(self, tokens: int) -> tuple[int, int]:
+        return self.n, self.stored
 
 
 # ---------------------------------------------------------------------------------------------------- indexer

@@ -531,9 +531,7 @@ class MLAttention(nn.Module):
                 segs.append((1, stored))
             else:
                 segs.append((s.k.shape[0], s.length))
-        f = self.attention_flops(batch, tokens, segs)
-        penalty = DECOMPRESS_FLOP_PENALTY_GRAD if grad else DECOMPRESS_FLOP_PENALTY
-        return "decompressed" if f["decompressed"] * penalty < f["absorbed"] else "absorbed"
+        return self._pick(self.attention_flops(batch, tokens, segs), grad)
 
     def attend(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
         """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``, in the form
@@ -557,16 +555,30 @@ class MLAttention(nn.Module):
         """Bytes the prompt state keeps per position: ``(kv_lora_rank + qk_rope_head_dim) x dtype bytes``."""
         return (self.kv_lora_rank + self.dr) * torch.empty(0, dtype=dtype).element_size()
 
-    def flops_per_token(self, context: int) -> float:
-        """Forward FLOPs per new token (absorbed form) over ``context`` stored positions."""
+    def flops_per_token(self, context: int, tokens: int | None = None) -> float:
+        """Forward FLOPs per new token over ``context`` stored positions: the projections plus the attention, in
+        the absorbed form (``tokens`` None: a token decoded alone) or, given the ``tokens`` of one call (a prefill
+        chunk), in the form :meth:`choose_form`'s rule picks for such a call (forward penalty), its expansion
+        shared by the call's tokens: the count the planner's FLOP shares use."""
         hidden = self.kv_a_proj_with_mqa.in_features
         h, r, qk = self.num_heads, self.kv_lora_rank, self.dn + self.dr
         if self.q_proj is not None:
             q = hidden * h * qk
         else:
             q = hidden * self.q_a_proj.out_features + self.q_a_proj.out_features * h * qk
-        proj = q + hidden * (r + self.dr) + h * self.dn * r + h * r * self.dv + h * self.dv * hidden
-        return 2.0 * proj + 2.0 * h * (2 * r + 2 * self.dr) * context
+        shared = q + hidden * (r + self.dr) + h * self.dv * hidden  # both forms
+        if tokens is None:
+            return 2.0 * (shared + h * self.dn * r + h * r * self.dv) + 2.0 * h * (2 * r + 2 * self.dr) * context
+        f = self.attention_flops(1, tokens, [(1, context)])
+        return 2.0 * shared + f[self._pick(f, False)] / tokens
+
+    def _pick(self, f: dict[str, float], grad: bool) -> str:
+        """The FLOP rule: ``mode`` unless ``"auto"``; then decompressed when its FLOPs times the penalty are below
+        the absorbed form's."""
+        if self.mode != "auto":
+            return self.mode
+        penalty = DECOMPRESS_FLOP_PENALTY_GRAD if grad else DECOMPRESS_FLOP_PENALTY
+        return "decompressed" if f["decompressed"] * penalty < f["absorbed"] else "absorbed"
 
 
 def set_mla_mode(model: nn.Module, mode: str, decompress_chunk: int | None = None) -> int:
