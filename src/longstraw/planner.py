@@ -932,7 +932,8 @@ def explain(res: Plan) -> dict[str, str]:
                     if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
         "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",
         "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)",
-        "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)",
+        "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)"
+                         + (f"; MLA: {a['mla_attention']}" if "mla_attention" in a else ""),
         "branch_graph": f"one batch of {st['branch_batch']} branch(es) of {st['response_len']:,} tokens",
         "logits": "one LM-head chunk of float32 logits",
         "kept_graphs": "prompt-step graphs kept for the reverse pass (graph budget)" if res.breakdown.get(

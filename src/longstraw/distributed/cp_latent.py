@@ -56,8 +56,8 @@ from longstraw.distributed.cp_attention import ShardedSegment, StepPieces, _merg
 from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
 from longstraw.models.context import CallContext
 from longstraw.models.dsa import SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix
-from longstraw.models.mla import (LatentDecoder, LatentState, decompressed_partial, decompressed_partial_backward,
-                                  weight_grads)
+from longstraw.models.mla import (_QUERY_ELEMS, LatentDecoder, LatentState, decompressed_partial,
+                                  decompressed_partial_backward, weight_grads)
 from longstraw.ops.attention import KVSegment, kernels, segment_backward, segment_forward
 from longstraw.ops.attention import merge_partials as merge_segments
 from longstraw.ops.partitioned import PartitionedSegment
@@ -267,7 +267,8 @@ class _CPDecompressed(torch.autograd.Function):
                 qs = comm.all_gather(_pad_time(q, tm)[0])  # [R, H, Tm, dn + dr]: every piece's queries
                 o, l = decompressed_partial(fwd, qs, sh_lat, w_uk, w_uv, scale, chunk)  # one piece per block
                 del qs
-                o = comm.all_to_all(o.to(q.dtype))  # [R, H, Tm, dv]; block j: rank j's partial for my piece
+                o = o.to(q.dtype)  # (the float32 accumulator freed before the exchange)
+                o = comm.all_to_all(o)  # [R, H, Tm, dv]; block j: rank j's partial for my piece
                 l = comm.all_to_all(l)
                 o, l = _merge_blocks(o[:, None, :, :t], l[:, None, :, :t], l.dtype)
             outs.append(o)
@@ -375,7 +376,7 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
 
     Decompressed (``N = cp x piece`` shipped query rows, ``H`` heads, ``b`` bytes of ``dtype``, ``a`` of the
     float32 accumulators): forward ``N H (dn + dr) b`` gathered queries + ``N H (dv + 1) a`` merged partials, then
-    ``N H dv (a + 2b)`` around the all-to-all; backward ``N H ((dn + dr + 2 dv) b + a)`` gathered ``(q, dO, O,
+    ``2 N H (dv b + a)`` around the all-to-all; backward ``N H ((dn + dr + 2 dv) b + a)`` gathered ``(q, dO, O,
     lse)`` + ``N H (dn + dr) a`` partial ``dq`` (twice around its all-to-all). Per block (each expanded chunk
     against one piece's queries): the chunk's K/V ``c H (dn + dr + dv)`` (and their float32 gradient in backward)
     plus the block's partial output and merge weights. Absorbed (``D = r + dr`` per head): ``~3 N H D b``
@@ -389,12 +390,13 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
     if form == "absorbed":
         step = 3 * n * h * dl * b * (2 if grad else 1)
         return form, step, 0
-    fwd = max(n * h * dk * b + n * h * (dv + 1) * a, n * h * dv * (a + 2 * b) + 2 * n * h * a)
-    block = c * h * (dk + dv) * b + piece * h * dv * (b + 3 * a)
+    fwd = max(n * h * dk * b + n * h * (dv + 1) * a, n * h * dv * (a + b) + n * h * a, 2 * n * h * (dv * b + a))
+    rows = min(piece, max(1, _QUERY_ELEMS // (h * max(dk, dv))))  # query rows per kernel call
+    block = c * h * (dk + dv) * b + rows * h * dv * (b + 2 * a) + 3 * rows * h * a
     if not grad:
         return form, fwd, block
     bwd = max(n * h * ((dk + 2 * dv) * b + a) + n * h * dk * a, 2 * n * h * dk * a)
-    return form, max(fwd, bwd), block + c * h * (dk + dv) * a * 2 + piece * h * dk * (b + a)
+    return form, max(fwd, bwd), c * h * (dk + dv) * (b + 2 * a) + rows * h * dk * (b + a)
 
 
 class _ShapeOnly(PartitionedSegment):
