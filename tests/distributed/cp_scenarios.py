@@ -365,6 +365,8 @@ SCENARIOS = {
                                                           branch_batch=2, mla_mode="decompressed"),
     "v3_exact_fsdp_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, fsdp=True,
                                                             mla_mode="decompressed"),
+    "v3_exact_ckpt_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=2, branch_batch=2,
+                                                            checkpoint_layers=True, mla_mode="decompressed"),
     "v3_decompressed_score": lambda p: score(p, family="deepseek_v3", mla_mode="decompressed"),
     "v3_absorbed_score": lambda p: score(p, family="deepseek_v3", mla_mode="absorbed"),
     "v3_decompressed_generate": lambda p: generate(p, family="deepseek_v3", mla_mode="decompressed"),

@@ -1,6 +1,6 @@
 """Context parallelism (and FSDP2) on 2 and 4 gloo ranks against the single-process run, float64.
 
-Five jobs, each one launch of plain processes with torchrun's environment (cp_launcher.py), running many
+Jobs, each one launch of plain processes with torchrun's environment (cp_launcher.py), running many
 scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 
 * 2 ranks, cp=2: every scenario (dense Llama and Qwen3 with tied embeddings, the Qwen3.5 DeltaNet hybrid; exact
@@ -8,7 +8,10 @@ scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 * 4 ranks, cp=4: the same on an oversubscribed machine (one thread per rank);
 * 4 ranks, cp=2, ``init_distributed(fsdp=True)`` (FSDP2 applied by load_model, the user path): two data-parallel
   replicas of a 2-rank CP group (dense exact, hybrid exact and detached), their gradients summed;
-* 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents; also against a single process that decompresses),
+* 2 and 4 ranks, MLA with each form forced under CP (the decompressed CP twin and the absorbed path) against one
+  process forced alike: DeepSeek-V3 (exact, detached, FSDP2, score, generate), GLM-5 and DeepSeek-V3.2 (dense DSA
+  calls);
+* 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents, the form "auto" picks),
   GLM-5 (MLA + DSA sparse indexer with a shared indexer layer, its top-k over the sharded prompt), DeepSeek-V3.2
   (2 ranks), GLM-4.5 (GQA + MoE) and Qwen3-Next (DeltaNet + MoE): exact and detached, FSDP2 on 2 ranks (MLA; DSA
   with checkpointed layers and batched branches), generate, score, per-rank state bytes.
@@ -48,9 +51,10 @@ MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached"
         "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
 # MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
 # whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2, score,
-# generate (decoding over the generated tokens' latents), the dense path of DSA layers (GLM-5, DeepSeek-V3.2)
+# checkpointed layers with batched branches, generate (decoding over the generated tokens' latents), the dense path
+# of DSA layers (GLM-5, DeepSeek-V3.2)
 MLA2 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_exact_fsdp_decompressed",
-        "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate", "dsa_exact_decompressed",
+        "v3_exact_ckpt_decompressed", "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate", "dsa_exact_decompressed",
         "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed"]
 MLA4 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_decompressed_score",
         "dsa_exact_decompressed", "dsa_exact_absorbed"]
