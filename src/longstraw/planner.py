@@ -766,11 +766,10 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
     if cp == 1:
         f = layer.attention_flops(1, chunk, [(1, prompt_len)])
         form = layer._pick(f, cfg.exact)
-        assumptions["mla_attention"] = (
-            f"{form} form for prefill chunks (FLOP rule)" + (
-                f"; {layer.chunk_positions():,} stored positions expanded per chunk "
-                f"({format_bytes(layer.chunk_positions() * layer.num_heads * (layer.dn + layer.dr + layer.dv) * dtype.itemsize)}"
-                " of K/V; in the dry run)" if form == "decompressed" else ""))
+        kv = layer.chunk_positions() * layer.num_heads * (layer.dn + layer.dr + layer.dv) * dtype.itemsize
+        assumptions["mla_attention"] = f"{form} form for prefill chunks (FLOP rule)" + (
+            f"; {layer.chunk_positions():,} stored positions expanded per chunk ({format_bytes(kv)} of K/V; in the "
+            "dry run)" if form == "decompressed" else "")
         return 0
     from longstraw.distributed.cp_latent import mla_step_bytes
 

@@ -50,12 +50,12 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
 # MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
-# whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2, score,
-# checkpointed layers with batched branches, generate (decoding over the generated tokens' latents), the dense path
-# of DSA layers (GLM-5, DeepSeek-V3.2)
+# whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2,
+# checkpointed layers with batched branches, score, generate (decoding over the generated tokens' latents), the
+# dense path of DSA layers (GLM-5, DeepSeek-V3.2)
 MLA2 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_exact_fsdp_decompressed",
-        "v3_exact_ckpt_decompressed", "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate", "dsa_exact_decompressed",
-        "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed"]
+        "v3_exact_ckpt_decompressed", "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate",
+        "dsa_exact_decompressed", "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed"]
 MLA4 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_decompressed_score",
         "dsa_exact_decompressed", "dsa_exact_absorbed"]
 # FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each

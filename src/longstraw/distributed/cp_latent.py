@@ -256,7 +256,7 @@ class _CPDecompressed(torch.autograd.Function):
     def forward(ctx, q, w_uk, w_uv, k_own, v_own, lat_own, plan: _DecPlan, sinks, sh_lat, *lats):
         fwd, _ = kernels(plan.backend)
         comm, step, scale, chunk = plan.comm, plan.step, plan.scale, plan.chunk
-        b, h, t, _ = q.shape
+        t = q.shape[2]
         outs, lses = [], []
         if plan.global_length > 0:  # the stored prompt: each rank expands its own share, chunk by chunk
             if step is None:  # replicated queries: partials gathered and merged

@@ -18,7 +18,8 @@ and every segment, partitioned or not, answers :attr:`key_count`: how many keys 
 on every process (DSA layers decide between dense and sparse attention from it, and all processes of a group must
 take the same path), and a segment that MLA attends answers :meth:`~PartitionedSegment.group_shape`: the call as
 the whole group makes it, from which every process picks the same MLA form. A layer of the Gated DeltaNet kind has
-an O(1) recurrent state instead of stored keys; its prefix (``models.deltanet.RecurrentPrefix``) has the equivalent typed hooks, ``enter`` and ``leave``.
+an O(1) recurrent state instead of stored keys; its prefix (``models.deltanet.RecurrentPrefix``) has the equivalent
+typed hooks, ``enter`` and ``leave``.
 
 Every method is a collective: all processes of the group call it in the same order with the same shapes. The
 models and ops never import the distributed code; they only test ``isinstance(segment, PartitionedSegment)``.
