@@ -814,12 +814,16 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             "for such a run branch_graph and prefill_chunk are upper bounds")
     assumptions["checkpoint_layers"] = bool(cfg.checkpoint_layers)
 
+    mla_step = _mla_cp_step(model, dt, cfg, cp, prompt_len, assumptions)
+
     def at(p: int, state_only: bool = False) -> dict[str, int]:
         if (p, state_only) not in cache:
             d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
             for k in ("prompt_state", "prompt_state_grad", "grad_at_replay"):
                 if k in d:
                     d[k] //= cp
+            if "prefill_chunk" in d:
+                d["prefill_chunk"] += mla_step
             cache[p, state_only] = {**fixed, **d}
         return cache[p, state_only]
 
@@ -891,16 +895,56 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     return Plan(int(peak), breakdown, max_len, settings, usable)
 
 
-def _forward_flops(model, start: int, end: int) -> float | None:
+def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:
+    """Bytes a CP step's MLA attention adds per rank beyond one process's chunk (the dry run runs one process):
+    the shipped queries and partials of one dense MLA layer (``distributed.cp_latent.mla_step_bytes``; DSA layers
+    whose step sees more than ``index_topk`` keys run the sparse path, not counted here). Writes the form and the
+    per-block transient into ``assumptions["mla_attention"]``; 0 without MLA layers."""
+    from longstraw.models.mla import MLAttention
+
+    mixers = [m.mixer for m in model.layers if isinstance(m.mixer, MLAttention)]
+    if not mixers:
+        return 0
+    layer, chunk = mixers[0], cfg.prefill_chunk
+    dense = [m for m in mixers if getattr(m, "index_topk", None) is None or prompt_len <= m.index_topk]
+    if cp == 1:
+        f = layer.attention_flops(1, chunk, [(1, prompt_len)])
+        form = layer._pick(f, cfg.exact)
+        kv = layer.chunk_positions() * layer.num_heads * (layer.dn + layer.dr + layer.dv) * dtype.itemsize
+        assumptions["mla_attention"] = f"{form} form for prefill chunks (FLOP rule)" + (
+            f"; {layer.chunk_positions():,} stored positions expanded per chunk ({format_bytes(kv)} of K/V; in the "
+            "dry run)" if form == "decompressed" else "")
+        return 0
+    from longstraw.distributed.cp_latent import mla_step_bytes
+
+    form, step, block = mla_step_bytes(layer, cp, chunk, prompt_len, dtype, cfg.exact)
+    if not dense:
+        assumptions["mla_attention"] = (f"cp={cp}: DSA layers run the sparse path at this length (absorbed "
+                                        "latents); its step exchange is not counted")
+        return 0
+    assumptions["mla_attention"] = (
+        f"cp={cp}: {form} form for a step of {cp} x {chunk:,} tokens (FLOP rule); per rank and MLA layer the "
+        f"shipped queries and partials add {format_bytes(step)} (by formula, in prefill_chunk)"
+        + (f"; per block {format_bytes(block)} ({layer.chunk_positions():,} stored positions expanded per chunk, "
+           f"one piece's queries per call)" if form == "decompressed" else ""))
+    return step
+
+
+def _forward_flops(model, start: int, end: int, chunk: int | None = None) -> float | None:
     """Forward FLOPs of prompt positions ``[start, end)`` (attention at their mean context), from the modules'
-    ``flops_per_token``; None when a module does not give its own."""
+    ``flops_per_token``; None when a module does not give its own. MLA layers count the form their FLOP rule picks
+    for prefill chunks of ``chunk`` tokens (``MLAttention.flops_per_token``), as the run does."""
+    from longstraw.models.mla import MLAttention
+
     ctx = (start + end) / 2
     total = 0.0
     for layer in model.layers:
         mixer, ffn = layer.mixer, layer.ffn
         if not hasattr(mixer, "flops_per_token") or not hasattr(ffn, "flops_per_token"):
             return None
-        total += mixer.flops_per_token(int(ctx)) + ffn.flops_per_token()
+        f = mixer.flops_per_token(int(ctx), chunk) if isinstance(mixer, MLAttention) else mixer.flops_per_token(
+            int(ctx))
+        total += f + ffn.flops_per_token()
     return total * (end - start)
 
 
@@ -919,8 +963,8 @@ def kept_graph_plan(model, prompt_len: int, chunk: int, step_graph: int, budget:
     per_token = step_graph / chunk if chunk else 0.0
     kept_tokens = n if per_token <= 0 else min(n, int(budget // per_token))
     kept_bytes = math.ceil(kept_tokens * per_token)
-    f_all = _forward_flops(model, 0, n) if n else None
-    f_kept = _forward_flops(model, n - kept_tokens, n) if kept_tokens else 0.0
+    f_all = _forward_flops(model, 0, n, chunk) if n else None
+    f_kept = _forward_flops(model, n - kept_tokens, n, chunk) if kept_tokens else 0.0
     share = (f_kept / f_all if f_all and f_kept is not None else kept_tokens / n if n else 0.0)
     return {"budget": int(budget), "kept_bytes": int(kept_bytes), "kept_tokens": int(kept_tokens), "steps": steps,
             "recompute_saved": round(share, 4), "step_time_saved": round(share / 4, 4)}
@@ -1031,7 +1075,8 @@ def explain(res: Plan) -> dict[str, str]:
                     if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
         "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",
         "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)",
-        "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)",
+        "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)"
+                         + (f"; MLA: {a['mla_attention']}" if "mla_attention" in a else ""),
         "branch_graph": f"one batch of {st['branch_batch']} branch(es) of {st['response_len']:,} tokens",
         "logits": "one LM-head chunk of float32 logits",
         "kept_graphs": "prompt-step graphs kept for the reverse pass (graph budget)" if res.breakdown.get(

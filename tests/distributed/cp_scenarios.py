@@ -42,6 +42,15 @@ def _old_ref(model, prompt, responses, cfg, seed):
     return old, ref
 
 
+def _mla_mode(model, mode):
+    """Force every MLA layer of ``model`` to one form (None: leave "auto"), expanding 4 stored positions at a time in
+    the decompressed form, so that chunks split a rank's share, a step's earlier pieces and the prompt alike."""
+    if mode is not None:
+        from longstraw.models.mla import set_mla_mode
+
+        set_mla_mode(model, mode, decompress_chunk=4)
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: g.detach().cpu().clone() for n, g in longstraw.hf_grads(model).items()}
 
@@ -49,13 +58,10 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
                     checkpoint_layers=False, mla_mode=None, dtype=None):
     """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
-    ``mla_mode``: force an MLA form (one process runs it; under CP MLA layers always attend absorbed). Every rank
-    passes the same groups: with the mean over data-parallel replicas, the gradients are the single process's."""
+    ``mla_mode``: force an MLA form (in one process and under CP alike; see :func:`_mla_mode`). Every rank passes
+    the same groups: with the mean over data-parallel replicas, the gradients are the single process's."""
     model = _load(paths[family], fsdp, dtype)
-    if mla_mode is not None:
-        from longstraw.models.mla import set_mla_mode
-
-        set_mla_mode(model, mla_mode, decompress_chunk=4)
+    _mla_mode(model, mla_mode)
     groups = [group(5, 23, [4, 1, 6]), group(6, 18, [3, 5])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=chunk, branch_batch=branch_batch,
@@ -83,17 +89,19 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     return out
 
 
-def score(paths, *, family="llama", fsdp=False):
+def score(paths, *, family="llama", fsdp=False, mla_mode=None):
     model = _load(paths[family], fsdp)
+    _mla_mode(model, mla_mode)
     prompt, responses, _ = group(8, 19, [5, 1, 8])
     lp, ent = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=2, branch_batch=2),
                               with_entropy=True)
     return {"logprobs": [x.cpu() for x in lp], "entropy": [x.cpu() for x in ent]}
 
 
-def generate(paths, *, family="llama", fsdp=False):
+def generate(paths, *, family="llama", fsdp=False, mla_mode=None):
     """Rollouts from the shared state, their log-probs against score, and the kept state reused for a step."""
     model = _load(paths[family], fsdp)
+    _mla_mode(model, mla_mode)
     prompt, _, _ = group(9, 21, [1])
     sp = longstraw.SamplingConfig(temperature=0.9, top_k=20, max_new_tokens=7, seed=3, stop_token_ids=(7,))
     ro = longstraw.generate(model, prompt, 4, sp, prefill_chunk=3, keep_state=True, exact_state=True)
@@ -351,6 +359,21 @@ SCENARIOS = {
     "dsa_score": lambda p: score(p, family="glm_moe_dsa"),
     "dsa_state_bytes": lambda p: state_bytes(p, family="glm_moe_dsa"),
     "v32_exact": lambda p: grpo_two_groups(p, family="deepseek_v32", chunk=4),
+    # MLA forms forced under CP (the decompressed CP twin, the absorbed CP path), against one process forced alike
+    "v3_exact_absorbed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=5, mla_mode="absorbed"),
+    "v3_detached_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", prompt_grad="detached",
+                                                          branch_batch=2, mla_mode="decompressed"),
+    "v3_exact_fsdp_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, fsdp=True,
+                                                            mla_mode="decompressed"),
+    "v3_exact_ckpt_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=2, branch_batch=2,
+                                                            checkpoint_layers=True, mla_mode="decompressed"),
+    "v3_decompressed_score": lambda p: score(p, family="deepseek_v3", mla_mode="decompressed"),
+    "v3_absorbed_score": lambda p: score(p, family="deepseek_v3", mla_mode="absorbed"),
+    "v3_decompressed_generate": lambda p: generate(p, family="deepseek_v3", mla_mode="decompressed"),
+    "dsa_exact_decompressed": lambda p: grpo_two_groups(p, family="glm_moe_dsa", mla_mode="decompressed"),
+    "dsa_exact_absorbed": lambda p: grpo_two_groups(p, family="glm_moe_dsa", mla_mode="absorbed"),
+    "dsa_decompressed_score": lambda p: score(p, family="glm_moe_dsa", mla_mode="decompressed"),
+    "v32_exact_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v32", chunk=4, mla_mode="decompressed"),
     "glm4_moe_exact": lambda p: grpo_two_groups(p, family="glm4_moe"),
     "glm4_moe_detached": lambda p: grpo_two_groups(p, family="glm4_moe", prompt_grad="detached"),
     "next_exact": lambda p: grpo_two_groups(p, family="qwen3_next"),

@@ -1,6 +1,6 @@
 """Context parallelism (and FSDP2) on 2 and 4 gloo ranks against the single-process run, float64.
 
-Five jobs, each one launch of plain processes with torchrun's environment (cp_launcher.py), running many
+Jobs, each one launch of plain processes with torchrun's environment (cp_launcher.py), running many
 scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 
 * 2 ranks, cp=2: every scenario (dense Llama and Qwen3 with tied embeddings, the Qwen3.5 DeltaNet hybrid; exact
@@ -8,7 +8,10 @@ scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 * 4 ranks, cp=4: the same on an oversubscribed machine (one thread per rank);
 * 4 ranks, cp=2, ``init_distributed(fsdp=True)`` (FSDP2 applied by load_model, the user path): two data-parallel
   replicas of a 2-rank CP group (dense exact, hybrid exact and detached), their gradients summed;
-* 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents; also against a single process that decompresses),
+* 2 and 4 ranks, MLA with each form forced under CP (the decompressed CP twin and the absorbed path) against one
+  process forced alike: DeepSeek-V3 (exact, detached, FSDP2, score, generate), GLM-5 and DeepSeek-V3.2 (dense DSA
+  calls);
+* 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents, the form "auto" picks),
   GLM-5 (MLA + DSA sparse indexer with a shared indexer layer, its top-k over the sharded prompt), DeepSeek-V3.2
   (2 ranks), GLM-4.5 (GQA + MoE) and Qwen3-Next (DeltaNet + MoE): exact and detached, FSDP2 on 2 ranks (MLA; DSA
   with checkpointed layers and batched branches), generate, score, per-rank state bytes.
@@ -40,12 +43,21 @@ FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks"]
 DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_dp_sum_fsdp", "fp32_exact",
       "bf16_exact"]
-MOE2 = ["v3_exact", "v3_detached", "v3_exact_decompressed", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
+MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "v32_exact", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached", "q35moe_exact",
         "q35moe_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
+# MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
+# whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2,
+# checkpointed layers with batched branches, score, generate (decoding over the generated tokens' latents), the
+# dense path of DSA layers (GLM-5, DeepSeek-V3.2)
+MLA2 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_exact_fsdp_decompressed",
+        "v3_exact_ckpt_decompressed", "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate",
+        "dsa_exact_decompressed", "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed"]
+MLA4 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_decompressed_score",
+        "dsa_exact_decompressed", "dsa_exact_absorbed"]
 # FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each
 # kind (dense, hybrid, MLA), float64 and float32/bf16; data-parallel replicas with prompts of different lengths
 FSDP_CP1_W2 = ["exact", "detached", "hybrid_exact", "v3_exact", "fp32_exact", "bf16_exact", "dp_sum_fsdp",
@@ -64,7 +76,8 @@ EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
-        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
+        "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "mla_cp2": (2, 2, False, MLA2),
+        "mla_cp4": (4, 4, False, MLA4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
         "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
         "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2),
         "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
@@ -72,7 +85,7 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
 _EP_ONLY = ("ep_experts", "ep_save", "ep_init")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
              "registered_shards", "offload_dcp")
-GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + EP2_CP2 + EP2_CP2_W4
+GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4
                   if s not in _EP_ONLY and not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
 # lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties
@@ -453,3 +466,33 @@ def test_latent_positions_and_deterministic_topk():
     assert sorted(sel.idx.flatten().tolist()) == [2, 4, 7] and bool(sel.valid.all())
     sel = _global_select([vals], [pos], 6)  # wider than the finite candidates: the -inf one is invalid
     assert sel.valid.sum().item() == 5 and 0 in sel.idx[~sel.valid].tolist()
+
+
+def test_mla_form_is_the_groups_choice():
+    """Under CP the MLA form is chosen from the whole group's call (``group_shape``: a prefill step's pieces share
+    every expansion; replicated queries as in one process), so ranks whose pieces differ in length (the last step)
+    or whose shares differ choose alike; at DeepSeek-V3 sizes the FLOP rule decompresses a 32-rank step of 4096-token
+    pieces and keeps decoding and short replays absorbed."""
+    from longstraw.distributed.cp_attention import StepPieces
+    from longstraw.distributed.cp_latent import ShardedLatentSegment
+    from longstraw.models.mla import MLAttention
+
+    v3 = MLAttention(64, 128, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                     v_head_dim=128, scale=1.0, mode="auto").to("meta")
+
+    def seg(local, stored, step=None):
+        lat = torch.empty(1, 1, local, 576, device="meta")
+        return ShardedLatentSegment(lat, lat, comm=None, step=step, global_length=stored)
+
+    stored = 1 << 20
+    lengths = (4096,) * 31 + (17,)  # the last rank's piece is short
+    forms = {v3.choose_form(1, lengths[r], [seg(stored // 32 + 7 * r, stored, StepPieces(lengths, r))])
+             for r in range(32)}
+    assert forms == {"decompressed"}
+    assert v3.choose_form(1, 17, [seg(5, 0, StepPieces((17, 17), 1))]) == "absorbed"  # a first step of 34 tokens
+    for b, t, want in ((16, 1, "absorbed"), (1, 64, "absorbed"), (1, 4096, "decompressed")):
+        got = {v3.choose_form(b, t, [seg(stored // 32 + r, stored)], grad=True) for r in range(4)}
+        assert got == {want}, (b, t, got)
+    # the count it decides by: the whole step as one call of sum(lengths) queries over the stored prefix
+    assert seg(3, stored, StepPieces(lengths, 5)).group_shape(4096) == (sum(lengths), stored)
+    assert seg(3, stored).group_shape(9) == (9, stored)

@@ -65,13 +65,20 @@ def prefill(layer, x_prompt, chunk):
     return st
 
 
-@pytest.mark.parametrize("mode,chunk", [("absorbed", None), ("decompressed", None), ("decompressed", 2), ("auto", 3)])
+@pytest.mark.parametrize("mode,chunk,rows", [("absorbed", None, None), ("decompressed", None, None),
+                                             ("decompressed", 2, None), ("decompressed", 2, 1), ("auto", 3, None)])
 @pytest.mark.parametrize("q_lora,interleave,threads", [(7, True, 1), (None, False, 3)])
-def test_forms_equal_decompressed_reference_with_sink(mode, chunk, q_lora, interleave, threads, monkeypatch):
+def test_forms_equal_decompressed_reference_with_sink(mode, chunk, rows, q_lora, interleave, threads, monkeypatch):
     """Two branches over a shared 9-position prompt prefilled in chunks of 4: outputs, parameter and input
     gradients, and the gradient the sink collects for the prompt latents equal a full decompressed graph.
-    ``threads=3``: the absorbed backward spreads the latent key head over 3 stride-0 views."""
+    ``threads=3``: the absorbed backward spreads the latent key head over 3 stride-0 views. ``rows=1``: the
+    decompressed form runs one query row per kernel call (its query blocks, as a context-parallel step's many
+    queries run), merging each chunk's partials block by block."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if rows is not None:
+        from longstraw.models import mla
+
+        monkeypatch.setattr(mla, "_QUERY_ELEMS", 2 * H * max(DN + DR, DV) * rows)  # 2 branches x rows x H x D
     layer = _layer(q_lora, interleave=interleave)
     layer.set_mode(mode)
     layer.decompress_chunk = chunk

@@ -609,3 +609,31 @@ def test_dsa_meta_shortcut_changes_no_tracked_byte(monkeypatch):
     assert sum(calls) > 50  # the shortcut did skip blocks
     monkeypatch.setattr(meta, "SHORTCUTS", False)
     assert plans() == fast
+
+
+def test_mla_decompressed_chunk_shortcut_changes_no_byte(monkeypatch):
+    """The decompressed MLA form's chunk loop (``models/mla.py``: forward and backward expand ``chunk`` stored
+    positions at a time; on meta only the first and the last chunk run): plans of a DeepSeek-V3-style model whose
+    prefill chunks decompress (the FLOP rule picks that form) over many chunks are byte-equal with the shortcut on
+    and off, detached and exact."""
+    from longstraw.models import mla
+    from longstraw.ops import meta
+
+    cfg = {"model_type": "deepseek_v3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
+           "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
+           "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
+           "v_head_dim": 5, "q_lora_rank": 10, "max_position_embeddings": 4096}
+    monkeypatch.setattr(mla, "_DECOMPRESS_ELEMS", 1)  # 64 stored positions per chunk: ~17 chunks per call
+
+    def plans():
+        return [plan(cfg, prompt_len=1100, response_len=8, group=2, dtype="float32",
+                     cfg=GRPOConfig(prompt_grad=m, prefill_chunk=512)).breakdown for m in ("detached", "exact")]
+
+    calls = []
+    real = meta.skip_repeated_block
+    monkeypatch.setattr(meta, "skip_repeated_block", lambda *a: calls.append(real(*a)) or calls[-1])
+    fast = plans()
+    assert sum(calls) > 20  # the shortcut did skip chunks
+    monkeypatch.setattr(meta, "SHORTCUTS", False)
+    assert plans() == fast

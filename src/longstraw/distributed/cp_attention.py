@@ -79,6 +79,11 @@ class ShardedSegment(KVSegment, PartitionedSegment):
             return self.global_length
         return self.global_length + sum(self.step.lengths) - self.step.lengths[self.step.rank]
 
+    def group_shape(self, tokens: int) -> tuple[int, int]:
+        """Replicated queries: ``(tokens, global_length)``; a prefill step: ``(the step's tokens, global_length)``
+        (every rank's piece queries every rank's share: the step is one call of ``sum(lengths)`` queries)."""
+        return (tokens if self.step is None else sum(self.step.lengths)), self.global_length
+
     def attention(self, q: Tensor, segments: list[KVSegment], scale: float, *, backend: str | None = None,
                   return_lse: bool = False, max_segment: int = 32768):
         return cp_segment_attention(q, segments, scale, backend=backend, return_lse=return_lse,

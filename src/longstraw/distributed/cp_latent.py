@@ -6,12 +6,19 @@ like full-attention K/V and shard the same way (:class:`~longstraw.distributed.c
 keeps the latents (and keys) of its pieces, in position order, in a local single-process state, whose gradient
 buffer is this rank's sink.
 
-Dense MLA (every DeepSeek-V3 layer; DSA layers whose queries see at most ``index_topk`` keys): the absorbed form
-attends through ``segment_attention`` with ``K = V = lat`` and one shared latent head, so the sharded latents take
-the :class:`ShardedSegment` path of :mod:`longstraw.distributed.cp_attention` unchanged (queries shipped to the
-owners, partials merged by LSE, ``d lat`` into the owner's sink). Under CP the MLA mixer always takes the absorbed
-form (``models/mla.py``, ``attend``): the decompressed one is the same function with other FLOPs, and "auto" would
-pick it from a rank's local lengths, which differ between ranks.
+Dense MLA (every DeepSeek-V3 layer; DSA layers whose queries see at most ``index_topk`` keys) in either form, the
+one ``MLAttention.choose_form`` picks by FLOPs for the whole group's call (:meth:`ShardedSegment.group_shape`: a
+prefill step's ``R`` pieces share every expansion; the numbers are the same on every rank, so all take one path):
+
+* absorbed: ``segment_attention`` with ``K = V = lat`` and one shared latent head, so the sharded latents take the
+  :class:`ShardedSegment` path of :mod:`longstraw.distributed.cp_attention` unchanged (queries shipped to the
+  owners, partials merged by LSE, ``d lat`` into the owner's sink);
+* decompressed (:func:`cp_decompressed_attention`): each rank expands its own share chunk by chunk into per-head
+  K/V (head sizes ``dn + dr`` and ``dv``: flash-sized) and attends the shipped queries to it, one piece's queries
+  per kernel call (``models.mla.decompressed_partial``); partials merged by LSE as above; in backward ``d lat``
+  into the owner's sink, ``dq`` back to the queries' owners, and the partial ``d W_UK, d W_UV`` all-reduced for
+  replicated queries (a reverse-pass step keeps its partial: that pass sums the ranks' parameter gradients). The
+  step's earlier pieces travel as latents and are expanded where they are attended.
 
 DSA (DeepSeek Sparse Attention), the layers whose queries see more than ``index_topk`` keys:
 
@@ -45,19 +52,21 @@ import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
+from longstraw.distributed.cp_attention import ShardedSegment, StepPieces, _merge_blocks, _pad_time
 from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
 from longstraw.models.context import CallContext
 from longstraw.models.dsa import SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix
-from longstraw.models.mla import LatentDecoder, LatentState
-from longstraw.ops.attention import KVSegment
+from longstraw.models.mla import (_QUERY_ELEMS, LatentDecoder, LatentState, decompressed_partial,
+                                  decompressed_partial_backward, weight_grads)
+from longstraw.ops.attention import KVSegment, kernels, segment_backward, segment_forward
+from longstraw.ops.attention import merge_partials as merge_segments
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sparse_attention import (Selection, acc_dtype, latent_grad_targets, merge_partials,
                                             partial_backward, partial_forward)
 from longstraw.ops.topk import first_topk
 
 __all__ = ["ShardedLatentState", "ShardedIndexedLatentState", "ShardedLatentSegment", "ShardedIndexKeys",
-           "cp_sparse_latent_attention", "cp_index_select"]
+           "cp_decompressed_attention", "cp_sparse_latent_attention", "cp_index_select", "mla_step_bytes"]
 
 _NEG = float("-inf")
 _EMPTY_LAT = torch.empty(1, 1, 0, 0)
@@ -122,6 +131,11 @@ class ShardedLatentSegment(ShardedSegment):
 
     def sparse_attention(self, q: Tensor, segments: list[KVSegment], sel: Selection, scale: float) -> Tensor:
         return cp_sparse_latent_attention(q, segments, sel, scale)
+
+    def decompressed_attention(self, q: Tensor, w_uk: Tensor, w_uv: Tensor, k_own: Tensor, v_own: Tensor,
+                               lat: Tensor, segments: list[KVSegment], scale: float, backend: str,
+                               chunk: int) -> Tensor:
+        return cp_decompressed_attention(self, q, w_uk, w_uv, k_own, v_own, lat, segments, scale, backend, chunk)
 
 
 @dataclass
@@ -213,6 +227,191 @@ class ShardedIndexedLatentState(ShardedLatentState):
 
     def decoder(self, batch: int, max_new: int) -> IndexedLatentDecoder:
         return IndexedLatentDecoder(self, batch, max_new)  # reads prefix(length)
+
+
+# ---------------------------------------------------------------------------------------------------- decompressed
+
+
+@dataclass(frozen=True)
+class _DecPlan:
+    comm: Comm
+    step: StepPieces | None
+    global_length: int  # stored prompt positions (replicated: the prompt; step: before the step)
+    sink: Tensor | None  # this rank's share's gradient buffer ``[1, 1, S_local, r + dr]``
+    scale: float
+    backend: str
+    chunk: int  # stored positions expanded at once
+
+
+class _CPDecompressed(torch.autograd.Function):
+    """MLA's decompressed form with the prompt latents split over the CP group (:func:`cp_decompressed_attention`).
+
+    Inputs: ``q [B, H, T, dn + dr]``, ``w_uk [H, dn, r]``, ``w_uv [H, dv, r]``, the queries' own expanded
+    ``k_own [B, H, T, dn + dr]``, ``v_own [B, H, T, dv]`` (causal) and latents ``lat_own [B, 1, T, r + dr]`` (a
+    prefill step sends them to the later pieces and receives their ``d lat``), this rank's share
+    ``sh_lat [1, 1, S_local, r + dr]`` (its gradient goes to ``plan.sink``) and replicated local latent segments
+    ``lats`` (their gradients to ``sinks``)."""
+
+    @staticmethod
+    def forward(ctx, q, w_uk, w_uv, k_own, v_own, lat_own, plan: _DecPlan, sinks, sh_lat, *lats):
+        fwd, _ = kernels(plan.backend)
+        comm, step, scale, chunk = plan.comm, plan.step, plan.scale, plan.chunk
+        t = q.shape[2]
+        outs, lses = [], []
+        if plan.global_length > 0:  # the stored prompt: each rank expands its own share, chunk by chunk
+            if step is None:  # replicated queries: partials gathered and merged
+                o, l = decompressed_partial(fwd, q, sh_lat, w_uk, w_uv, scale, chunk)
+                o, l = _merge_blocks(comm.all_gather(o.to(q.dtype)), comm.all_gather(l), l.dtype)
+            else:  # the step's queries travel to the shares; each piece's partials come back (all-to-all)
+                tm = step.max_len
+                qs = comm.all_gather(_pad_time(q, tm)[0])  # [R, H, Tm, dn + dr]: every piece's queries
+                o, l = decompressed_partial(fwd, qs, sh_lat, w_uk, w_uv, scale, chunk)  # one piece per block
+                del qs
+                o = o.to(q.dtype)  # (the float32 accumulator freed before the exchange)
+                o = comm.all_to_all(o)  # [R, H, Tm, dv]; block j: rank j's partial for my piece
+                l = comm.all_to_all(l)
+                o, l = _merge_blocks(o[:, None, :, :t], l[:, None, :, :t], l.dtype)
+            outs.append(o)
+            lses.append(l)
+        earlier = None
+        if step is not None:  # the step's earlier pieces: their latents gathered, expanded here chunk by chunk
+            tm, r = step.max_len, step.rank
+            gl = comm.all_gather(_pad1(lat_own.detach().transpose(1, 2), tm)[0]).transpose(1, 2)  # [R, 1, Tm, D]
+            if r > 0:
+                earlier = torch.cat([gl[j : j + 1, :, : step.lengths[j]] for j in range(r)], dim=2)
+                o, l = decompressed_partial(fwd, q, earlier, w_uk, w_uv, scale, chunk)
+                outs.append(o)
+                lses.append(l)
+            del gl
+        for lat in lats:  # replicated latents (generated tokens'), unmasked
+            o, l = decompressed_partial(fwd, q, lat, w_uk, w_uv, scale, chunk)
+            outs.append(o)
+            lses.append(l)
+        o, l = segment_forward(fwd, q, k_own, v_own, True, scale)  # the queries' own tokens, causal
+        outs.append(o)
+        lses.append(l)
+        out, lse = merge_segments(outs, lses, q.dtype)
+        ctx.save_for_backward(q, w_uk, w_uv, k_own, v_own, out, lse, sh_lat,
+                              earlier if earlier is not None else torch.empty(0), *lats)
+        ctx.plan, ctx.sinks, ctx.lat_dtype = plan, sinks, lat_own.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, w_uk, w_uv, k_own, v_own, out, lse, sh_lat, earlier, *lats = ctx.saved_tensors
+        plan = ctx.plan
+        comm, step, scale, chunk = plan.comm, plan.step, plan.scale, plan.chunk
+        _, bwd = kernels(plan.backend)
+        t = q.shape[2]
+        dout = dout.contiguous()
+        dq, dk_own, dv_own = segment_backward(bwd, dout, q, k_own, v_own, out, lse, True, scale)
+        dq = dq.to(lse.dtype)
+        needs = tuple(ctx.needs_input_grad[1:3])  # the same on every rank
+        dw = weight_grads(w_uk, w_uv, needs)
+        for lat, sink in zip(lats, ctx.sinks):
+            dq += decompressed_partial_backward(bwd, dout, q, lat, w_uk, w_uv, out, lse, scale, chunk, sink, dw)
+        d_lat_own = None
+        if step is not None:  # the earlier pieces' d lat back to their owners (all ranks take part)
+            tm, r = step.max_len, step.rank
+            send = torch.zeros(comm.size, 1, tm, sh_lat.shape[-1], dtype=lse.dtype, device=q.device)
+            if r > 0:
+                de = torch.zeros(earlier.shape, dtype=lse.dtype, device=q.device)
+                dq += decompressed_partial_backward(bwd, dout, q, earlier, w_uk, w_uv, out, lse, scale, chunk, de, dw)
+                for j, piece in enumerate(de[0, 0].split(step.lengths[:r], dim=0)):
+                    send[j, 0, : step.lengths[j]] = piece
+            d_lat_own = comm.all_to_all(send).sum(0)[None, :, :t].to(ctx.lat_dtype)  # [1, 1, T, r + dr]
+        if plan.global_length > 0:
+            if step is None:  # partial dq and d W over this share, summed over the group (every rank: the same B)
+                dws = weight_grads(w_uk, w_uv, needs)
+                dq += comm.all_reduce(decompressed_partial_backward(bwd, dout, q, sh_lat, w_uk, w_uv, out, lse,
+                                                                    scale, chunk, plan.sink, dws))
+                if dws is not None:
+                    dw[0].add_(comm.all_reduce(dws[0]))
+                    dw[1].add_(comm.all_reduce(dws[1]))
+            else:  # (q, dO, O, lse) of every piece gathered; this share's dq partials back to the pieces' owners
+                tm = step.max_len
+                gather = lambda x: comm.all_gather(_pad_time(x, tm)[0])  # noqa: E731  [R, H, Tm, ...]
+                qs, dos, os_ = gather(q), gather(dout), gather(out)
+                ls = comm.all_gather(_pad_time(lse[..., None], tm)[0, ..., 0])  # padded rows: dO = 0, add nothing
+                dqs = decompressed_partial_backward(bwd, dos, qs, sh_lat, w_uk, w_uv, os_, ls, scale, chunk,
+                                                    plan.sink, dw)
+                del qs, dos, os_, ls
+                dq += comm.all_to_all(dqs).sum(0)[None, :, :t]
+        return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
+                None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, d_lat_own, None, None, None,
+                *([None] * len(lats)))
+
+
+def cp_decompressed_attention(sh: ShardedLatentSegment, q: Tensor, w_uk: Tensor, w_uv: Tensor, k_own: Tensor,
+                              v_own: Tensor, lat: Tensor, segments: list[KVSegment], scale: float, backend: str,
+                              chunk: int) -> Tensor:
+    """MLA's decompressed form when the stored latents are split over the CP group (module docstring):
+    ``q [B, H, T, dn + dr]`` -> ``[B, H, T, dv]``, the same result as ``MLAttention.attend_decompressed`` in one
+    process. ``k_own, v_own`` are the queries' own expanded K/V (causal), ``lat [B, 1, T, r + dr]`` their latents,
+    ``segments`` other replicated latent segments (generated tokens'). In a prefill step ``B == 1`` and there are
+    none."""
+    for s in segments:
+        assert not isinstance(s, PartitionedSegment) and s.k is s.v and s.k.shape[1] == 1, \
+            "one sharded latent segment; the others are replicated single-head latents"
+    if sh.step is not None:
+        assert q.shape[0] == 1 and not segments and sh.step.lengths[sh.step.rank] == q.shape[2], \
+            "a prefill step attends its stored prefix, the step's earlier pieces and itself"
+    local = sh.k.shape[2] > 0  # this rank stores positions of the prefix (the share may still be empty)
+    if local:
+        assert sh.k.shape[:2] == (1, 1) and sh.k.shape[-1] == lat.shape[-1]
+    plan = _DecPlan(sh.comm, sh.step, sh.global_length, sh.k_grad if local else None, float(scale), backend,
+                    int(chunk))
+    lats = [s.k.detach() if s.k_grad is not None else s.k for s in segments]
+    sh_lat = sh.k.detach() if local else lat.new_empty(1, 1, 0, lat.shape[-1])  # [1, 1, S_local, r + dr]
+    return _CPDecompressed.apply(q, w_uk, w_uv, k_own, v_own, lat, plan, tuple(s.k_grad for s in segments), sh_lat,
+                                 *lats)
+
+
+def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, grad: bool) -> tuple[str, int, int]:
+    """What one dense MLA layer (``models.mla.MLAttention``) allocates per rank in a CP prefill step (``grad``:
+    a reverse-pass step, recomputation and backward) beyond one process's chunk of ``piece`` tokens: the shipped
+    queries of the ``cp`` pieces and their partials, by formula (the planner's dry run runs one process).
+    Returns ``(form, step bytes, per-block transient bytes)``, the form being what :meth:`choose_form` picks for
+    the step over ``stored`` prompt positions (``group_shape``).
+
+    Decompressed (``N = cp x piece`` shipped query rows, ``H`` heads, ``b`` bytes of ``dtype``, ``a`` of the
+    float32 accumulators): forward ``N H (dn + dr) b`` gathered queries + ``N H (dv + 1) a`` merged partials, then
+    ``2 N H (dv b + a)`` around the all-to-all; backward ``N H ((dn + dr + 2 dv) b + a)`` gathered ``(q, dO, O,
+    lse)`` + ``N H (dn + dr) a`` partial ``dq`` (twice around its all-to-all). Per block (each expanded chunk
+    against one piece's queries): the chunk's K/V ``c H (dn + dr + dv)`` (and their float32 gradient in backward)
+    plus the block's partial output and merge weights. Absorbed (``D = r + dr`` per head): ``~3 N H D b``
+    forward (gathered queries, a folded copy per key block, partial outputs), and twice that in backward."""
+    h, dk, dv, dl = layer.num_heads, layer.dn + layer.dr, layer.dv, layer.kv_lora_rank + layer.dr
+    b = torch.empty(0, dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    n = cp * piece
+    form = layer.choose_form(1, piece, [_ShapeOnly(n, stored)], grad)
+    c = layer.chunk_positions()
+    if form == "absorbed":
+        step = 3 * n * h * dl * b * (2 if grad else 1)
+        return form, step, 0
+    fwd = max(n * h * dk * b + n * h * (dv + 1) * a, n * h * dv * (a + b) + n * h * a, 2 * n * h * (dv * b + a))
+    rows = min(piece, max(1, _QUERY_ELEMS // (h * max(dk, dv))))  # query rows per kernel call
+    block = c * h * (dk + dv) * b + rows * h * dv * (b + 2 * a) + 3 * rows * h * a
+    if not grad:
+        return form, fwd, block
+    bwd = max(n * h * ((dk + 2 * dv) * b + a) + n * h * dk * a, 2 * n * h * dk * a)
+    return form, max(fwd, bwd), c * h * (dk + dv) * (b + 2 * a) + rows * h * dk * (b + a)
+
+
+class _ShapeOnly(PartitionedSegment):
+    """A stand-in segment for :func:`mla_step_bytes`: the group's call shape only (``n`` step rows over ``stored``
+    positions), to ask an MLA layer which form it picks."""
+
+    def __init__(self, n: int, stored: int):
+        self.n, self.stored = n, stored
+
+    @property
+    def key_count(self) -> int:
+        return self.stored
+
+    def group_shape(self, tokens: int) -> tuple[int, int]:
+        return self.n, self.stored
 
 
 # ---------------------------------------------------------------------------------------------------- indexer

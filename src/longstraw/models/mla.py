@@ -52,6 +52,7 @@ from longstraw.models.lora import linear_weight
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RopeParams, apply_rope, apply_rope_interleaved
 from longstraw.models.context import CallContext
+from longstraw.ops import meta
 from longstraw.ops.attention import (KVSegment, default_backend, kernels, segment_attention, segment_backward,
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
@@ -60,6 +61,7 @@ from longstraw.state import grad_dtype_for
 MODES = ("auto", "absorbed", "decompressed")
 DEFAULT_MODE = "auto"
 _DECOMPRESS_ELEMS = 1 << 24  # one decompressed chunk holds at most ~16M K/V elements
+_QUERY_ELEMS = 1 << 26  # one query block's partial output / gradient in the decompressed form: at most ~64M elements
 # measured on CPU (docs/MLA.md): per FLOP the decompressed form runs about half as fast as the absorbed one (more,
 # smaller kernel calls; the expansion einsums; V padded to the key size per chunk), and slower still with its
 # backward (every chunk expanded again, four more einsums), so "auto" decompresses only when that divides the
@@ -184,6 +186,101 @@ def _chunks(length: int, size: int):
     return [(s, min(length, s + size)) for s in range(0, length, size)]
 
 
+def _query_blocks(q: Tensor, width: int, shared: bool) -> list[tuple[slice, slice]]:
+    """``(batch, rows)`` slices of ``q [B, H, N, .]`` per kernel call: at most ~64M elements of ``rows x H x width``
+    per block (its partial output / gradient), so that a call with many queries (a context-parallel step ships
+    every rank's piece to every share) keeps its per-block transients bounded. Over a ``shared`` (batch-1) chunk
+    each batch row is its own block, read in place (no fold of the batch into the query axis)."""
+    per = q.shape[1] * width * (1 if shared else q.shape[0])
+    rows = [(a, b) for a, b in _chunks(q.shape[2], max(1, _QUERY_ELEMS // max(1, per)))]
+    if shared and q.shape[0] > 1:
+        return [(slice(i, i + 1), slice(a, b)) for i in range(q.shape[0]) for a, b in rows]
+    return [(slice(None), slice(a, b)) for a, b in rows]
+
+
+def decompressed_partial(fwd, q: Tensor, lat: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float, chunk: int,
+                         acc: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Unmasked attention of ``q [B, H, N, dn + dr]`` over stored latents ``lat [Bk, 1, S, r + dr]`` (``Bk`` 1 or
+    ``B``), expanded ``chunk`` positions at a time into ``K [Bk, H, c, dn + dr]``, ``V [Bk, H, c, dv]`` (each chunk
+    once) and merged online, in place, by log-sum-exp into ``acc = (out [B, H, N, dv], lse [B, H, N])`` (float32 /
+    float64 accumulators, updated in place; None: start empty), one block of query rows at a time. Returns
+    ``(out, lse)``; an empty ``lat`` and no ``acc`` give ``(0, -inf)``.
+
+    Transient per (chunk, query block): one chunk's K/V (``chunk x H (dn + dr + dv)`` values) and the block's partial
+    output and merge weights (``~64M`` elements at most: :func:`_query_blocks`). On the meta device (the planner's
+    dry run) only the first and the last chunk run (``ops.meta.skip_repeated_block``): every chunk allocates alike
+    and leaves nothing but what it merged into ``acc``."""
+    if acc is None:
+        ldt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(*q.shape[:3], w_uv.shape[1], dtype=ldt)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=ldt, device=q.device)
+    else:
+        out, lse = acc
+    blocks = _query_blocks(q, max(q.shape[-1], w_uv.shape[1]), lat.shape[0] == 1)
+    chunks = _chunks(lat.shape[2], chunk)
+    for i, (s, e) in enumerate(chunks):
+        if meta.skip_repeated_block(q, i, (0, len(chunks) - 1)):
+            continue
+        k, v = _expand(lat[:, 0, s:e], w_uk, w_uv)
+        for bi, rows in blocks:
+            o, l = segment_forward(fwd, q[bi, :, rows], k, v, False, scale)
+            lb, ob = lse[bi, :, rows], out[bi, :, rows]
+            new = torch.logaddexp(lb, l)
+            ob.mul_(torch.exp(lb - new)[..., None]).add_(o.to(ob.dtype) * torch.exp(l - new)[..., None])
+            lb.copy_(new)
+            del o, l, new
+        del k, v
+    return out, lse
+
+
+def decompressed_partial_backward(bwd, dout: Tensor, q: Tensor, lat: Tensor, w_uk: Tensor, w_uv: Tensor, out: Tensor,
+                                  lse: Tensor, scale: float, chunk: int, sink: Tensor | None,
+                                  dw: tuple[Tensor, Tensor] | None) -> Tensor:
+    """Backward of :func:`decompressed_partial` against the MERGED ``out [B, H, N, dv]`` and GLOBAL ``lse``
+    (ring-attention pattern), each chunk expanded again (once) and its query blocks run in turn: returns
+    ``dq [B, H, N, dn + dr]`` (``lse``'s dtype); adds ``d lat`` into ``sink [Bk, 1, S, r + dr]`` and
+    ``(d W_UK, d W_UV)`` into ``dw`` (either may be None: skipped). Transient per (chunk, query block): the chunk's
+    K/V and their gradient, the block's ``dq``."""
+    r, dn = w_uk.shape[-1], w_uk.shape[1]
+    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+    wdt = dw[0].dtype if dw is not None else sink.dtype if sink is not None else lse.dtype
+    blocks = _query_blocks(q, max(q.shape[-1], w_uv.shape[1]), lat.shape[0] == 1)
+    chunks = _chunks(lat.shape[2], chunk)
+    for i, (s, e) in enumerate(chunks):
+        if meta.skip_repeated_block(q, i, (0, len(chunks) - 1)):
+            continue
+        c = lat[:, 0, s:e]
+        k, v = _expand(c, w_uk, w_uv)
+        dk = dv = None
+        for bi, rows in blocks:
+            dq_i, dk_i, dv_i = segment_backward(bwd, dout[bi, :, rows], q[bi, :, rows], k, v, out[bi, :, rows],
+                                                lse[bi, :, rows], False, scale)
+            dq[bi, :, rows] += dq_i
+            dk = dk_i.to(wdt) if dk is None else dk.add_(dk_i)
+            dv = dv_i.to(wdt) if dv is None else dv.add_(dv_i)
+            del dq_i, dk_i, dv_i
+        if dw is not None:
+            cw = c[..., :r].to(wdt)
+            dw[0].add_(torch.einsum("bhsd,bsr->hdr", dk[..., :dn], cw))
+            dw[1].add_(torch.einsum("bhsv,bsr->hvr", dv, cw))
+        if sink is not None:
+            dc = (torch.einsum("bhsd,hdr->bsr", dk[..., :dn], w_uk.to(wdt))
+                  + torch.einsum("bhsv,hvr->bsr", dv, w_uv.to(wdt)))
+            sink[:, 0, s:e] += torch.cat((dc, dk[..., dn:].sum(1)), dim=-1).to(sink.dtype)
+        del k, v, dk, dv
+    return dq
+
+
+def weight_grads(w_uk: Tensor, w_uv: Tensor, needs: tuple[bool, bool]) -> tuple[Tensor, Tensor] | None:
+    """Zeroed ``(d W_UK, d W_UV)`` accumulators (float32 for low-precision weights), or None when neither weight
+    needs a gradient."""
+    if not any(needs):
+        return None
+    wdt = grad_dtype_for(w_uk.dtype)
+    return (torch.zeros(w_uk.shape, dtype=wdt, device=w_uk.device),
+            torch.zeros(w_uv.shape, dtype=wdt, device=w_uv.device))
+
+
 class _DecompressedAttention(torch.autograd.Function):
     """Attention of ``q [B, H, T, dn+dr]`` over stored latent segments (expanded chunk by chunk, never all at once)
     and the queries' own causal ``k_own, v_own [B, H, T, .]``; merged online by log-sum-exp.
@@ -196,17 +293,10 @@ class _DecompressedAttention(torch.autograd.Function):
     def forward(ctx, q, w_uk, w_uv, k_own, v_own, scale, backend, chunk, sinks, *lats):
         fwd, _ = kernels(backend)
         out, lse = segment_forward(fwd, q, k_own, v_own, True, scale)
-        acc_dt = lse.dtype
-        out = out.to(acc_dt)
+        acc = (out.to(lse.dtype), lse)
         for lat in lats:
-            for s, e in _chunks(lat.shape[2], chunk):
-                k, v = _expand(lat[:, 0, s:e], w_uk, w_uv)
-                o, l = segment_forward(fwd, q, k, v, False, scale)
-                new = torch.logaddexp(lse, l)
-                out = out * torch.exp(lse - new)[..., None] + o.to(acc_dt) * torch.exp(l - new)[..., None]
-                lse = new
-                del k, v, o
-        out = out.to(q.dtype)
+            acc = decompressed_partial(fwd, q, lat, w_uk, w_uv, scale, chunk, acc)
+        out, lse = acc[0].to(q.dtype), acc[1]
         ctx.save_for_backward(q, w_uk, w_uv, k_own, v_own, out, lse, *lats)
         ctx.scale, ctx.backend, ctx.chunk, ctx.sinks = scale, backend, chunk, sinks
         return out
@@ -218,28 +308,12 @@ class _DecompressedAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk_own, dv_own = segment_backward(bwd, dout, q, k_own, v_own, out, lse, True, ctx.scale)
         dq = dq.to(lse.dtype)
-        wdt = grad_dtype_for(w_uk.dtype)
-        dw_uk = torch.zeros(w_uk.shape, dtype=wdt, device=q.device) if ctx.needs_input_grad[1] else None
-        dw_uv = torch.zeros(w_uv.shape, dtype=wdt, device=q.device) if ctx.needs_input_grad[2] else None
-        r, dn = w_uk.shape[-1], w_uk.shape[1]
+        dw = weight_grads(w_uk, w_uv, tuple(ctx.needs_input_grad[1:3]))
         for lat, sink in zip(lats, ctx.sinks):
-            for s, e in _chunks(lat.shape[2], ctx.chunk):
-                c = lat[:, 0, s:e]
-                k, v = _expand(c, w_uk, w_uv)
-                dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, False, ctx.scale)
-                dq += dq_i
-                dk, dv = dk.to(wdt), dv.to(wdt)
-                cw = c[..., :r].to(wdt)
-                if dw_uk is not None:
-                    dw_uk += torch.einsum("bhsd,bsr->hdr", dk[..., :dn], cw)
-                    dw_uv += torch.einsum("bhsv,bsr->hvr", dv, cw)
-                if sink is not None:
-                    dc = (torch.einsum("bhsd,hdr->bsr", dk[..., :dn], w_uk.to(wdt))
-                          + torch.einsum("bhsv,hvr->bsr", dv, w_uv.to(wdt)))
-                    sink[:, 0, s:e] += torch.cat((dc, dk[..., dn:].sum(1)), dim=-1).to(sink.dtype)
-                del k, v, dk, dv
-        return (dq.to(q.dtype), None if dw_uk is None else dw_uk.to(w_uk.dtype),
-                None if dw_uv is None else dw_uv.to(w_uv.dtype), dk_own, dv_own, None, None, None, None,
+            dq += decompressed_partial_backward(bwd, dout, q, lat, w_uk, w_uv, out, lse, ctx.scale, ctx.chunk, sink,
+                                                dw)
+        return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
+                None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, None, None, None, None,
                 *([None] * len(lats)))
 
 
@@ -396,27 +470,42 @@ class MLAttention(nn.Module):
         return self.absorbed_output(segment_attention(qa, segs, self.scale))
 
     def attend_decompressed(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
-        if _partitioned(prefix):
-            raise ValueError("the decompressed MLA form has no path for a prefix partitioned over processes (context "
-                             "parallelism); MLA layers then attend in the absorbed form (attend() picks it; the result "
-                             "is the same)")
+        """The decompressed form: ``q [B, H, T, dn + dr]`` against the stored latents expanded chunk by chunk (head
+        sizes ``dn + dr`` and ``dv``, within the flash kernels' 256) -> ``[B, H, T, dv]``. A prefix partitioned over
+        processes hands the call to its segment's ``decompressed_attention`` (the same chunked expansion on each
+        process's share, partials merged by LSE over the group)."""
         w_uk, w_uv = self._weights()
         q = torch.cat((q_nope, q_pe), dim=-1)
         w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)  # autocast: the custom backward sees one dtype
         k_own, v_own = _expand(lat[:, 0], w_uk, w_uv)
         backend = default_backend(q, max(q.shape[-1], self.dv))
-        chunk = self.decompress_chunk or max(64, _DECOMPRESS_ELEMS // (self.num_heads * (self.dn + self.dr + self.dv)))
-        lats = [s.k for s in prefix if s.length > 0]
-        sinks = tuple(s.k_grad for s in prefix if s.length > 0)
+        chunk = self.chunk_positions()
         for s in prefix:
             assert s.k is s.v, "MLA prefix segments hold latents (k is v)"
+        part = [s for s in prefix if isinstance(s, PartitionedSegment)]
+        if part:
+            rest = [s for s in prefix if s is not part[0] and s.length > 0]
+            return part[0].decompressed_attention(q.contiguous(), w_uk, w_uv, k_own, v_own, lat, rest,
+                                                  float(self.scale), backend, chunk)
+        lats = [s.k for s in prefix if s.length > 0]
+        sinks = tuple(s.k_grad for s in prefix if s.length > 0)
         return _DecompressedAttention.apply(q.contiguous(), w_uk, w_uv, k_own, v_own, float(self.scale), backend,
                                             int(chunk), sinks, *[x.detach() for x in lats])
+
+    def chunk_positions(self) -> int:
+        """Stored positions the decompressed form expands at once: ``decompress_chunk``, or as many as make
+        ~16M K/V elements (``H (dn + dr + dv)`` per position; DeepSeek-V3: 409 positions, 32 MiB in bf16)."""
+        return int(self.decompress_chunk or max(64, _DECOMPRESS_ELEMS // (self.num_heads * (self.dn + self.dr
+                                                                                             + self.dv))))
 
     def attention_flops(self, batch: int, tokens: int, segments: list[tuple[int, int]]) -> dict[str, float]:
         """Forward FLOPs of each form for ``batch x tokens`` new queries over stored segments given as
         ``(segment batch, length)`` (own tokens: causal, half a square). The projections both forms share are left
-        out; the absorbed form's per-query maps through ``W_UK`` / ``W_UV`` are counted."""
+        out; the absorbed form's per-query maps through ``W_UK`` / ``W_UV`` are counted.
+
+        Per (query, key) pair: absorbed ``2 H 2 (r + dr)``, decompressed ``2 H (dn + dr + dv)``; per stored key
+        expanded (once per call): ``2 H r (dn + dv)``; per query (absorbed): ``2 H r (dn + dv)``. DeepSeek-V3
+        (H 128, r 512, dr 64, dn 128, dv 128): 294,912 against 81,920 per pair, 33.5M per expanded key."""
         h, r, dr, dn, dv = self.num_heads, self.kv_lora_rank, self.dr, self.dn, self.dv
         keys = sum(s for _, s in segments) + (tokens + 1) / 2  # keys seen per query
         stored = sum(bk * s for bk, s in segments) + batch * tokens  # latents the decompressed form expands
@@ -427,22 +516,27 @@ class MLAttention(nn.Module):
     def choose_form(self, batch: int, tokens: int, prefix: list[KVSegment], grad: bool = False) -> str:
         """The form a call runs: ``mode`` unless ``"auto"``, which decompresses only when that costs less than
         ``1 / DECOMPRESS_FLOP_PENALTY`` (``_GRAD`` when a backward follows) of the absorbed FLOPs: long prefill
-        chunks, long or many branches over a long prompt; never decoding."""
+        chunks, long or many branches over a long prompt; never decoding.
+
+        A segment partitioned over processes (context parallelism) is counted as the whole group's call
+        (:meth:`~longstraw.ops.partitioned.PartitionedSegment.group_shape`: in a prefill step every rank's piece
+        queries every rank's stored share, so the step's tokens share each expansion), from numbers that are the
+        same on every process: the group takes one form."""
         if self.mode != "auto":
             return self.mode
-        f = self.attention_flops(batch, tokens, [(s.k.shape[0], s.length) for s in prefix])
-        penalty = DECOMPRESS_FLOP_PENALTY_GRAD if grad else DECOMPRESS_FLOP_PENALTY
-        return "decompressed" if f["decompressed"] * penalty < f["absorbed"] else "absorbed"
+        segs = []
+        for s in prefix:
+            if isinstance(s, PartitionedSegment):
+                tokens, stored = s.group_shape(tokens)
+                segs.append((1, stored))
+            else:
+                segs.append((s.k.shape[0], s.length))
+        return self._pick(self.attention_flops(batch, tokens, segs), grad)
 
     def attend(self, q_nope: Tensor, q_pe: Tensor, lat: Tensor, prefix: list[KVSegment]) -> Tensor:
-        """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``.
-
-        A prefix split over a context-parallel group always takes the absorbed form, whatever ``mode`` says: it
-        reaches the sharded latents through ``segment_attention`` (queries shipped to their owners), and the form
-        must not depend on a rank's local share (every rank of the group has to take the same path). Both forms are
-        exact, so only rounding differs from a single-process run that decompresses."""
-        if _partitioned(prefix):
-            return self.attend_absorbed(q_nope, q_pe, lat, prefix)
+        """Dense causal attention of the new tokens over ``prefix`` + themselves -> ``[B, H, T, dv]``, in the form
+        :meth:`choose_form` picks (both exact: only rounding differs). Under context parallelism the choice is the
+        group's (every rank makes the same collectives), and both forms have their CP path."""
         grad = torch.is_grad_enabled() and q_nope.requires_grad
         if self.choose_form(q_nope.shape[0], q_nope.shape[2], prefix, grad) == "absorbed":
             return self.attend_absorbed(q_nope, q_pe, lat, prefix)
@@ -461,16 +555,30 @@ class MLAttention(nn.Module):
         """Bytes the prompt state keeps per position: ``(kv_lora_rank + qk_rope_head_dim) x dtype bytes``."""
         return (self.kv_lora_rank + self.dr) * torch.empty(0, dtype=dtype).element_size()
 
-    def flops_per_token(self, context: int) -> float:
-        """Forward FLOPs per new token (absorbed form) over ``context`` stored positions."""
+    def flops_per_token(self, context: int, tokens: int | None = None) -> float:
+        """Forward FLOPs per new token over ``context`` stored positions: the projections plus the attention, in
+        the absorbed form (``tokens`` None: a token decoded alone) or, given the ``tokens`` of one call (a prefill
+        chunk), in the form :meth:`choose_form`'s rule picks for such a call (forward penalty), its expansion
+        shared by the call's tokens: the count the planner's FLOP shares use."""
         hidden = self.kv_a_proj_with_mqa.in_features
         h, r, qk = self.num_heads, self.kv_lora_rank, self.dn + self.dr
         if self.q_proj is not None:
             q = hidden * h * qk
         else:
             q = hidden * self.q_a_proj.out_features + self.q_a_proj.out_features * h * qk
-        proj = q + hidden * (r + self.dr) + h * self.dn * r + h * r * self.dv + h * self.dv * hidden
-        return 2.0 * proj + 2.0 * h * (2 * r + 2 * self.dr) * context
+        shared = q + hidden * (r + self.dr) + h * self.dv * hidden  # both forms
+        if tokens is None:
+            return 2.0 * (shared + h * self.dn * r + h * r * self.dv) + 2.0 * h * (2 * r + 2 * self.dr) * context
+        f = self.attention_flops(1, tokens, [(1, context)])
+        return 2.0 * shared + f[self._pick(f, False)] / tokens
+
+    def _pick(self, f: dict[str, float], grad: bool) -> str:
+        """The FLOP rule: ``mode`` unless ``"auto"``; then decompressed when its FLOPs times the penalty are below
+        the absorbed form's."""
+        if self.mode != "auto":
+            return self.mode
+        penalty = DECOMPRESS_FLOP_PENALTY_GRAD if grad else DECOMPRESS_FLOP_PENALTY
+        return "decompressed" if f["decompressed"] * penalty < f["absorbed"] else "absorbed"
 
 
 def set_mla_mode(model: nn.Module, mode: str, decompress_chunk: int | None = None) -> int:

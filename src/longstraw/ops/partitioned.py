@@ -9,14 +9,17 @@ present, because only it knows how the shares are combined (which collectives, i
 op                                 hands over to                         segment kinds that implement it
 =================================  ====================================  ================================
 ``ops.attention.segment_attention``  :meth:`PartitionedSegment.attention`  K/V shares, MLA latent shares
+``models.mla`` (decompressed form)  :meth:`~PartitionedSegment.decompressed_attention`  MLA latent shares
 ``ops.sparse_attention.sparse_latent_attention``  :meth:`~PartitionedSegment.sparse_attention`  MLA latent shares
 ``models.dsa.Indexer.select``      :meth:`~PartitionedSegment.index_select`  DSA indexer-key shares
 =================================  ====================================  ================================
 
 and every segment, partitioned or not, answers :attr:`key_count`: how many keys its queries see, the same number
 on every process (DSA layers decide between dense and sparse attention from it, and all processes of a group must
-take the same path). A layer of the Gated DeltaNet kind has an O(1) recurrent state instead of stored keys; its
-prefix (``models.deltanet.RecurrentPrefix``) has the equivalent typed hooks, ``enter`` and ``leave``.
+take the same path), and a segment that MLA attends answers :meth:`~PartitionedSegment.group_shape`: the call as
+the whole group makes it, from which every process picks the same MLA form. A layer of the Gated DeltaNet kind has
+an O(1) recurrent state instead of stored keys; its prefix (``models.deltanet.RecurrentPrefix``) has the equivalent
+typed hooks, ``enter`` and ``leave``.
 
 Every method is a collective: all processes of the group call it in the same order with the same shapes. The
 models and ops never import the distributed code; they only test ``isinstance(segment, PartitionedSegment)``.
@@ -42,6 +45,18 @@ class PartitionedSegment(ABC):
                   max_segment: int = 32768):
         """``segment_attention(q, segments, ...)`` where ``self`` is one of ``segments`` (same result)."""
         raise TypeError(f"{type(self).__name__} does not take part in dense attention")
+
+    def group_shape(self, tokens: int) -> tuple[int, int]:
+        """``(query positions, stored keys)`` of the whole group's call that this process's call of ``tokens``
+        query positions is part of, the same on every process (the MLA form is chosen from it)."""
+        raise TypeError(f"{type(self).__name__} does not take part in dense attention")
+
+    def decompressed_attention(self, q, w_uk, w_uv, k_own, v_own, lat, segments, scale: float, backend: str,
+                               chunk: int):
+        """MLA's decompressed attention (``models.mla.MLAttention.attend_decompressed``) where ``self`` holds the
+        stored latents: ``q [B, H, T, dn + dr]``, the queries' own expanded ``k_own, v_own`` and latents ``lat``,
+        the other (local) latent ``segments``; stored latents expanded ``chunk`` positions at a time."""
+        raise TypeError(f"{type(self).__name__} holds no MLA latents")
 
     def sparse_attention(self, q, segments, sel, scale: float):
         """``sparse_latent_attention(q, segments, sel, scale)`` where ``self`` is ``segments[0]``."""
