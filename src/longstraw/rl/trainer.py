@@ -180,6 +180,7 @@ class Trainer:
         self.echo = echo if self.job.is_main else _quiet
         self.start_step = 0
         self.opt_step = 0
+        self._kernel_said = False  # the delta-rule kernel named once (_update)
         self._lock = RunDirLock(self.run_dir)
         self.reward_fn = None
         try:
@@ -508,12 +509,16 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl": 0.0, "entropy": 0.0, "active": 0}
-            st_bytes, peak = 0, 0
+            st_bytes, peak, kernel = 0, 0, ""
             for g in calls:
                 st = grpo_backward(self.model, g.prompt_ids, g.responses, g.advantages, self.gcfg,
                                    old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=scale,
                                    prompt_state=g.prompt_state if epoch == 0 else None, meter=self._meter())
                 g.prompt_state = None
+                kernel = st.delta_rule_kernel or kernel
+                if kernel and not self._kernel_said:  # named once in the run's output, then in every step's metrics
+                    self.echo(f"Gated DeltaNet layers run the {kernel} delta-rule kernel")
+                    self._kernel_said = True
                 st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes)
                 peak = max(peak, max(st.peak_memory.values(), default=0))
                 if id(g) not in is_active:
@@ -542,6 +547,8 @@ class Trainer:
                        "ppo_kl": total["ppo_kl"] / n, "grad_norm": gnorm, "lr": lr,
                        "prompt_state_bytes": max(r[1] for r in reps), "train_peak_bytes": max(r[2] for r in reps),
                        "active_groups": total["active"]}
+                if kernel:
+                    out["delta_rule_kernel"] = kernel
                 if self.gcfg.kl_coef > 0:
                     out["kl"] = total["kl"] / n
                 if self.gcfg.entropy_coef > 0:
