@@ -54,6 +54,7 @@ from longstraw.checkpoint.training import ADAPTER_DIR, RunDirLock, check_writabl
     latest_checkpoint, load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
     save_sharded_checkpoint, set_rng_state
 from longstraw.devices import resolve_device
+from longstraw.models.deltanet import GatedDeltaNet
 from longstraw.models.lora import adapters_disabled
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
@@ -509,16 +510,12 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl": 0.0, "entropy": 0.0, "active": 0}
-            st_bytes, peak, kernel = 0, 0, ""
+            st_bytes, peak = 0, 0
             for g in calls:
                 st = grpo_backward(self.model, g.prompt_ids, g.responses, g.advantages, self.gcfg,
                                    old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=scale,
                                    prompt_state=g.prompt_state if epoch == 0 else None, meter=self._meter())
                 g.prompt_state = None
-                kernel = st.delta_rule_kernel or kernel
-                if kernel and not self._kernel_said:  # named once in the run's output, then in every step's metrics
-                    self.echo(f"Gated DeltaNet layers run the {kernel} delta-rule kernel")
-                    self._kernel_said = True
                 st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes)
                 peak = max(peak, max(st.peak_memory.values(), default=0))
                 if id(g) not in is_active:
@@ -547,8 +544,6 @@ class Trainer:
                        "ppo_kl": total["ppo_kl"] / n, "grad_norm": gnorm, "lr": lr,
                        "prompt_state_bytes": max(r[1] for r in reps), "train_peak_bytes": max(r[2] for r in reps),
                        "active_groups": total["active"]}
-                if kernel:
-                    out["delta_rule_kernel"] = kernel
                 if self.gcfg.kl_coef > 0:
                     out["kl"] = total["kl"] / n
                 if self.gcfg.entropy_coef > 0:
@@ -612,6 +607,15 @@ class Trainer:
             "peak_above_start_bytes": max(r["above"] for r in ranks),
             "sample": reps[0]["sample"],
         }
+        # the delta-rule kernel the Gated DeltaNet layers took (rollout and update): named once in the run's
+        # output, then in every step's metrics (GRPOStats.delta_rule_kernel reports it per engine call)
+        kernel = "+".join(sorted({x.last_kernel for x in self.model.modules()
+                                  if isinstance(x, GatedDeltaNet) and x.last_kernel}))
+        if kernel:
+            m["delta_rule_kernel"] = kernel
+            if not self._kernel_said:
+                self.echo(f"Gated DeltaNet layers run the {kernel} delta-rule kernel")
+                self._kernel_said = True
         if expert_tokens is not None:
             m.update(imbalance(expert_tokens))
             self.last_expert_tokens = expert_tokens
