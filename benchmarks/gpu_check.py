@@ -25,10 +25,9 @@ b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (``--b-s``, the rest of 
    MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
    seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches
    from the shared prompt state (``longstraw.generate``): decode tokens/s; naive HF (transformers on the G
-   concatenated sequences) and LongStraw at the same prompt ``--compare-len`` through ``grpo_step.measure_method``:
-   peaks and seconds, and their ratios; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each.
-   The shared-prefix baseline of ``grpo_step.py`` builds K/V segments only, so it is reported as not applicable to
-   the hybrid (its DeltaNet layers carry recurrent state).
+   concatenated sequences), the shared-prefix step (``grpo_step._prefix_step``: prompt graph kept, one backward) and
+   LongStraw at the same prompt ``--compare-len`` through ``grpo_step.measure_method``: peaks and seconds, and their
+   ratios to LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each.
 c. Context parallelism and FSDP2 (``--c-s``, default 90 s): with more than one GPU, ``min(4, count)`` NCCL ranks
    (torch.multiprocessing) each run ``grpo_backward`` (exact) of one group with the prompt split over the ranks,
    without and with FSDP2, for a dense Llama and the Qwen3.5 hybrid, float32 and bfloat16; the gathered gradients
@@ -451,9 +450,7 @@ def section_b(args, dev, res: dict, deadline: float, say, flush) -> None:
         adv = torch.randn(gmax, generator=gen)
         rows = res.setdefault("compare", {}).setdefault("methods", {})
         res["compare"].update(prompt_len=compare_len, G=gmax, response_len=rlen)
-        rows["prefix"] = {"skipped": "grpo_step._prefix_step builds K/V segments only; the hybrid's DeltaNet layers "
-                                     "carry recurrent state (not applicable)"}
-        for method in ("detached", "exact", "naive"):
+        for method in ("detached", "exact", "prefix", "naive"):
             if time.perf_counter() > deadline - 30:
                 rows[method] = {"skipped": "section budget"}
                 continue
@@ -487,7 +484,7 @@ def section_b(args, dev, res: dict, deadline: float, say, flush) -> None:
                 free()
             flush()
         ls = rows.get("detached", {})
-        for method in ("naive", "exact"):
+        for method in ("naive", "prefix", "exact"):
             r = rows.get(method, {})
             if r.get("peak_bytes") and ls.get("peak_bytes"):
                 res["compare"][f"{method}_over_detached_peak"] = r["peak_bytes"] / ls["peak_bytes"]

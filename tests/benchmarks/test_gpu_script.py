@@ -36,9 +36,9 @@ def test_gpu_check_smoke(tmp_path):
     for r in steps.values():
         assert r["finite"] and r["peak_bytes"] > 0 and r["replay_tokens_per_s"] > 0 and r["planned_bytes"] > 0
         assert r["prompt_state_grad_bytes"] > 0 if r["mode"] == "exact" else r["prompt_state_grad_bytes"] == 0
-    for method in ("naive", "detached", "exact"):
+    for method in ("naive", "prefix", "detached", "exact"):
         assert b["compare"]["methods"][method]["peak_bytes"] > 0, b["compare"]["methods"][method]
-    assert "naive_over_detached_peak" in b["compare"]
+    assert "naive_over_detached_peak" in b["compare"] and "prefix_over_detached_peak" in b["compare"]
     for mode in ("detached", "exact"):
         assert b["longest"][mode]["measured_max"] >= 512 and b["longest"][mode]["stopped_by"]
     c = res["sections"]["c"]
