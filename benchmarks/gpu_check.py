@@ -5,7 +5,9 @@ part, so a crash or a kill still leaves what was measured.
   python benchmarks/gpu_check.py --json gpu_check.json          # on the GPU machine
   python benchmarks/gpu_check.py --smoke --json smoke.json      # every section at tiny size on the CPU (the suite)
 
-Only torch and ``src/`` are needed (transformers only for the naive-HF baseline of b; fla-core if installed).
+Needs torch and LongStraw's own dependencies (safetensors, numpy, tqdm; ``src/`` is put on the path), transformers
+only for the naive-HF baseline of b (without it that one entry records the ImportError), fla-core if installed
+(``device.fla`` and every step's ``delta_rule_kernel`` say whether it ran).
 
 a. Exactness on the device (``--a-s``, default 100 s). For every model family the test suite covers (the tiny
    configs below, one per ``model_type``), a random model is built in float64 on the CPU: its logits and the
@@ -21,13 +23,13 @@ a. Exactness on the device (``--a-s``, default 100 s). For every model family th
    all 22 entries pass): float32 logits <= 1.9e-7, every parameter <= 4.3e-6; bfloat16 logits <= 6e-3 (DSA: 2.5e-2),
    all gradients together <= 1.9e-2 except glm_moe_dsa's 7.3e-2 (top-k near-ties flip in bf16); a wrong kernel call
    gives O(1)). ``--smoke`` runs bfloat16 for SMOKE_BF16 only (one family per architecture), float32 for all.
-b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (``--b-s``, the rest of the budget): prefill tokens/s and
-   MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
-   seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches
-   from the shared prompt state (``longstraw.generate``): decode tokens/s; naive HF (transformers on the G
-   concatenated sequences), the shared-prefix step (``grpo_step._prefix_step``: prompt graph kept, one backward) and
-   LongStraw at the same prompt ``--compare-len`` through ``grpo_step.measure_method``: peaks and seconds, and their
-   ratios to LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each.
+b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-s``, default 480 s): prefill tokens/s
+   and MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
+   seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches from
+   the shared prompt state (``longstraw.generate``): decode tokens/s; naive HF (transformers on the G concatenated
+   sequences), the shared-prefix step (``grpo_step._prefix_step``: prompt graph kept, one backward) and LongStraw at
+   the same prompt ``--compare-len`` through ``grpo_step.measure_method``: peaks and seconds, and their ratios to
+   LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each.
 c. Context parallelism and FSDP2 (``--c-s``, default 90 s): with more than one GPU, ``min(4, count)`` NCCL ranks
    (torch.multiprocessing) each run ``grpo_backward`` (exact) of one group with the prompt split over the ranks,
    without and with FSDP2, for a dense Llama and the Qwen3.5 hybrid, float32 and bfloat16; the gathered gradients
@@ -415,7 +417,8 @@ def section_b(args, dev, res: dict, deadline: float, say, flush) -> None:
         if "peak_bytes" in rec:
             pb = rec.get("planned_bytes")
             pl = f" (planned {pb / 2**30:.2f} GiB, {pb / rec['peak_bytes'] - 1:+.1%})" if pb else ""
-            say(f"  b {mode:8s} P={p:>9,} G={g}: peak {rec['peak_bytes'] / 2**30:7.2f} GiB{pl}, {rec['seconds']:7.2f} s, "
+            say(f"  b {mode:8s} P={p:>9,} G={g}: peak {rec['peak_bytes'] / 2**30:7.2f} GiB{pl}, "
+                f"{rec['seconds']:7.2f} s, "
                 f"replay {rec['replay_tokens_per_s'] or 0:,.0f} tokens/s "
                 f"{ {k: round(v, 2) for k, v in rec['phase_seconds'].items()} }")
         else:
@@ -727,7 +730,7 @@ def main(argv=None) -> int:
 
     wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
     end = t_start + args.budget_s
-    multi = (torch.cuda.device_count() > 1 if torch.cuda.is_available() else False) or (args.smoke and dev.type == "cpu")
+    multi = (torch.cuda.is_available() and torch.cuda.device_count() > 1) or (args.smoke and dev.type == "cpu")
     for sec in wanted:
         res = out["sections"].setdefault(sec, {})
         now = time.perf_counter()

@@ -30,7 +30,8 @@ def test_bf16_scores_match_the_float32_path(monkeypatch):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 5, 4, 16, generator=g).to(torch.bfloat16)  # what the bf16 projections give
     w = torch.randn(2, 5, 4, generator=g)  # float32 head weights (score dtype)
-    keys = [torch.randn(1, 9, 16, generator=g).to(torch.bfloat16), torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)]
+    keys = [torch.randn(1, 9, 16, generator=g).to(torch.bfloat16),
+            torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)]
     want = ix.scores(q.float(), w, keys)  # the CPU path: float32 matmuls
     real_bmm = torch.bmm
 
