@@ -40,7 +40,9 @@ head dim 128; 12 Gated DeltaNet with 16 key / 32 value heads of dim 128), SwiGLU
 head, bfloat16, random normal(0, 0.02) weights. FLOPs of the MFU: ``2 x`` the parameters of every linear layer but
 the LM head per token plus ``4 x heads x head_dim`` per causal (query, key) pair of each full-attention layer; the
 DeltaNet kernels' own FLOPs are not counted (a lower bound). Peak: ``--peak-tflops`` (default 989 for H100/H200
-dense bf16, read from the device name). ``--smoke`` shrinks everything; its figures mean nothing.
+dense bf16, read from the device name). ``--smoke`` shrinks everything (and widens the time budgets to 1800 s in all,
+900 s for a, 600 s for c, 20 s per mode for the longest prompt, so that a loaded CPU never cuts a section short);
+its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -666,9 +668,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--smoke", action="store_true", help="every section at tiny size (on the CPU: c on 2 gloo ranks)")
     ap.add_argument("--sections", default="a,b,c")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run")
-    ap.add_argument("--a-s", type=float, default=100.0, help="budget of section a (first calls compile kernels)")
-    ap.add_argument("--c-s", type=float, default=90.0, help="budget of section c (b gets the rest)")
+    ap.add_argument("--budget-s", type=float, default=None, help="the whole run: default 480 s (smoke: 1800 s, so "
+                    "that a loaded CPU never cuts a section short and the suite's smoke test never depends on time)")
+    ap.add_argument("--a-s", type=float, default=None, help="budget of section a: default 100 s, first calls compile "
+                    "kernels (smoke: 900 s)")
+    ap.add_argument("--c-s", type=float, default=None, help="budget of section c, b gets the rest: default 90 s "
+                    "(smoke: 600 s)")
     ap.add_argument("--a-prompt", type=int, default=28, help="tokens (mistral's test window is 40)")
     ap.add_argument("--a-chunk", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=None, help="default 131072 (smoke 1024)")
@@ -686,8 +691,10 @@ def main(argv=None) -> int:
                     "delta rule, an upper bound where fla runs)")
     ap.add_argument("--json", default="gpu_check.json")
     args = ap.parse_args(argv)
-    if args.longest_s is None:
-        args.longest_s = 20.0 if args.smoke else 120.0
+    for name, full, smoke in (("longest_s", 120.0, 20.0), ("budget_s", 480.0, 1800.0), ("a_s", 100.0, 900.0),
+                              ("c_s", 90.0, 600.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
     t_start = time.perf_counter()
 
     import torch
