@@ -9,7 +9,8 @@ Methods:
   naive     the HF transformers model on the G concatenated prompt+response sequences with autograd (what TRL and
             verl do without sequence parallelism): G x (P + R) tokens through autograd.
   prefix    shared prefix with autograd (the Prefix Grouper / DualKV idea, written here on LongStraw's model): the
-            prompt runs once WITH its graph kept, every branch attends to its K/V, one backward at the end.
+            prompt runs once WITH its graph kept, every branch attends to its K/V (a Gated DeltaNet layer: starts
+            from its final state), one backward at the end.
   detached  LongStraw, prompt state detached (the published system's mode).
   exact     LongStraw, exact gradients through the prompt.
 
@@ -73,15 +74,18 @@ def _naive_step(hf, prompt, responses, adv):
 
 
 def _prefix_step(model, prompt, responses, adv):
-    """Shared prefix with autograd: prompt graph kept, branches attend to its K/V, one backward."""
+    """Shared prefix with autograd: prompt graph kept, branches attend to its K/V (attention layers) or start from its
+    final conv window and recurrent matrix (Gated DeltaNet layers, shared by the batch), one backward."""
     import torch
 
+    from longstraw.models.deltanet import GatedDeltaNet, RecurrentPrefix
     from longstraw.ops.attention import KVSegment
     from longstraw.ops.logprobs import token_logprobs
 
     p = prompt.numel()
     _, pieces = model.run(prompt[None, :-1], 0, None, need_hidden=False)
-    prefix = [[KVSegment(k, v)] for k, v in pieces]
+    prefix = [RecurrentPrefix(*piece) if isinstance(layer.mixer, GatedDeltaNet) else [KVSegment(*piece)]
+              for layer, piece in zip(model.layers, pieces)]
     ids = torch.stack([torch.cat([prompt[-1:], x[:-1]]) for x in responses])
     hidden, _ = model.run(ids, p - 1, prefix)
     w, b = model.head()

@@ -210,3 +210,12 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
     assert torch.equal(off[0], score(base, ids[:16], [ids[16:]], t.gcfg)[0])
     assert not torch.equal(score(t.model, ids[:16], [ids[16:]], t.gcfg)[0], off[0])
     assert read_metrics(tmp_path / "a")[-1]["kl"] != 0
+
+
+def test_the_delta_rule_kernel_is_named_once_and_in_every_step(tmp_path):
+    said = []
+    cfg = _cfg(tmp_path / "run", "model.builtin=\"tiny-hybrid\"", "train.steps=2", "train.save_every=0")
+    Trainer(cfg, resume=False, echo=said.append).train()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["delta_rule_kernel"] for r in rows] == ["torch", "torch"]  # CPU: the torch chunked rule
+    assert [s for s in said if "delta-rule kernel" in s] == ["Gated DeltaNet layers run the torch delta-rule kernel"]

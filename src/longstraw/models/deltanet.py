@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from longstraw.models.norms import GatedRMSNorm
 from longstraw.ops.conv import causal_conv1d
-from longstraw.ops.deltanet import gated_delta_rule
+from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule
 from longstraw.state import grad_dtype_for
 
 LAYOUTS = ("qwen3_next", "qwen3_5")
@@ -257,6 +257,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())  # HF's init: A in [0.01, 16]
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        # the delta-rule kernel this layer's last forward took ("fla" / "torch"; "" before any): a diagnostic the
+        # engine reports in its step stats (GRPOStats.delta_rule_kernel), not state
+        self.last_kernel = ""
 
     def new_state(self, capacity: int, exact: bool = False) -> RecurrentState:
         return RecurrentState(capacity, exact)
@@ -299,6 +302,7 @@ class GatedDeltaNet(nn.Module):
         # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk.
         # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
         # run its matmuls, and so the state, in bf16)
+        self.last_kernel = delta_rule_kernel(q.device, q.dtype)  # the rule gated_delta_rule's "auto" applies
         with _autocast_off(x.device.type):
             o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                      use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))

@@ -10,7 +10,13 @@ Indexer (parameter names as transformers' ``DeepseekV32Indexer``; ``Hi = index_n
     selected(t) = top-index_topk of I(t, .)
 
 RoPE covers the first ``qk_rope_head_dim`` channels of ``Di``: half-split (DeepSeek-V3.2) or interleaved (GLM-5).
-Scores are computed in float32 (float64 for float64 models) as upstream. The whole indexer runs without autograd:
+Scores are float32 (float64 for float64 models) as upstream. Where they are computed: on CPU (and the planner's meta
+dry run) the head scores ``qI . kI`` are float32 matmuls, as transformers computes them; on CUDA with bf16/fp16 models
+that GEMM (``Hi x Di`` multiply-adds per (query, key) pair, the indexer's whole cost) takes the model dtype with
+float32 accumulation and a float32 result (``torch.bmm(..., out_dtype=torch.float32)``, CUDA only; its kernel checks
+``out_dtype == fp32`` for fp16/bf16 inputs, aten/src/ATen/native/cuda/Blas.cpp); the queries and keys are bf16/fp16
+values already (projections in the model dtype), so only the accumulation order differs from the float32 matmul.
+ReLU, the head weights and the sum over heads stay float32 on every device. The whole indexer runs without autograd:
 the selection is not differentiable and upstream trains the indexer with a separate loss, so its parameters get
 no gradient from the language-model loss (as in transformers).
 
@@ -132,6 +138,22 @@ class IndexedLatentDecoder(LatentDecoder):
 # ---------------------------------------------------------------------------------------------------- indexer
 
 
+def low_precision_scores(keys: Tensor) -> bool:
+    """Whether the indexer's head-score GEMM runs in the model dtype with float32 accumulation (module docstring):
+    bf16/fp16 keys on CUDA. CPU, meta (the planner) and float32/float64 models compute it in float32/float64."""
+    return keys.is_cuda and keys.dtype in (torch.bfloat16, torch.float16)
+
+
+def _head_scores_low_precision(qb: Tensor, k: Tensor) -> Tensor:
+    """``qb [B, bt, Hi, Di]`` and keys ``k [Bk, kc, Di]`` (one dtype, bf16/fp16) -> head scores
+    ``[B, bt, Hi, kc]`` in float32: one ``torch.bmm(..., out_dtype=torch.float32)`` (fp32 accumulate and result;
+    the ``bmm.dtype`` overload has CUDA and meta kernels only)."""
+    b, bt, hi, di = qb.shape
+    kt = k.transpose(-1, -2).expand(b, -1, -1)  # [B, Di, kc]: a view for Bk == 1
+    hs = torch.bmm(qb.reshape(b, bt * hi, di), kt, out_dtype=torch.float32)
+    return hs.view(b, bt, hi, k.shape[1])
+
+
 class Indexer(nn.Module):
     """The lightning indexer (see module docstring); ``interleaved`` selects GLM-5's RoPE layout."""
 
@@ -171,9 +193,11 @@ class Indexer(nn.Module):
         return q, self.weights_proj(x).to(acc_dtype(x.dtype)) * self.num_heads**-0.5
 
     def scores(self, qb: Tensor, wb: Tensor, keys: list[Tensor]) -> Tensor:
-        """Index scores ``I [B, bt, sum S_i]`` (unmasked) of a block of queries ``qb [B, bt, Hi, Di]`` with weights
-        ``wb [B, bt, Hi]`` (both in the score dtype) over ``keys`` (``[Bk, S_i, Di]`` each, read in place and cast
-        one key chunk of ``[B, bt, Hi, kc]`` head scores at a time)."""
+        """Index scores ``I [B, bt, sum S_i]`` (unmasked, float32/float64) of a block of queries ``qb [B, bt, Hi, Di]``
+        with weights ``wb [B, bt, Hi]`` (score dtype) over ``keys`` (``[Bk, S_i, Di]`` each, read in place one key
+        chunk of ``[B, bt, Hi, kc]`` head scores at a time). The head-score GEMM runs in the keys' dtype with float32
+        accumulation where :func:`low_precision_scores` says so (CUDA bf16/fp16), else in the score dtype; ``qb``
+        may come in either (a bf16 query cast to float32 casts back exactly)."""
         b, bt = qb.shape[:2]
         kc = max(1, SCORE_ELEMS // (b * bt * self.num_heads))
         wb = wb[:, :, None, :]  # [B, bt, 1, Hi]
@@ -183,11 +207,15 @@ class Indexer(nn.Module):
         parts = []
         for i, (k, c0, c1) in enumerate(chunks):
             if meta.skip_repeated_block(qb, i, (0, last_full, n - 2, n - 1)):  # the planner's dry run (ops/meta.py)
-                parts.append(qb.new_empty(b, bt, c1 - c0))
+                parts.append(wb.new_empty(b, bt, c1 - c0))
                 continue
-            kt = k[:, c0:c1].to(qb.dtype).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
-            sc = torch.relu(torch.matmul(qb, kt) * self.softmax_scale)  # [B, bt, Hi, kc]
-            parts.append(torch.matmul(wb, sc).squeeze(-2))  # [B, bt, kc]
+            if low_precision_scores(k):
+                hs = _head_scores_low_precision(qb.to(k.dtype), k[:, c0:c1])
+                sc = torch.relu(hs * self.softmax_scale)
+            else:
+                kt = k[:, c0:c1].to(qb.dtype).transpose(-1, -2)[:, None]  # [Bk, 1, Di, kc]
+                sc = torch.relu(torch.matmul(qb, kt) * self.softmax_scale)  # [B, bt, Hi, kc]
+            parts.append(torch.matmul(wb, sc.to(wb.dtype)).squeeze(-2))  # [B, bt, kc]
         return torch.cat(parts, dim=-1)
 
     @torch.no_grad()
@@ -218,7 +246,8 @@ class Indexer(nn.Module):
             if meta.skip_repeated_block(x, i, (0, len(starts) - 1)):  # the planner's dry run: as block 0 (ops/meta.py)
                 continue
             t1 = min(t, t0 + bt)
-            sc = self.scores(q[:, t0:t1].to(acc), w[:, t0:t1], segs)
+            qb = q[:, t0:t1] if low_precision_scores(own_keys) else q[:, t0:t1].to(acc)
+            sc = self.scores(qb, w[:, t0:t1], segs)
             future = key_pos[None, :] > torch.arange(t0, t1, device=x.device)[:, None]  # [bt, S]
             sc = sc.masked_fill_(future, float("-inf"))
             ids = first_topk(sc, k_eff)  # exact ties: the lower position (module docstring)

@@ -347,7 +347,9 @@ class _SegmentAttention(torch.autograd.Function):
                 grads += [None, None]
                 continue
             dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
-            dq = dq_i if dq is None else dq + dq_i
+            # the query gradient sums over every segment (a 1M prompt: 32+ blocks): accumulated in float32 for
+            # bf16/fp16 queries (float64 stays float64), rounded once at the end
+            dq = dq_i.to(lse.dtype) if dq is None else dq.add_(dq_i)
             if k_sink is not None:
                 k_sink.add_(dk.to(k_sink.dtype))
                 v_sink.add_(dv.to(v_sink.dtype))
@@ -357,7 +359,7 @@ class _SegmentAttention(torch.autograd.Function):
             else:  # only dq was needed (a detached prefix): free this block's dK/dV now, so the
                 grads += [None, None]  # backward's memory stays one block's however long the prefix
             del dk, dv
-        return (dq, None, None, None, *grads)
+        return (dq.to(q.dtype) if dq is not None else None, None, None, None, *grads)
 
 
 def _split(seg: KVSegment, size: int) -> list[KVSegment]:

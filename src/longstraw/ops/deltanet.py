@@ -53,6 +53,7 @@ computation, fp32/fp64 on fla (older fla asserts against fp32).
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 
 import torch
@@ -301,6 +302,15 @@ def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
     return choose_kernel("auto", device_type, dtype, fla_ok)
 
 
+_log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_kernel(kernel: str, device_type: str, dtype: torch.dtype) -> None:
+    """Name the kernel once per (kernel, device type, dtype) in the log (logger ``longstraw.ops.deltanet``)."""
+    _log.info("Gated DeltaNet: the %s delta-rule kernel runs for %s %s inputs", kernel, device_type, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_torch_on_cuda(dtype: torch.dtype, why: str) -> None:
     warnings.warn(f"Gated DeltaNet on CUDA ({dtype}) runs the torch chunked delta rule, not fla's kernel: {why}; "
@@ -330,6 +340,8 @@ def gated_delta_rule(
     if backend in _BACKENDS and backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         fla_fn = _load_fla()
     kernel = choose_kernel(backend, q.device.type, q.dtype, fla_fn is not None)
+    if q.device.type != "meta":
+        _log_kernel(kernel, q.device.type, q.dtype)
     if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
         _warn_torch_on_cuda(q.dtype, "fla does not import" if q.dtype in (torch.bfloat16, torch.float16)
                             else "fla takes bf16/fp16 inputs only")

@@ -54,6 +54,7 @@ from longstraw.checkpoint.training import ADAPTER_DIR, RunDirLock, check_writabl
     latest_checkpoint, load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
     save_sharded_checkpoint, set_rng_state
 from longstraw.devices import resolve_device
+from longstraw.models.deltanet import GatedDeltaNet
 from longstraw.models.lora import adapters_disabled
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
@@ -180,6 +181,7 @@ class Trainer:
         self.echo = echo if self.job.is_main else _quiet
         self.start_step = 0
         self.opt_step = 0
+        self._kernel_said = False  # the delta-rule kernel named once (_update)
         self._lock = RunDirLock(self.run_dir)
         self.reward_fn = None
         try:
@@ -605,6 +607,15 @@ class Trainer:
             "peak_above_start_bytes": max(r["above"] for r in ranks),
             "sample": reps[0]["sample"],
         }
+        # the delta-rule kernel the Gated DeltaNet layers took (rollout and update): named once in the run's
+        # output, then in every step's metrics (GRPOStats.delta_rule_kernel reports it per engine call)
+        kernel = "+".join(sorted({x.last_kernel for x in self.model.modules()
+                                  if isinstance(x, GatedDeltaNet) and x.last_kernel}))
+        if kernel:
+            m["delta_rule_kernel"] = kernel
+            if not self._kernel_said:
+                self.echo(f"Gated DeltaNet layers run the {kernel} delta-rule kernel")
+                self._kernel_said = True
         if expert_tokens is not None:
             m.update(imbalance(expert_tokens))
             self.last_expert_tokens = expert_tokens

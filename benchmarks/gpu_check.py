@@ -1,0 +1,775 @@
+"""The prepared GPU run: one command, at most ~8 minutes on one H200, one JSON. Every section (and every part of
+section b) catches its own failure and writes the error and traceback into the JSON, which is rewritten after each
+part, so a crash or a kill still leaves what was measured.
+
+  python benchmarks/gpu_check.py --json gpu_check.json          # on the GPU machine
+  python benchmarks/gpu_check.py --smoke --json smoke.json      # every section at tiny size on the CPU (the suite)
+
+Needs torch and LongStraw's own dependencies (safetensors, numpy, tqdm; ``src/`` is put on the path), transformers
+only for the naive-HF baseline of b (without it that one entry records the ImportError), fla-core if installed
+(``device.fla`` and every step's ``delta_rule_kernel`` say whether it ran).
+
+a. Exactness on the device (``--a-s``, default 100 s). For every model family the test suite covers (the tiny
+   configs below, one per ``model_type``), a random model is built in float64 on the CPU: its logits and the
+   ``grpo_backward`` gradients in exact and detached mode are the REFERENCE (the suite holds that float64 path to
+   transformers at <= 1e-10 for logits and <= 1e-8 for gradients). The same weights then run on the device (cuda
+   when present; ``--smoke``: cpu) in float32 and bfloat16. Reported per (family, dtype): the relative errors
+   ``||x - ref|| / ||ref||`` (Frobenius) of the logits, of each parameter's gradient (the worst one) and of all
+   gradients together, and the max-abs errors over max|ref|. Pass (TOLERANCES): float32 logits <= 1e-4 and EVERY
+   parameter's gradient <= 1e-3; bfloat16 logits <= 5e-2 and all gradients together <= 1e-1 (bf16 carries 8
+   mantissa bits and every layer rounds; a parameter whose gradient is a small sum of cancelling terms, e.g. a
+   DeltaNet ``dt_bias`` or a norm weight, or a routed / top-k choice near a tie, can be off by tens of percent
+   alone, and a flipped expert or top-k choice moves whole gradients. Measured on the CPU (2026-12-03, these configs,
+   all 22 entries pass): float32 logits <= 1.9e-7, every parameter <= 4.3e-6; bfloat16 logits <= 6e-3 (DSA: 2.5e-2),
+   all gradients together <= 1.9e-2 except glm_moe_dsa's 7.3e-2 (top-k near-ties flip in bf16); a wrong kernel call
+   gives O(1)). ``--smoke`` runs bfloat16 for SMOKE_BF16 only (one family per architecture), float32 for all.
+b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-s``, default 480 s): prefill tokens/s
+   and MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
+   seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches from
+   the shared prompt state (``longstraw.generate``): decode tokens/s; naive HF (transformers on the G concatenated
+   sequences), the shared-prefix step (``grpo_step._prefix_step``: prompt graph kept, one backward) and LongStraw at
+   the same prompt ``--compare-len`` through ``grpo_step.measure_method``: peaks and seconds, and their ratios to
+   LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each.
+c. Context parallelism and FSDP2 (``--c-s``, default 90 s): with more than one GPU, ``min(4, count)`` NCCL ranks
+   (torch.multiprocessing) each run ``grpo_backward`` (exact) of one group with the prompt split over the ranks,
+   without and with FSDP2, for a dense Llama and the Qwen3.5 hybrid, float32 and bfloat16; the gathered gradients
+   are compared with one process on one GPU. One GPU: "skipped: 1 GPU". ``--smoke``: 2 gloo ranks on the CPU.
+
+Model figures of b: hidden 2048, 16 layers (every 4th full attention: 16 query heads with output gate, 2 K/V heads,
+head dim 128; 12 Gated DeltaNet with 16 key / 32 value heads of dim 128), SwiGLU 6144, vocabulary 32768, untied
+head, bfloat16, random normal(0, 0.02) weights. FLOPs of the MFU: ``2 x`` the parameters of every linear layer but
+the LM head per token plus ``4 x heads x head_dim`` per causal (query, key) pair of each full-attention layer; the
+DeltaNet kernels' own FLOPs are not counted (a lower bound). Peak: ``--peak-tflops`` (default 989 for H100/H200
+dense bf16, read from the device name). ``--smoke`` shrinks everything (and widens the time budgets to 1800 s in all,
+900 s for a, 600 s for c, 20 s per mode for the longest prompt, so that a loaded CPU never cuts a section short);
+its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))  # uninstalled checkout
+sys.path.insert(0, HERE)  # grpo_step.py (measure_method and the baselines)
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# a: pass when the logits' norm-relative error and the gradients' (float32: of EVERY parameter; bfloat16: of all
+# parameters together, the worst single one reported) are within these
+TOLERANCES = {"float32": {"logits": 1e-4, "grads": 1e-3, "grads_over": "every parameter"},
+              "bfloat16": {"logits": 5e-2, "grads": 1e-1, "grads_over": "all parameters together"}}
+SMOKE_BF16 = ("llama", "qwen3_5_text", "glm_moe_dsa")  # --smoke: bfloat16 for one family per architecture only
+
+# ---------------------------------------------------------------------------------------------------- a. configs
+# The tiny configs of the suite's family tests (tests/models), as plain dicts (no transformers needed); each builds
+# the same model as transformers' config class with these arguments (checked when this file was written).
+# float32 on CUDA is checked without TF32 (section_a switches it off for matmuls and cuDNN convolutions).
+_DENSE = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+# the hybrids' DeltaNet head dims are 32 (the suite's are 12): Triton's tl.dot inside fla wants dims >= 16, and the
+# three hybrid families share one shape, so fla's autotuning runs once
+_HYBRID = dict(vocab_size=61, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+               linear_value_head_dim=32, max_position_embeddings=512, full_attention_interval=3)
+_HMOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+_MOE = dict(vocab_size=59, hidden_size=32, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+            first_k_dense_replace=1, max_position_embeddings=256, n_group=2, topk_group=1, routed_scaling_factor=1.7,
+            n_shared_experts=2)
+_MLA = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5)
+_DSA = dict(q_lora_rank=10, index_head_dim=8, index_n_heads=32)
+FAMILY_CONFIGS = {
+    "llama": {**_DENSE},
+    "qwen2": {**_DENSE},
+    "qwen3": {**_DENSE, "head_dim": 16},
+    "mistral": {**_DENSE, "sliding_window": 40},
+    "qwen3_5_text": {**_HYBRID, "intermediate_size": 48},
+    "qwen3_next": {**_HYBRID, "intermediate_size": 48, **_HMOE, "decoder_sparse_step": 1},
+    "qwen3_5_moe_text": {**_HYBRID, **_HMOE},
+    "deepseek_v3": {**_MOE, **_MLA, "q_lora_rank": 10},
+    "glm4_moe": {**_MOE, "num_key_value_heads": 2, "n_group": 1, "head_dim": 8, "use_qk_norm": True,
+                 "attention_bias": True, "rms_norm_eps": 1e-5},
+    "deepseek_v32": {**_MOE, **_MLA, **_DSA, "index_topk": 6},  # sparse: prompts longer than index_topk
+    "glm_moe_dsa": {**_MOE, **_MLA, **_DSA, "index_topk": 7, "indexer_types": ["full", "shared", "full"],
+                    "rms_norm_eps": 1e-5},
+}
+
+
+def family_config(model_type: str) -> dict:
+    return {"model_type": model_type, **FAMILY_CONFIGS[model_type]}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _error(e: BaseException) -> dict:
+    return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-4000:]}
+
+
+def _rel(x, ref) -> tuple[float, float]:
+    """(||x - ref|| / ||ref||, max|x - ref| / max|ref|) in float64 on the CPU."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    d = x - ref
+    nr = float(ref.norm()) or 1.0
+    mr = float(ref.abs().max()) if ref.numel() else 1.0
+    return float(d.norm()) / nr, (float(d.abs().max()) / (mr or 1.0)) if d.numel() else 0.0
+
+
+def _group(vocab: int, p: int, lens: list[int], seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (p,), generator=g)
+    responses = [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.6, 0.9, -0.2][: len(lens)], dtype=torch.float64)
+    return prompt, responses, adv
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _logits_and_grads(model, dev, prompt, responses, adv, chunk) -> dict:
+    """Logits of the whole first sequence and the gradients of one group in each mode, on ``dev``."""
+    import torch
+
+    import longstraw
+
+    out = {}
+    with torch.no_grad():
+        ids = torch.cat([prompt, responses[0]])[None].to(dev)
+        out["logits"] = model(ids).double().cpu()
+    for mode in ("exact", "detached"):
+        for p in model.parameters():
+            p.grad = None
+        cfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, clip_ratio_c=None)
+        st = longstraw.grpo_backward(model, prompt.to(dev), [r.to(dev) for r in responses], adv.to(dev), cfg)
+        out[mode] = _grads(model)
+        out[f"{mode}_kernel"] = st.delta_rule_kernel
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
+    import torch
+
+    import longstraw
+
+    if dev.type == "cuda":  # the float32 check means IEEE float32: no TF32 in matmuls or cuDNN convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        res["tf32"] = "off"
+    res["tolerances"] = TOLERANCES
+    res["metric"] = ("norm: ||x - ref|| / ||ref|| (gradients: the worst parameter; all_params_norm: every gradient "
+                     "as one vector); max: max|x - ref| / max|ref|")
+    res["reference"] = "the same weights in float64 on the CPU (held to transformers by the test suite)"
+    res["device"] = str(dev)
+    entries = res.setdefault("entries", [])
+    for fam in FAMILY_CONFIGS:
+        if time.perf_counter() > deadline:
+            entries.append({"family": fam, "ok": False, "error": "section budget spent before this family"})
+            continue
+        try:
+            cfg = family_config(fam)
+            torch.manual_seed(0)
+            ref_model = longstraw.build_model(cfg).double()
+            with torch.no_grad():  # make the router bias matter (it is a buffer, zero at init)
+                g = torch.Generator().manual_seed(1)
+                for n, b in ref_model.named_buffers():
+                    if n.endswith("e_score_correction_bias"):
+                        b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * 0.3)
+            prompt, responses, adv = _group(cfg["vocab_size"], args.a_prompt, [4, 7], seed=2)
+            ref = _logits_and_grads(ref_model, torch.device("cpu"), prompt, responses, adv, args.a_chunk)
+        except Exception as e:
+            entries.append({"family": fam, "stage": "float64 reference", **_error(e)})
+            continue
+        for dtype_name in ("float32", "bfloat16"):
+            if args.smoke and dtype_name == "bfloat16" and fam not in SMOKE_BF16:
+                continue
+            entry = {"family": fam, "dtype": dtype_name}
+            try:
+                model = copy.deepcopy(ref_model).to(device=dev, dtype=getattr(torch, dtype_name))
+                got = _logits_and_grads(model, dev, prompt, responses, adv, args.a_chunk)
+                tol = TOLERANCES[dtype_name]
+                entry["logits"] = dict(zip(("norm", "max"), _rel(got["logits"], ref["logits"])))
+                ok = entry["logits"]["norm"] <= tol["logits"]
+                for mode in ("exact", "detached"):
+                    missing = sorted(set(ref[mode]) ^ set(got[mode]))
+                    per = {n: _rel(got[mode][n], ref[mode][n]) for n in ref[mode] if n in got[mode]}
+                    worst = max(per, key=lambda n: per[n][0])
+                    names = [n for n in ref[mode] if n in got[mode]]
+                    total = _rel(torch.cat([got[mode][n].flatten() for n in names]),
+                                 torch.cat([ref[mode][n].flatten() for n in names]))[0]
+                    entry[mode] = {"norm": per[worst][0], "all_params_norm": total,
+                                   "max": max(v[1] for v in per.values()), "worst_param": worst, "params": len(per),
+                                   "missing": missing}
+                    held = per[worst][0] if dtype_name == "float32" else total
+                    ok = ok and held <= tol["grads"] and not missing
+                entry["delta_rule_kernel"] = got["exact_kernel"]
+                entry["ok"] = bool(ok)
+                del model
+            except Exception as e:
+                entry.update(_error(e))
+            entries.append(entry)
+            flush()
+            say(f"  a {fam:16s} {dtype_name:8s} " + (
+                f"logits {entry['logits']['norm']:.1e}, grads (all / worst param) exact "
+                f"{entry['exact']['all_params_norm']:.1e} / {entry['exact']['norm']:.1e}, detached "
+                f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e} -> "
+                f"{'pass' if entry['ok'] else 'FAIL'}" if "logits" in entry
+                and "exact" in entry else f"error {entry.get('error')}"))
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    res["ok"] = bool(entries) and all(e.get("ok") for e in entries)
+    res["passed"] = sum(bool(e.get("ok")) for e in entries)
+    res["total"] = len(entries)
+
+
+# ---------------------------------------------------------------------------------------------------- b
+
+
+def hybrid_config(smoke: bool, max_len: int) -> dict:
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    if smoke:
+        return tiny_config(max_position_embeddings=max_len + 4096)
+    return tiny_config(
+        vocab_size=32768, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, full_attention_interval=4,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=max_len + 4096,
+    )
+
+
+def prefill_flops(model, cfg: dict, p: int) -> float:
+    """Matmul FLOPs of a prefill of ``p`` tokens (see the module docstring for what is counted)."""
+    import torch
+
+    head = getattr(model, "lm_head", None)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    n_attn = sum(1 for t in cfg["layer_types"] if t == "full_attention")
+    attn = n_attn * 4 * cfg["num_attention_heads"] * cfg["head_dim"] * p * p / 2
+    return 2.0 * linear * p + attn
+
+
+def section_b(args, dev, res: dict, deadline: float, say, flush) -> None:
+    import gc
+
+    import torch
+
+    import longstraw
+    from longstraw.engine.prefill import prefill
+    from longstraw.planner import plan
+    from longstraw.profiling import PhaseMeter, measure_step
+
+    smoke = args.smoke
+    prefill_len = args.prefill_len or (1024 if smoke else 131072)
+    step_len = args.step_len or (512 if smoke else 65536)
+    compare_len = args.compare_len or (256 if smoke else 8192)
+    max_len = args.max_len or (1024 if smoke else 4194304)
+    chunk = args.chunk or (256 if smoke else 8192)
+    rlen = args.response_len or (32 if smoke else 256)
+    groups = [int(g) for g in args.groups.split(",")]
+    gmax = max(groups)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dtype_name = str(dtype).removeprefix("torch.")
+    peak_tflops = args.peak_tflops
+    if peak_tflops is None and dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+    cfg = hybrid_config(smoke, max(max_len, prefill_len, step_len) + rlen)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = longstraw.build_model(cfg)
+    model.to(dtype)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                m.weight.normal_(0, 0.02)
+    n_params = sum(q.numel() for q in model.parameters())
+    res["model"] = {"parameters": n_params, "dtype": dtype_name, "peak_tflops": peak_tflops,
+                    "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                   "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                                                   "linear_num_value_heads", "intermediate_size", "vocab_size")}}
+    say(f"  b model: {n_params / 1e9:.3f}B parameters, {dtype_name}")
+    gen = torch.Generator().manual_seed(1)
+    params = [q for q in model.parameters() if q.requires_grad]
+
+    def ids(n):
+        return torch.randint(0, cfg["vocab_size"], (n,), generator=gen).to(dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def free():
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def part(name, fn):
+        """Run one part of the section; its failure is recorded and the next part runs."""
+        t0 = time.perf_counter()
+        try:
+            fn()
+            res.setdefault(name, {})["ok"] = res.get(name, {}).get("ok", True)
+        except Exception as e:
+            res.setdefault(name, {}).update(_error(e))
+            say(f"  b {name}: {res[name]['error']}")
+        res[name]["seconds_spent"] = time.perf_counter() - t0
+        for q in params:
+            q.grad = None
+        free()
+        flush()
+
+    oom = getattr(torch, "OutOfMemoryError", RuntimeError)
+
+    # ---- prefill throughput, and the state the rollout decodes from
+    shared = {}
+
+    def do_prefill():
+        prompt = ids(prefill_len)
+        with torch.no_grad():
+            prefill(model, prompt[: min(prefill_len, 2 * chunk)], chunk)  # warm-up: kernels, autotuning
+            sync()
+            t0 = time.perf_counter()
+            state = prefill(model, prompt, chunk)
+            sync()
+            secs = time.perf_counter() - t0
+        flops = prefill_flops(model, cfg, prefill_len)
+        res["prefill"] = {"prompt_len": prefill_len, "chunk": chunk, "seconds": secs,
+                          "tokens_per_s": prefill_len / secs, "flops": flops, "tflops_per_s": flops / secs / 1e12,
+                          "mfu": flops / secs / (peak_tflops * 1e12) if peak_tflops else None,
+                          "state_bytes": state.nbytes()}
+        shared["prompt"], shared["state"] = prompt, state
+        mfu = f", MFU {res['prefill']['mfu']:.1%}" if res["prefill"]["mfu"] is not None else ""
+        say(f"  b prefill {prefill_len:,} tokens in {secs:.2f} s: {prefill_len / secs:,.0f} tokens/s{mfu}")
+
+    # ---- rollout decoding from the shared state
+    def do_rollout():
+        if "state" not in shared:
+            raise RuntimeError("no prompt state: the prefill part failed")
+        prompt = torch.cat([shared["prompt"], ids(1)])  # the state is that of prompt[:-1]
+        sampling = longstraw.SamplingConfig(temperature=1.0, max_new_tokens=rlen, seed=0)
+        warm = longstraw.SamplingConfig(temperature=1.0, max_new_tokens=4, seed=0)
+        longstraw.generate(model, prompt, gmax, warm, prompt_state=shared["state"], prefill_chunk=chunk)
+        meter = PhaseMeter(dev)
+        sync()
+        t0 = time.perf_counter()
+        ro = longstraw.generate(model, prompt, gmax, sampling, prompt_state=shared["state"], prefill_chunk=chunk,
+                                meter=meter)
+        sync()
+        wall = time.perf_counter() - t0
+        n_tok = sum(int(r.numel()) for r in ro.responses)
+        dec = meter.seconds.get("decode", wall)
+        res["rollout"] = {"prompt_len": int(prompt.numel()), "G": gmax, "max_new_tokens": rlen, "tokens": n_tok,
+                          "decode_seconds": dec, "decode_tokens_per_s": n_tok / dec,
+                          "steps_per_s": (n_tok / gmax) / dec, "wall_seconds": wall}
+        shared.clear()
+        say(f"  b rollout G={gmax} from P={prefill_len:,}: {n_tok} tokens in {dec:.2f} s decoding: "
+            f"{n_tok / dec:,.0f} tokens/s")
+
+    # ---- GRPO steps
+    def step(mode, p, g) -> dict:
+        gcfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, clip_ratio_c=None)
+        prompt, responses = ids(p), [ids(rlen) for _ in range(g)]
+        adv = torch.randn(g, generator=gen)
+        box = {}
+
+        def run():
+            box["stats"] = longstraw.grpo_backward(model, prompt, responses, adv, gcfg)
+
+        rec = {"mode": mode, "prompt_len": p, "G": g, "response_len": rlen}
+        try:
+            peak, secs = measure_step(run, params, dev)
+        except oom as e:
+            rec.update(error=f"out of memory: {str(e).splitlines()[0][:200]}", oom=True)
+        except Exception as e:  # recorded; the next configuration still runs
+            rec.update(_error(e))
+        else:
+            st = box["stats"]
+            rec.update(peak_bytes=peak, seconds=secs, phase_seconds=st.seconds,
+                       replay_tokens_per_s=g * rlen / st.seconds["replay"] if st.seconds.get("replay") else None,
+                       prompt_state_bytes=st.prompt_state_bytes, prompt_state_grad_bytes=st.prompt_state_grad_bytes,
+                       delta_rule_kernel=st.delta_rule_kernel,
+                       finite=all(bool(torch.isfinite(q.grad).all()) for q in params if q.grad is not None))
+            if args.planner:
+                try:
+                    pl = plan(cfg, prompt_len=p, response_len=rlen, group=g, dtype=dtype_name,
+                              cfg=longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk))
+                    rec["planned_bytes"] = pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]
+                except Exception as e:  # the planner failing must not lose the measurement
+                    rec["planned_error"] = repr(e)[:300]
+        for q in params:
+            q.grad = None
+        box.clear()
+        free()
+        if "peak_bytes" in rec:
+            pb = rec.get("planned_bytes")
+            pl = f" (planned {pb / 2**30:.2f} GiB, {pb / rec['peak_bytes'] - 1:+.1%})" if pb else ""
+            say(f"  b {mode:8s} P={p:>9,} G={g}: peak {rec['peak_bytes'] / 2**30:7.2f} GiB{pl}, "
+                f"{rec['seconds']:7.2f} s, "
+                f"replay {rec['replay_tokens_per_s'] or 0:,.0f} tokens/s "
+                f"{ {k: round(v, 2) for k, v in rec['phase_seconds'].items()} }")
+        else:
+            say(f"  b {mode:8s} P={p:>9,} G={g}: {rec['error']}")
+        return rec
+
+    def do_steps():
+        runs = res.setdefault("steps", {}).setdefault("runs", [])
+        for mode in ("detached", "exact"):  # warm-up: no one-time costs in the first measured step
+            step(mode, min(step_len, 2 * chunk), min(groups))
+        for mode in ("detached", "exact"):
+            for g in groups:
+                runs.append(step(mode, step_len, g))
+                flush()
+        for mode in ("detached", "exact"):
+            a = next((r.get("peak_bytes") for r in runs if r["mode"] == mode and r["G"] == min(groups)), None)
+            b = next((r.get("peak_bytes") for r in runs if r["mode"] == mode and r["G"] == gmax), None)
+            if a and b:
+                res["steps"][f"{mode}_peak_ratio_G{gmax}_over_G{min(groups)}"] = b / a
+                say(f"  b {mode}: peak G={gmax} / G={min(groups)} at P={step_len:,}: {b / a:.3f}")
+        measured = [r for r in runs if r.get("planned_bytes") and r.get("peak_bytes")]
+        if measured:
+            worst = max(abs(r["planned_bytes"] / r["peak_bytes"] - 1) for r in measured)
+            res["steps"]["planner_worst_relative_error"] = worst
+            say(f"  b planner vs measured: worst relative error {worst:.1%} over {len(measured)} steps")
+
+    # ---- naive HF and LongStraw at one prompt (grpo_step.measure_method)
+    def do_compare():
+        import grpo_step
+
+        prompt, responses = ids(compare_len).cpu(), [ids(rlen).cpu() for _ in range(gmax)]
+        adv = torch.randn(gmax, generator=gen)
+        rows = res.setdefault("compare", {}).setdefault("methods", {})
+        res["compare"].update(prompt_len=compare_len, G=gmax, response_len=rlen)
+        for method in ("detached", "exact", "prefix", "naive"):
+            if time.perf_counter() > deadline - 30:
+                rows[method] = {"skipped": "section budget"}
+                continue
+            bargs = SimpleNamespace(prompt_len=compare_len, worker_method=method, chunk=chunk)
+            target = model
+            try:
+                if method == "naive":
+                    from transformers import AutoModelForCausalLM
+
+                    with tempfile.TemporaryDirectory(prefix="gpu-check-hf-") as d:
+                        longstraw.save_model(model, d)
+                        target = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev)
+                    target.config._attn_implementation = "sdpa"
+                    target.train()
+                peak, first, secs, _ = grpo_step.measure_method(grpo_step._step_fn, target, bargs, prompt,
+                                                                responses, adv, dev)
+                rows[method] = {"peak_bytes": int(peak), "seconds": secs, "first_step_seconds": first}
+                say(f"  b compare {method:8s} P={compare_len:,} G={gmax}: peak {peak / 2**30:.2f} GiB, {secs:.2f} s")
+            except oom as e:
+                rows[method] = {"error": f"out of memory: {str(e).splitlines()[0][:200]}"}
+            except Exception as e:
+                rows[method] = _error(e)
+                say(f"  b compare {method}: {rows[method]['error']}")
+            finally:
+                if target is not model:
+                    for q in target.parameters():
+                        q.grad = None
+                    del target
+                for q in params:
+                    q.grad = None
+                free()
+            flush()
+        ls = rows.get("detached", {})
+        for method in ("naive", "prefix", "exact"):
+            r = rows.get(method, {})
+            if r.get("peak_bytes") and ls.get("peak_bytes"):
+                res["compare"][f"{method}_over_detached_peak"] = r["peak_bytes"] / ls["peak_bytes"]
+                res["compare"][f"{method}_over_detached_seconds"] = r["seconds"] / ls["seconds"]
+
+    # ---- longest prompt per mode in --longest-s each
+    def do_longest():
+        runs = res.get("steps", {}).get("runs", [])
+        for mode in ("detached", "exact"):
+            mode_end = min(deadline, time.perf_counter() + args.longest_s)
+            prev = next((r for r in runs if r["mode"] == mode and r["G"] == gmax), None)
+            if prev is None:
+                prev = step(mode, step_len, gmax)
+            tried, stop, p = [prev], None, prev["prompt_len"]
+            while stop is None:
+                if "error" in prev:
+                    stop = "memory" if prev.get("oom") else f"error: {prev['error'][:200]}"
+                elif 2 * p > max_len:
+                    stop = f"--max-len {max_len}"
+                elif time.perf_counter() + 4 * prev["seconds"] > mode_end:  # attention: ~4x per doubling
+                    stop = f"time ({args.longest_s:.0f} s per mode, or the section budget)"
+                else:
+                    p *= 2
+                    prev = step(mode, p, gmax)
+                    tried.append(prev)
+                    flush()
+            ok = [r for r in tried if "peak_bytes" in r]
+            res.setdefault("longest", {})[mode] = {"G": gmax, "measured_max": max((r["prompt_len"] for r in ok),
+                                                                                   default=0),
+                                                   "stopped_by": stop, "runs": tried[1:]}
+            if args.planner and dev.type == "cuda":
+                try:
+                    res["longest"][mode]["planner_max_for_device"] = plan(
+                        cfg, prompt_len=step_len, response_len=rlen, group=gmax, dtype=dtype_name,
+                        cfg=longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk),
+                        gpu_mem=torch.cuda.get_device_properties(dev).total_memory).max_prompt_len
+                except Exception as e:
+                    res["longest"][mode]["planner_error"] = repr(e)[:300]
+            say(f"  b longest {mode}: {res['longest'][mode]['measured_max']:,} tokens (stopped by {stop})")
+
+    part("prefill", do_prefill)
+    part("rollout", do_rollout)
+    part("steps", do_steps)
+    part("compare", do_compare)
+    part("longest", do_longest)
+    res["ok"] = all(res[k].get("ok") for k in ("prefill", "rollout", "steps", "compare", "longest"))
+
+
+# ---------------------------------------------------------------------------------------------------- c
+
+C_FAMILIES = {"llama": _DENSE, "qwen3_5_text": {**_HYBRID, "intermediate_size": 48}}
+
+
+def _c_group(vocab: int):
+    return _group(vocab, 37, [5, 7], seed=3)
+
+
+def _c_run(model, dev, prompt, responses, adv) -> dict:
+    import longstraw
+
+    cfg = longstraw.GRPOConfig(prompt_grad="exact", prefill_chunk=4, clip_ratio_c=None)
+    st = longstraw.grpo_backward(model, prompt.to(dev), [r.to(dev) for r in responses], adv.to(dev), cfg)
+    grads = {n: g.detach().double().cpu() for n, g in longstraw.hf_grads(model).items()}
+    return {"loss": float(st.loss), "grads": grads}
+
+
+def _c_rank(rank: int, world: int, port: int, backend: str, jobs: list, out_dir: str) -> None:
+    """One rank of section c (torch.multiprocessing.spawn): every job on this process group, results to a file."""
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import longstraw
+    from longstraw import distributed
+
+    results = {}
+    ctx = None
+    try:
+        ctx = longstraw.init_distributed(cp=world, fsdp=False, backend=backend, timeout_s=120)
+        for job in jobs:
+            key = f"{job['family']}/{job['dtype']}/{'fsdp' if job['fsdp'] else 'cp'}"
+            try:
+                model = longstraw.load_model(job["path"], dtype=job["dtype"], master_dtype=job["dtype"])
+                if job["fsdp"]:
+                    distributed.parallelize(model, ctx, fsdp=True)
+                prompt, responses, adv = _c_group(job["vocab"])
+                results[key] = _c_run(model, ctx.device, prompt, responses, adv)
+                del model
+            except Exception as e:
+                results[key] = _error(e)
+                break  # the other ranks may wait in a collective: stop here
+    except Exception as e:
+        results["init"] = _error(e)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    if ctx is not None:
+        longstraw.shutdown_distributed()
+
+
+def section_c(args, dev, res: dict, deadline: float, say) -> None:
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    import longstraw
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.smoke and dev.type == "cpu":
+        world, backend, run_dev = 2, "gloo", torch.device("cpu")
+    elif n_gpu > 1:
+        world, backend, run_dev = min(4, n_gpu), "nccl", torch.device("cuda", 0)
+    else:
+        res.update(ok=True, skipped=f"skipped: {n_gpu} GPU")
+        say(f"  c {res['skipped']}")
+        return
+    res.update(world=world, backend=backend, tolerances={"float32": 1e-4, "bfloat16": 5e-2},
+               metric="norm-relative error of every gathered gradient against one process on one device")
+    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16"]
+    tmp = tempfile.mkdtemp(prefix="gpu-check-c-")
+    jobs, refs = [], {}
+    for fam, kw in C_FAMILIES.items():
+        cfg = {"model_type": fam, **kw}
+        torch.manual_seed(0)
+        model = longstraw.build_model(cfg)
+        path = os.path.join(tmp, fam)
+        longstraw.save_model(model, path)
+        for dt in dtypes:
+            ref_model = longstraw.load_model(path, dtype=dt, device=run_dev)
+            prompt, responses, adv = _c_group(cfg["vocab_size"])
+            ref = _c_run(ref_model, run_dev, prompt, responses, adv)
+            del ref_model
+            for fsdp in (False, True):
+                key = f"{fam}/{dt}/{'fsdp' if fsdp else 'cp'}"
+                refs[key] = ref
+                jobs.append({"family": fam, "dtype": dt, "fsdp": fsdp, "path": path, "vocab": cfg["vocab_size"]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_c_rank, args=(world, port, backend, jobs, tmp), nprocs=world, join=False,
+                             start_method="spawn")
+    while not ctx.join(timeout=5):
+        if time.perf_counter() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"the {world} ranks did not finish within the section budget")
+    got = torch.load(os.path.join(tmp, "rank0.pt"), weights_only=False)
+    if "init" in got:
+        res.update(got["init"])
+        return
+    entries = res.setdefault("entries", [])
+    for key, ref in refs.items():
+        r = got.get(key)
+        entry = {"case": key}
+        if r is None or "grads" not in r:
+            entry.update(r or {"ok": False, "error": "not run (an earlier case failed on the ranks)"})
+        else:
+            per = {n: _rel(r["grads"][n], g)[0] for n, g in ref["grads"].items() if n in r["grads"]}
+            worst = max(per, key=per.get)
+            missing = sorted(set(ref["grads"]) ^ set(r["grads"]))
+            tol = res["tolerances"][key.split("/")[1]]
+            entry.update(grads_norm=per[worst], worst_param=worst, loss_rel=abs(r["loss"] - ref["loss"]) /
+                         (abs(ref["loss"]) or 1.0), missing=missing, ok=per[worst] <= tol and not missing)
+        entries.append(entry)
+        say(f"  c {key:28s} " + (f"grads {entry['grads_norm']:.1e} -> {'pass' if entry['ok'] else 'FAIL'}"
+                                 if "grads_norm" in entry else f"error {entry.get('error')}"))
+    res["ok"] = all(e.get("ok") for e in entries)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--smoke", action="store_true", help="every section at tiny size (on the CPU: c on 2 gloo ranks)")
+    ap.add_argument("--sections", default="a,b,c")
+    ap.add_argument("--budget-s", type=float, default=None, help="the whole run: default 480 s (smoke: 1800 s, so "
+                    "that a loaded CPU never cuts a section short and the suite's smoke test never depends on time)")
+    ap.add_argument("--a-s", type=float, default=None, help="budget of section a: default 100 s, first calls compile "
+                    "kernels (smoke: 900 s)")
+    ap.add_argument("--c-s", type=float, default=None, help="budget of section c, b gets the rest: default 90 s "
+                    "(smoke: 600 s)")
+    ap.add_argument("--a-prompt", type=int, default=28, help="tokens (mistral's test window is 40)")
+    ap.add_argument("--a-chunk", type=int, default=16)
+    ap.add_argument("--prefill-len", type=int, default=None, help="default 131072 (smoke 1024)")
+    ap.add_argument("--step-len", type=int, default=None, help="default 65536 (smoke 512)")
+    ap.add_argument("--compare-len", type=int, default=None, help="naive HF vs LongStraw: default 8192 (smoke 256)")
+    ap.add_argument("--max-len", type=int, default=None, help="default 4194304 (smoke 1024)")
+    ap.add_argument("--longest-s", type=float, default=None, help="time per mode for the longest prompt: default "
+                    "120 s (smoke 20 s)")
+    ap.add_argument("--groups", default="2,8")
+    ap.add_argument("--response-len", type=int, default=None, help="default 256 (smoke 32)")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk; default 8192 (smoke 256)")
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--planner", action="store_true", help="b: the memory planner's prediction beside each step "
+                    "(off by default: its meta dry run of the 1B hybrid costs CPU minutes, and it models the torch "
+                    "delta rule, an upper bound where fla runs)")
+    ap.add_argument("--json", default="gpu_check.json")
+    args = ap.parse_args(argv)
+    for name, full, smoke in (("longest_s", 120.0, 20.0), ("budget_s", 480.0, 1800.0), ("a_s", 100.0, 900.0),
+                              ("c_s", 90.0, 600.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    t_start = time.perf_counter()
+
+    import torch
+
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out: dict = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "smoke": args.smoke,
+                 "sections": {}}
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    def flush() -> None:
+        out["wall_s"] = time.perf_counter() - t_start
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        os.replace(tmp, args.json)
+
+    try:
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+        info = {"name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                "total_memory": torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None}
+        if dev.type == "cuda":
+            from longstraw.ops.deltanet import delta_rule_kernel
+
+            try:
+                import fla
+
+                info["fla"] = getattr(fla, "__version__", "importable")
+            except Exception as e:
+                info["fla"] = f"not importable ({type(e).__name__}: {str(e)[:200]})"
+            info["delta_rule_kernel_bf16"] = delta_rule_kernel(dev, torch.bfloat16)
+        out["device"] = info
+    except Exception as e:
+        out["device"] = _error(e)
+    say(f"gpu_check: {out['command']}\ndevice: {out['device']}")
+    flush()
+
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    end = t_start + args.budget_s
+    multi = (torch.cuda.is_available() and torch.cuda.device_count() > 1) or (args.smoke and dev.type == "cpu")
+    for sec in wanted:
+        res = out["sections"].setdefault(sec, {})
+        now = time.perf_counter()
+        if sec == "a":
+            deadline = min(end, now + args.a_s)
+        elif sec == "b":  # what is left, keeping section c's budget when c runs after it
+            deadline = end - (args.c_s if "c" in wanted[wanted.index("b"):] and multi else 0)
+        else:
+            deadline = min(end, now + args.c_s)
+        say(f"section {sec} (budget {max(0.0, deadline - now):.0f} s):")
+        try:
+            if sec == "a":
+                section_a(args, dev, res, deadline, say, flush)
+            elif sec == "b":
+                section_b(args, dev, res, deadline, say, flush)
+            elif sec == "c":
+                section_c(args, dev, res, deadline, say)
+            else:
+                raise ValueError(f"unknown section {sec!r}; allowed: a, b, c")
+        except Exception as e:
+            res.update(_error(e))
+            say(f"  section {sec} failed: {res['error']}")
+        res["seconds"] = time.perf_counter() - now
+        res.setdefault("ok", False)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        flush()
+    summary = {s: out["sections"][s].get("ok") for s in wanted}
+    say(f"summary: {summary}, wall {time.perf_counter() - t_start:.0f} s, json {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    raise SystemExit(main())
