@@ -91,3 +91,32 @@ def test_memo_keys_tell_apart_what_meta_kernels_read():
     assert len(set(keys)) == len(keys)
     assert _op_key((x, 1)) == _op_key((torch.empty(4, 6, device="meta"), 1))
     assert _op_key((torch._neg_view(x),)) != _op_key((x,))  # the negative bit, on a real tensor too
+
+
+@pytest.mark.parametrize("shape", ["linear", "quadratic", "kinked", "steps"])
+@pytest.mark.parametrize("limit", [150.0, 1e3, 3.3e4])
+def test_max_len_search_brackets_the_longest_fitting_prompt_to_one_percent(shape, limit):
+    """_solve_max_len below the line: the answer fits, and the true longest fitting length lies less than 1% (or
+    one token) above it, for peaks of several shapes (curved ones too); on a straight peak it needs far fewer dry
+    runs than a bisection."""
+    from longstraw.planner import _solve_max_len
+
+    t = 16384
+    peaks = {"linear": lambda x: 100 + 3 * x, "quadratic": lambda x: 100 + x * x / 50,
+             "kinked": lambda x: 100 + (x if x < 3000 else 3000 + 40 * (x - 3000)),
+             "steps": lambda x: 100 + 4096 * (x // 4096) + x / 8}
+    f = peaks[shape]
+    calls = []
+
+    def peak_at(x):
+        calls.append(x)
+        return f(x)
+
+    got = _solve_max_len(peak_at, limit, t, 1 << 22, known=(1 << 21, f(1 << 21)))
+    if f(2) > limit:
+        assert got == 0
+        return
+    truth = max(x for x in range(2, 2 * t + 1) if f(x) <= limit)
+    assert f(got) <= limit and got <= truth < got + max(1, got // 100), (got, truth)
+    # besides the line's t and 2t, lo and hi: at most three probes on a straight peak, ~13 for a bisection
+    assert len(calls) - 4 <= (3 if shape == "linear" else 16), calls
