@@ -997,12 +997,13 @@ def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int
     if f_lo > limit:
         return 0
     f_hi = peak_at(hi)  # 2t: the line's own dry run (cached); or ``longest``, just run
-    # The peak is nearly linear in the length between two dry runs (piecewise: chunk boundaries, attention blocks),
-    # so each round interpolates where it crosses the limit (Illinois' regula falsi: an end kept twice in a row has
-    # its weight halved, so a curved peak does not pin the search to one side; a probe 1% beside an end once the
-    # crossing is that close to it), twice, then, unless that halved the bracket's log-width, probes its geometric
-    # middle: on a straight stretch two dry runs close the bracket (a bisection from [2, 2t] to 1% needs ~13), and
-    # in any case at most about three times a geometric bisection's ~10.
+    # While the bracket spans more than a factor 2, probe its geometric middle: the peak may step there (GLM-5's
+    # jumps by 11 GiB between 842 and 3,944 tokens, where DSA's sparse path begins), and short dry runs are the
+    # cheap ones. Within a factor 2 the peak is nearly linear (chunk boundaries aside), so each round interpolates
+    # where it crosses the limit (Illinois' regula falsi: an end kept twice in a row has its weight halved, so a
+    # curved peak does not pin the search to one side; a probe 1% beside an end once the crossing is that close to
+    # it), twice, then, unless that halved the bracket's log-width, probes its geometric middle. A bisection from
+    # [2, 2t] to 1% needs ~13 dry runs, many of them long.
     g_lo, g_hi = f_lo - limit, f_hi - limit  # <= 0 < g_hi
     kept = 0  # the end the last probe left in place: -1 lo, +1 hi
 
@@ -1024,6 +1025,9 @@ def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int
         return hi - lo <= max(1, lo // 100)  # 1% resolution
 
     while not done():
+        if hi > 2 * lo:  # a wide bracket: halve its log-width first (dry runs cost more the longer they are)
+            probe(int(math.sqrt(lo * hi)))
+            continue
         span = math.log(hi / lo)
         for _ in range(2):
             tol = max(1, lo // 100)
