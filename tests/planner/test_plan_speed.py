@@ -120,3 +120,46 @@ def test_max_len_search_brackets_the_longest_fitting_prompt_to_one_percent(shape
     assert f(got) <= limit and got <= truth < got + max(1, got // 100), (got, truth)
     # besides the line's t and 2t, lo and hi: no more dry runs than a bisection to 1% (~13-15 here)
     assert len(calls) - 4 <= 14, calls
+
+
+def _plans_equal_without_shortcuts(monkeypatch, cfg: dict, min_skips: int) -> None:
+    """Detached and exact plans of ``cfg`` are byte-equal with ``ops/meta.py``'s block shortcuts on and off, and
+    ``skip_repeated_block`` skipped more than ``min_skips`` blocks (so the comparison covered the shortcut)."""
+    from longstraw.ops import meta
+
+    def plans():
+        return [plan(cfg, prompt_len=1100, response_len=8, group=2, dtype="float32",
+                     cfg=GRPOConfig(prompt_grad=m, prefill_chunk=512)).breakdown for m in ("detached", "exact")]
+
+    calls = []
+    real = meta.skip_repeated_block
+    monkeypatch.setattr(meta, "skip_repeated_block", lambda *a: calls.append(real(*a)) or calls[-1])
+    fast = plans()
+    assert sum(calls) > min_skips  # the shortcut did skip blocks
+    monkeypatch.setattr(meta, "SHORTCUTS", False)
+    assert plans() == fast
+
+
+def test_dsa_meta_shortcut_changes_no_tracked_byte(monkeypatch):
+    """The DSA indexer's and the sparse attention's repeated blocks on meta (ops/meta.py ``skip_repeated_block``):
+    plans of a GLM-5-style model (full and shared indexer layers) with many query blocks and key chunks (small
+    score and gather budgets) are byte-equal with the shortcut on and off, detached and exact."""
+    from longstraw.models import dsa
+    from longstraw.ops import sparse_attention
+
+    monkeypatch.setattr(dsa, "SCORE_ELEMS", 1 << 14)  # ~30 query blocks of ~4 key chunks per layer call
+    monkeypatch.setattr(sparse_attention, "GATHER_ELEMS", 1 << 12)  # ~8 query blocks per sparse attention call
+    _plans_equal_without_shortcuts(monkeypatch, GLM_DSA, 50)
+
+
+def test_mla_decompressed_chunk_shortcut_changes_no_byte(monkeypatch):
+    """The decompressed MLA form's chunk loop (``models/mla.py``: forward and backward expand ``chunk`` stored
+    positions at a time; on meta only the first and the last chunk run): plans of a DeepSeek-V3-style model whose
+    prefill chunks decompress (the FLOP rule picks that form) over many chunks are byte-equal with the shortcut on
+    and off, detached and exact."""
+    from longstraw.models import mla
+
+    cfg = {k: v for k, v in GLM_DSA.items() if not k.startswith(("index", "indexer"))}
+    cfg["model_type"] = "deepseek_v3"
+    monkeypatch.setattr(mla, "_DECOMPRESS_ELEMS", 1)  # 64 stored positions per chunk: ~17 chunks per call
+    _plans_equal_without_shortcuts(monkeypatch, cfg, 20)
