@@ -139,9 +139,8 @@ def cmd_demo(args) -> int:
           f"GRPO at {cfg.data.prompt_len}-token prompts, G={cfg.rollout.group_size}, {cfg.train.steps} steps, "
           f"prompt_grad={cfg.algorithm.grpo.prompt_grad.value} -> {run_dir}", flush=True)
     t0 = time.time()
-    tw = time.time()
     model_dir, warm = _demo_warm_model(cfg, args, run_dir, max(n for n, _ in evals))
-    warm_s = time.time() - tw
+    warm_s = time.time() - t0
     tok = ByteTokenizer()
     opts = {"answer_digits": cfg.data.answer_digits}
     task = cfg.data.task
