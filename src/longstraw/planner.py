@@ -30,10 +30,14 @@ Breakdown (bytes per device):
                        With LoRA (``lora=``) only the trained parameters (the adapters and ``modules_to_save``)
                        have a master copy, a gradient and moments; the frozen base counts in ``weights`` only, in
                        the compute dtype, sharded alike (``Plan.settings["lora"]`` splits ``weights``)
-``gathered``           FSDP's transient full-size buffers: the all-gathered parameters of the current and the
-                       prefetched unit in the compute dtype (or the embedding + LM-head group, whichever is
-                       larger), plus one unit's unsharded gradient and its float32 copy before the reduce-scatter
-                       (of its trained parameters only: with LoRA, the adapters')
+``gathered``           FSDP's transient full-size buffers (``distributed.fsdp``'s units), in the compute dtype:
+                       the all-gathered parameters of the unit that runs and the one prefetched (two decoder
+                       layers, or a layer and the embedding or the LM head, whichever is larger), plus one unit's
+                       unsharded gradient and its float32 copy before the reduce-scatter (of the trained
+                       parameters only: with LoRA, the adapters'). With tied embeddings the embedding + head unit
+                       stays gathered while the layers run, and its gradient from the head's backward to the
+                       embedding's: two layers beside it, and its gradient beside a layer's. Checked with the
+                       per-rank peaks on gloo (tests/planner)
 ``prompt_state``       the stored state of the prompt (after prefill)
 ``prompt_state_grad``  its gradient buffers (exact mode)
 ``prefill_chunk``      transient peak above the state while one chunk is prefilled (and, in exact mode, while a
@@ -636,9 +640,11 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     layer_params = [[p for p in layer.parameters() if id(p) not in experts] for layer in model.layers]
     layer_all = max((sum(p.numel() for p in lp) for lp in layer_params), default=0)
     layer_n = max((count(lp, True) for lp in layer_params), default=0)
-    b = model.model
-    ends = list({id(p): p for m in (b.embed_tokens, b.norm, model.lm_head) for p in m.parameters()}.values())
-    ends_all, ends_n = sum(p.numel() for p in ends), count(ends, True)
+    from longstraw.distributed.fsdp import end_units
+
+    units = [list({id(p): p for m in unit for p in m.parameters()}.values()) for unit in end_units(model)]
+    ends_all = max(sum(p.numel() for p in u) for u in units)  # the larger of the embedding and the head units
+    ends_n = max(count(u, True) for u in units)
     shard = gpus // replicate if fsdp else 1
     mb, cb = _dtype_bytes(master), _dtype_bytes(compute)
     adapter_n = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
@@ -660,9 +666,13 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         split["saved_weight_bytes"] += ex_n * mb
         n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
     split.update(expert_params_per_device=ex_n + ex_frozen)
-    if fsdp:  # two units gathered (current + prefetched), or the embedding/head group; one unit's gradient
-        unit = max(2 * layer_all, ends_all)  # unsharded (compute dtype) and its float32 copy for the reduction
-        fixed["gathered"] = unit * cb + max(layer_n, ends_n) * (cb + 4)
+    if fsdp:  # module docstring; gradients: unsharded in the compute dtype, and a float32 copy for the reduction
+        if model.spec.tie_word_embeddings:  # one embedding + head unit, gathered while the layers run, its gradient
+            # held from the head's backward to the embedding's, beside the layers'
+            fixed["gathered"] = ((2 * layer_all + ends_all) * cb
+                                 + max(ends_n * cb + layer_n * (cb + 4), ends_n * (cb + 4)))
+        else:  # one unit runs while the next is prefetched (forward, and backward: the head's, the embedding's)
+            fixed["gathered"] = (layer_all + max(layer_all, ends_all)) * cb + max(layer_n, ends_n) * (cb + 4)
     elif master != compute:  # one process with master weights: autocast's compute-dtype copies of one layer
         fixed["gathered"] = layer_n * cb
     m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
@@ -1108,7 +1118,8 @@ def explain(res: Plan) -> dict[str, str]:
         "weights": a["parameters"],
         "grads": a["gradients"],
         "optimizer": a["optimizer"],
-        "gathered": "FSDP's all-gathered units (current + prefetched) and one unit's gradient before its reduction"
+        "gathered": "FSDP's all-gathered units (the one running and the one prefetched) and one unit's "
+                    "gradient before its reduction"
                     if "FSDP" in a["parameters"] else "autocast's compute-dtype copy of one layer"
                     if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
         "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",

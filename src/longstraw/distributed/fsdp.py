@@ -1,10 +1,10 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) of a LongStraw model over every rank of the job.
 
-Applied from outside the model (torchtitan's ``parallelize`` pattern). Units: every decoder layer, and one group of
-the embedding, the final norm and the LM head (one group, because tied embeddings share one tensor between the
-embedding and the head); the backbone (holding no parameter of its own then) is the root, whose forward every pass
-enters (``CausalLM.run`` calls ``model.model``), and the LM head is called after it, as FSDP2 supports for grouped
-modules (the chunked-loss pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of the job, or with HSDP each replicate
+Applied from outside the model (torchtitan's ``parallelize`` pattern). Units: every decoder layer, the embedding,
+the LM head (with tied embeddings, which share one tensor between the two, one group of both: :func:`end_units`),
+and the backbone, the root, whose forward every pass enters (``CausalLM.run`` calls ``model.model``) and which holds
+what is left: the final norm. The LM head is called after the root's forward, as FSDP2 supports (the chunked-loss
+pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of the job, or with HSDP each replicate
 group) with ``reshard_after_forward=True``: a unit's full parameters exist only while it runs. The engine calls every
 unit as a module (``model.run`` calls the layers, the embedding and the norm; the log-probs and decoding call
 ``model.lm_head(...)``), so FSDP's hooks all-gather before and reduce-scatter after each use, in lockstep on every
@@ -84,14 +84,28 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
     kw = {"ignored_params": ignored} if ignored else {}
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
-    ends = [backbone.embed_tokens, backbone.norm, model.lm_head]
-    fully_shard(ends, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
+    for unit in end_units(model):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     fully_shard(backbone, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)  # the root: every pass enters
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
         if ctx.backend == "gloo":
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM / AVG reductions
     return model
+
+
+def end_units(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The FSDP2 units of the embedding and the LM head: with untied embeddings one each (``[[embed_tokens],
+    [lm_head]]``), so that each full weight is gathered only while its module runs forward or backward and its
+    gradient is reduced when that backward is done; with tied embeddings (one tensor in both) one unit of the two,
+    gathered from the embedding's call until the head has run, and in a backward from the head's backward to the
+    embedding's. The final norm (one vector) is left to the root unit, the backbone: grouped with the head, its own
+    backward hook gathered the group again after the head's gradient was reduced, and it stayed gathered to the end of
+    the backward. The planner's ``gathered`` term counts these units."""
+    b = model.model
+    if model.spec.tie_word_embeddings:
+        return [[b.embed_tokens, model.lm_head]]
+    return [[b.embed_tokens], [model.lm_head]]
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -112,10 +126,11 @@ def reshard(model: torch.nn.Module) -> None:
     """Free every FSDP2 unit's gathered parameters and register its shards again (not a collective; a no-op for a
     unit already sharded and for a model without FSDP).
 
-    Needed because the embedding / final norm / LM head group reshards only when all three have run in one pass
-    (or at the root's next post-forward): after a call that ends with ``lm_head(...)`` outside the backbone (decoding,
-    the log-prob op) it stays gathered, and ``model.parameters()`` would then give the gathered tensors, not the
-    shards the optimiser holds. The engine's public calls end with it (``ContextParallel.finish``)."""
+    Needed because a unit can stay gathered after a call: the tied embedding + LM head group reshards only when
+    both have run in one pass (or at the root's next post-forward), so after a call that ends with
+    ``lm_head(...)`` outside the backbone (decoding, the log-prob op) it can stay gathered, and
+    ``model.parameters()`` would then give the gathered tensors, not the shards the optimiser holds. The engine's
+    public calls end with it (``ContextParallel.finish``)."""
     for m in fsdp_modules(model):
         m.reshard()
 
