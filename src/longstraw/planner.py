@@ -907,8 +907,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
 
 def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:
     """Bytes a CP step's MLA attention adds per rank beyond one process's chunk (the dry run runs one process):
-    the shipped queries and partials of one dense MLA layer (``distributed.cp_latent.mla_step_bytes``; DSA layers
-    whose step sees more than ``index_topk`` keys run the sparse path, not counted here). Writes the form and the
+    the shipped queries and partials of one dense MLA layer (``distributed.cp_latent.mla_step_bytes``), or, where
+    the DSA layers' steps see more than ``index_topk`` keys, their sparse path's (``dsa_step_bytes``: one layer's
+    peak, plus what the other layers' graphs keep in an exact step without layer checkpointing). Writes the form and the
     per-block transient into ``assumptions["mla_attention"]``; 0 without MLA layers."""
     from longstraw.models.mla import MLAttention
 
@@ -928,10 +929,18 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
     from longstraw.distributed.cp_latent import mla_step_bytes
 
     form, step, block = mla_step_bytes(layer, cp, chunk, prompt_len, dtype, cfg.exact)
-    if not dense:
-        assumptions["mla_attention"] = (f"cp={cp}: DSA layers run the sparse path at this length (absorbed "
-                                        "latents); its step exchange is not counted")
-        return 0
+    if not dense:  # every DSA layer (full and shared) on its sparse path; dsa_step_bytes
+        from longstraw.distributed.cp_latent import dsa_step_bytes
+
+        per = [dsa_step_bytes(m, cp, chunk, dtype, cfg.exact) for m in mixers if getattr(m, "index_topk", None)]
+        peak = max(p for p, _ in per)
+        kept = 0 if cfg.checkpoint_layers else sum(sv for _, sv in per) - max(sv for _, sv in per)
+        assumptions["mla_attention"] = (
+            f"cp={cp}: DSA layers run the sparse path at this length (absorbed latents); per rank a step's "
+            f"exchange of {cp} x {chunk:,} tokens adds {format_bytes(peak)} in one layer"
+            + (f", and the other layers' graphs keep {format_bytes(kept)}" if kept else "")
+            + " (by formula, in prefill_chunk)")
+        return peak + kept
     assumptions["mla_attention"] = (
         f"cp={cp}: {form} form for a step of {cp} x {chunk:,} tokens (FLOP rule); per rank and MLA layer the "
         f"shipped queries and partials add {format_bytes(step)} (by formula, in prefill_chunk)"

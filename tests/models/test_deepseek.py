@@ -297,3 +297,40 @@ def test_dsa_selection_with_tied_index_scores_does_not_depend_on_the_chunking(he
     straddle = sum(int(((s == 0).sum(-1) > 0).logical_and(s.topk(6, dim=-1).values[..., -1] == 0).sum())
                    for s in ties if s.shape[-1] >= 6)
     assert straddle > 0
+
+
+@pytest.mark.parametrize("name", ["v32-sparse", "glm5-shared-sparse"])
+def test_indexer_head_weights_stay_float32_in_fp16_models_as_transformers_keeps_them(name):
+    """``indexer.weights_proj`` in an fp16 model: float32, loaded with the checkpoint's values (here bf16 values
+    below fp16's normal range, which a cast to fp16 would round), computed in float32 from the fp16 hidden states,
+    as transformers keeps and computes it (``_keep_in_fp32_modules``: fp16 only); bf16 models keep it in bf16, as
+    transformers does; cast to fp16 later (``.half()``) it stays float32, and under fp16 autocast (one process with
+    master weights) it is computed in float32 too."""
+    hf = hf_model(name)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("indexer.weights_proj.weight"):
+                p.mul_(1e-4)  # ~2e-5: fp16 subnormals, 10 bits fewer than bf16 holds there
+    path = save_tiny(hf, dtype=torch.bfloat16)
+    want = load_file(path / "model.safetensors")["model.layers.0.self_attn.indexer.weights_proj.weight"]
+    x = torch.randn(2, 5, hf.config.hidden_size).to(torch.float16)
+    ours = longstraw.load_model(path, dtype=torch.float16)
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, experts_implementation="eager")
+    mine = ours.model.layers[0].self_attn.indexer.weights_proj
+    ref = theirs.model.layers[0].self_attn.indexer.weights_proj
+    assert mine.weight.dtype == ref.weight.dtype == torch.float32
+    assert torch.equal(mine.weight, want.float()) and torch.equal(mine.weight, ref.weight)
+    assert not torch.equal(want.half().float(), want.float())  # the values fp16 would have lost
+    assert ours.model.layers[0].self_attn.indexer.wq_b.weight.dtype == torch.float16
+    got = dsa.head_weights(mine, x)
+    assert got.dtype == torch.float32 and torch.equal(got, ref(x.to(ref.weight.dtype)).float())
+    bf = longstraw.load_model(path, dtype=torch.bfloat16).model.layers[0].self_attn.indexer.weights_proj
+    hf_bf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager")
+    assert bf.weight.dtype == torch.bfloat16 == hf_bf.model.layers[0].self_attn.indexer.weights_proj.weight.dtype
+    model = longstraw.load_model(path, dtype=torch.float32).half()
+    assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert model.model.layers[0].self_attn.indexer.wq_b.weight.dtype == torch.float16
+    lin = longstraw.load_model(path, dtype=torch.float32).model.layers[0].self_attn.indexer.weights_proj
+    with torch.autocast("cpu", dtype=torch.float16):
+        auto = dsa.head_weights(lin, x.float())
+    assert auto.dtype == torch.float32 and torch.equal(auto, torch.nn.functional.linear(x.float(), lin.weight))

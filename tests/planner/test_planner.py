@@ -242,13 +242,13 @@ def _big_llama() -> tuple[dict, Path]:
 
 
 def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp: int, ep: int = 1,
-                     lora_rank: int = 0) -> list[float]:
+                     lora_rank: int = 0, dtype: str = "float32") -> list[float]:
     """planned / measured per-rank peak of one grpo_backward + AdamW step on ``world`` gloo ranks
-    (tests/planner/sharded_probe.py: each rank's peak resident memory above its baseline before loading, with
-    MALLOC_MMAP_THRESHOLD_=65536), exact mode, float32, a 4,096-token prompt, G = 4."""
+    (tests/planner/sharded_probe.py: each rank's peak resident memory during a steady-state step above a baseline
+    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, a 4,096-token prompt, G = 4."""
     import socket
 
-    spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": "float32", "prompt_len": 4096,
+    spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": dtype, "prompt_len": 4096,
             "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path),
             "lora_rank": lora_rank}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -265,7 +265,7 @@ def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     lora = {"rank": lora_rank, "alpha": 2 * lora_rank, "target_modules": "all-linear"} if lora_rank else None
-    pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=world, cp=cp, ep=ep,
+    pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype=dtype, gpus=world, cp=cp, ep=ep,
               cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024), lora=lora)
     ratios = []
     for r, g in enumerate(got):
@@ -309,6 +309,61 @@ def test_lora_per_rank_plan_under_fsdp_within_fifteen_percent(tmp_path):
     for cp in (1, 2):
         for ratio in _per_rank_ratios(tmp_path, cfg, path, 2, cp, lora_rank=16):
             assert 0.85 <= ratio <= 1.15, (cp, ratio)
+
+
+@pytest.mark.slow  # 2 gloo ranks
+def test_dsa_fp16_per_rank_plan_within_fifteen_percent(tmp_path):
+    """A GLM-5-style model (MLA + MoE + DSA with a shared indexer layer) in float16 on FSDP2 over 2 ranks: cp = 1,
+    and cp = 2, where every DSA layer's steps run the sparse path's exchange (``cp_latent.dsa_step_bytes``, once
+    not counted: 0.80x), in full fine-tuning and with LoRA. It also runs the fp16 DSA model under FSDP2 (the indexer's
+    ``weights_proj`` float32 in fp16 models)."""
+    from transformers import GlmMoeDsaConfig
+
+    from hf_reference import save_tiny, tiny_hf
+
+    hf_cfg = GlmMoeDsaConfig(vocab_size=4000, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8,
+                             num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                             first_k_dense_replace=1, max_position_embeddings=8192, kv_lora_rank=64,
+                             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=96,
+                             index_head_dim=32, index_n_heads=8, index_topk=256,
+                             indexer_types=["full", "shared", "full"])
+    hf_cfg._experts_implementation = "eager"
+    path = save_tiny(tiny_hf(hf_cfg, seed=0, dtype=torch.float32, init_std=0.02), dtype=torch.bfloat16)
+    cfg = json.loads((path / "config.json").read_text())
+    for cp, lora_rank in ((1, 0), (2, 0), (2, 8)):
+        for ratio in _per_rank_ratios(tmp_path, cfg, path, 2, cp, lora_rank=lora_rank, dtype="float16"):
+            assert 0.85 <= ratio <= 1.15, (cp, lora_rank, ratio)
+
+
+def test_cp_plans_count_the_dsa_sparse_step_exchange():
+    """Under CP a DSA model whose steps see more than ``index_topk`` keys runs the sparse path's exchange, which the
+    one-process dry run does not: ``prefill_chunk`` is the dry run's plus ``cp_latent.dsa_step_bytes`` of the
+    costliest layer (full layers with their indexer, the shared one without), plus what the other layers' graphs
+    keep in an exact step without layer checkpointing; it grows with ``cp x chunk``, and the assumption says so."""
+    from longstraw.distributed.cp_latent import dsa_step_bytes
+    from longstraw.planner import _meta_model
+
+    cfg = {"model_type": "glm_moe_dsa", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
+           "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
+           "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
+           "v_head_dim": 5, "q_lora_rank": 10, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 16,
+           "indexer_types": ["full", "shared", "full"], "max_position_embeddings": 4096}
+    mixers = [layer.mixer for layer in _meta_model(cfg, torch.float32).layers]
+    kw = dict(prompt_len=1024, response_len=8, group=2, dtype="float32", gpus=4)
+    for exact, ckpt in ((True, True), (True, False), (False, False)):
+        gc = GRPOConfig(prompt_grad="exact" if exact else "detached", prefill_chunk=128, checkpoint_layers=ckpt)
+        one = plan(cfg, cp=1, cfg=gc, **kw).breakdown["prefill_chunk"]
+        four = plan(cfg, cp=4, cfg=gc, **kw)
+        per = [dsa_step_bytes(m, 4, 128, torch.float32, exact) for m in mixers]
+        kept = 0 if ckpt else sum(sv for _, sv in per) - max(sv for _, sv in per)
+        assert four.breakdown["prefill_chunk"] - one == max(pk for pk, _ in per) + kept > 0, (exact, ckpt)
+        assert "adds" in four.settings["assumptions"]["mla_attention"]
+    full, shared = dsa_step_bytes(mixers[0], 4, 128, torch.float32, True), dsa_step_bytes(mixers[1], 4, 128,
+                                                                                          torch.float32, True)
+    assert full[1] == shared[1] == 4 * 128 * (4 * 16 * 4 + 16 * 9)  # queries [N, H, r + dr] + selections [N, K]
+    assert dsa_step_bytes(mixers[0], 8, 128, torch.float32, True)[0] == 2 * full[0]  # linear in cp x chunk
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA

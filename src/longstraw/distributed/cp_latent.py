@@ -399,6 +399,35 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
     return form, max(fwd, bwd), c * h * (dk + dv) * (b + 2 * a) + rows * h * dk * (b + a)
 
 
+def dsa_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -> tuple[int, int]:
+    """What one DSA layer on its sparse path (``models.dsa``, a full layer with its indexer or a shared one)
+    allocates per rank in a CP prefill step beyond one process's chunk of ``piece`` tokens, by formula (the planner's
+    dry run runs one process): ``(peak, saved)``, ``saved`` being what the layer's graph keeps for its backward
+    (``grad``: a reverse-pass step) and ``peak`` its largest moment, ``saved`` included.
+
+    ``_CPSparse`` (``N = cp x piece`` step rows, ``H`` heads, ``D = r + dr``, ``K = index_topk``, ``b`` bytes of
+    ``dtype``, ``a`` of the float32 accumulators): every piece's queries gathered, ``N H D b``, and the step's
+    selections localised, ``N K`` int64 + bool (both saved for the backward), besides the gathered selections
+    (``N K`` int64); this rank's partial for every piece and the all-to-all's result, ``2 N H (D + 1) a``. Backward:
+    the gathered ``(dO, O)`` and ``lse``, ``2 N H D b + N H a``, and the partial ``dq`` of every piece with its
+    all-to-all, ``2 N H D a``. A full layer's ``cp_index_select`` first gathers the step's index queries and head
+    weights, ``N Hi (Di b + a)``, and exchanges every piece's local top-``K`` (scores and positions), ``2 N K 12``.
+    The per-block transients of the kernels are one process's (the same blocking)."""
+    h, d, k = layer.num_heads, layer.kv_lora_rank + layer.dr, layer.index_topk
+    b = torch.empty(0, dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    n = cp * piece
+    saved = n * h * d * b + n * k * 9
+    fwd = saved + n * k * 8 + 2 * n * h * (d + 1) * a
+    ix = layer.indexer
+    if ix is not None:
+        fwd = max(fwd, n * ix.num_heads * (ix.head_dim * b + a) + 2 * n * k * 12)
+    if not grad:
+        return fwd, 0
+    bwd = saved + 2 * n * h * d * b + n * h * a + 2 * n * h * d * a
+    return max(fwd, bwd), saved
+
+
 class _ShapeOnly(PartitionedSegment):
     """A stand-in segment for :func:`mla_step_bytes`: the group's call shape only (``n`` step rows over ``stored``
     positions), to ask an MLA layer which form it picks."""

@@ -26,9 +26,10 @@ so our parameter names are the in-memory HF names. ``e_score_correction_bias`` i
 loaded and saved, never trained, float32 in bf16/fp16 models. Multi-token-prediction layers (``model.layers.{n}.*`` for
 ``n >= num_hidden_layers``, ``num_nextn_predict_layers`` of them) are skipped on load with one warning.
 
-Left out: the MTP heads themselves, expert parallelism, auxiliary balance losses, FP8 checkpoints (dequantise
-first), a float32 indexer ``weights_proj`` in fp16 models (transformers keeps it float32 for fp16 only; bf16
-models, ours and transformers', compute it in bf16 and take its output in float32).
+The DSA indexer's ``weights_proj`` is float32 in fp16 models, as transformers keeps it (fp16 only; bf16 models, ours
+and transformers', compute it in bf16 and take its output in float32): :class:`~longstraw.models.dsa.HeadWeights`.
+
+Left out: the MTP heads themselves, auxiliary balance losses, FP8 checkpoints (dequantise first).
 """
 
 from __future__ import annotations

@@ -48,12 +48,14 @@ they select the same keys.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from longstraw.models.context import CallContext
+from longstraw.models.lora import linear_weight
 from longstraw.models.mla import LatentDecoder, LatentState, MLAttention
 from longstraw.models.rope import apply_rope, apply_rope_interleaved
 from longstraw.ops import meta
@@ -154,6 +156,45 @@ def _head_scores_low_precision(qb: Tensor, k: Tensor) -> Tensor:
     return hs.view(b, bt, hi, k.shape[1])
 
 
+class HeadWeights(nn.Linear):
+    """The indexer's ``weights_proj`` (``[Hi, hidden]``, no bias): a ``Linear`` kept in float32 when the model is cast
+    to float16, and computed in float32 for float16 inputs, as transformers does (``_keep_in_fp32_modules =
+    ["indexer.weights_proj"]``: fp16 only, so that the bf16 values a checkpoint holds are not rounded to fp16's
+    range; its forward casts the hidden states to the weight's dtype). bf16, float32 and float64 models keep and
+    compute it in their own dtype; the output is taken in the score dtype either way. Under FSDP2 with an fp16
+    compute dtype the weight arrives all-gathered in fp16 from its float32 master (exact for values in fp16's normal
+    range) and is still computed in float32 (:func:`head_weights`)."""
+
+    plain_linear = True  # a linear layer as PEFT sees it (``models.lora.linear_modules``: LoRA may target it)
+
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` (``to``, ``half``, ``to_empty``, ...) with a cast to float16 made a cast to float32:
+        ``fn`` is probed on an empty tensor for the device and dtype it gives."""
+        w = self.weight
+        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+        if probe.dtype != torch.float16:
+            return super()._apply(fn, recurse)
+        return super()._apply(lambda t: t.to(device=probe.device, dtype=torch.float32) if t.is_floating_point()
+                              else fn(t), recurse)
+
+
+def head_weights(layer: nn.Linear, x: Tensor) -> Tensor:
+    """The indexer's head weights before the ``Hi^-0.5`` scale: ``weights_proj(x)`` for ``x [B, T, hidden]`` ->
+    ``[B, T, Hi]`` in the score dtype (:func:`acc_dtype`). Float16 models (float16 inputs, or float16 autocast):
+    computed in float32 with autocast off, as transformers does (:class:`HeadWeights`); a LoRA-adapted projection
+    (``models.lora``) whose parameters are not float32 through its merged weight. Others: the layer's own call."""
+    dev = x.device.type
+    amp = torch.amp.is_autocast_available(dev)  # (not on the meta device: the planner's dry run)
+    if x.dtype != torch.float16 and not (amp and torch.is_autocast_enabled(dev)
+                                         and torch.get_autocast_dtype(dev) == torch.float16):
+        return layer(x).to(acc_dtype(x.dtype))
+    with torch.autocast(dev, enabled=False) if amp else contextlib.nullcontext():
+        x = x.float()
+        if all(p.dtype == torch.float32 for p in layer.parameters()):
+            return layer(x)
+        return nn.functional.linear(x, linear_weight(layer).float())
+
+
 class Indexer(nn.Module):
     """The lightning indexer (see module docstring); ``interleaved`` selects GLM-5's RoPE layout."""
 
@@ -168,7 +209,7 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
         self.wk = nn.Linear(hidden, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(hidden, num_heads, bias=False)
+        self.weights_proj = HeadWeights(hidden, num_heads, bias=False)
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if not self.interleaved:
@@ -190,7 +231,7 @@ class Indexer(nn.Module):
         cos, sin = ctx.rope
         q = self.wq_b(q_resid).view(b, t, self.num_heads, self.head_dim)
         q = self._rope(q, cos[:, None], sin[:, None])  # cos [T, 1, dr]: broadcast over the index heads
-        return q, self.weights_proj(x).to(acc_dtype(x.dtype)) * self.num_heads**-0.5
+        return q, head_weights(self.weights_proj, x) * self.num_heads**-0.5
 
     def scores(self, qb: Tensor, wb: Tensor, keys: list[Tensor]) -> Tensor:
         """Index scores ``I [B, bt, sum S_i]`` (unmasked, float32/float64) of a block of queries ``qb [B, bt, Hi, Di]``

@@ -168,9 +168,11 @@ def is_adapter_param(name: str) -> bool:
 
 
 def linear_modules(model: nn.Module) -> list[str]:
-    """Names of the linear layers an adapter can go on: every plain ``nn.Linear`` (the LM head is not one; routed
-    experts are fused 3-D tensors, not linear layers)."""
-    return [n for n, m in model.named_modules() if type(m) is nn.Linear or type(m) is LoRALinear]
+    """Names of the linear layers an adapter can go on: every plain ``nn.Linear``, and a subclass that says it is one
+    (``plain_linear = True``: DSA's ``HeadWeights``, an ``nn.Linear`` with a dtype rule); the LM head is not one;
+    routed experts are fused 3-D tensors, not linear layers."""
+    return [n for n, m in model.named_modules()
+            if type(m) is nn.Linear or type(m) is LoRALinear or getattr(type(m), "plain_linear", False)]
 
 
 def _matches(target: tuple[str, ...] | str, name: str) -> bool:
