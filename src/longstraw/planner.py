@@ -926,13 +926,10 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
             f"; {layer.chunk_positions():,} stored positions expanded per chunk ({format_bytes(kv)} of K/V; in the "
             "dry run)" if form == "decompressed" else "")
         return 0
-    from longstraw.distributed.cp_latent import mla_step_bytes
+    from longstraw.distributed.cp_latent import dsa_step_bytes, mla_step_bytes
 
-    form, step, block = mla_step_bytes(layer, cp, chunk, prompt_len, dtype, cfg.exact)
-    if not dense:  # every DSA layer (full and shared) on its sparse path; dsa_step_bytes
-        from longstraw.distributed.cp_latent import dsa_step_bytes
-
-        per = [dsa_step_bytes(m, cp, chunk, dtype, cfg.exact) for m in mixers if getattr(m, "index_topk", None)]
+    if not dense:  # every DSA layer (full and shared) on its sparse path
+        per = [dsa_step_bytes(m, cp, chunk, dtype, cfg.exact) for m in mixers]
         peak = max(p for p, _ in per)
         kept = 0 if cfg.checkpoint_layers else sum(sv for _, sv in per) - max(sv for _, sv in per)
         assumptions["mla_attention"] = (
@@ -941,6 +938,7 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
             + (f", and the other layers' graphs keep {format_bytes(kept)}" if kept else "")
             + " (by formula, in prefill_chunk)")
         return peak + kept
+    form, step, block = mla_step_bytes(layer, cp, chunk, prompt_len, dtype, cfg.exact)
     assumptions["mla_attention"] = (
         f"cp={cp}: {form} form for a step of {cp} x {chunk:,} tokens (FLOP rule); per rank and MLA layer the "
         f"shipped queries and partials add {format_bytes(step)} (by formula, in prefill_chunk)"

@@ -344,12 +344,8 @@ def test_cp_plans_count_the_dsa_sparse_step_exchange():
     from longstraw.distributed.cp_latent import dsa_step_bytes
     from longstraw.planner import _meta_model
 
-    cfg = {"model_type": "glm_moe_dsa", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
-           "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
-           "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
-           "topk_group": 1, "n_shared_experts": 1, "kv_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
-           "v_head_dim": 5, "q_lora_rank": 10, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 16,
-           "indexer_types": ["full", "shared", "full"], "max_position_embeddings": 4096}
+    from test_plan_speed import GLM_DSA as cfg  # (tests/planner/: a GLM-5-style model with a shared indexer)
+
     mixers = [layer.mixer for layer in _meta_model(cfg, torch.float32).layers]
     kw = dict(prompt_len=1024, response_len=8, group=2, dtype="float32", gpus=4)
     for exact, ckpt in ((True, True), (True, False), (False, False)):
