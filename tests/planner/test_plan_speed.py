@@ -163,3 +163,34 @@ def test_mla_decompressed_chunk_shortcut_changes_no_byte(monkeypatch):
     cfg["model_type"] = "deepseek_v3"
     monkeypatch.setattr(mla, "_DECOMPRESS_ELEMS", 1)  # 64 stored positions per chunk: ~17 chunks per call
     _plans_equal_without_shortcuts(monkeypatch, cfg, 20)
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid", "mla", "glm_dsa"])
+def test_prefill_step_shortcut_changes_no_planned_byte(monkeypatch, name):
+    """The dry run's prefill runs only the steps that can set its peak (``ops/meta.py``: the first two and the last
+    two; the others store replicas of the last run step's pieces): detached and exact plans (checkpointed layers,
+    LoRA, a short last chunk, a ``max_prompt_len`` search), direct and on the long-prompt line (its first point
+    dry-runs the prefill alone), are byte-equal with the shortcuts on and off, and steps were skipped."""
+    import longstraw.planner as planner
+    from longstraw.ops import meta
+
+    mla = {k: v for k, v in GLM_DSA.items() if not k.startswith(("index", "indexer"))} | {"model_type": "deepseek_v3"}
+    cfg = {"dense": DENSE, "hybrid": _hybrid(), "mla": mla, "glm_dsa": GLM_DSA}[name]
+    cfg = {**cfg, "max_position_embeddings": 4000}
+    monkeypatch.setattr(planner, "_ATTN_BLOCK", 1024)  # the line from 2 x 1,280 positions: 10 prefill steps
+    base = dict(response_len=8, group=2, dtype="float32")
+    kws = [dict(base, prompt_len=2000, cfg=GRPOConfig(prompt_grad="detached", prefill_chunk=256)),
+           dict(base, prompt_len=3000, cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=256)),
+           dict(base, prompt_len=3000, cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=256, checkpoint_layers=True),
+                lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"}, gpu_mem=48 << 20)]
+    calls = []
+    real = meta.replicate
+    monkeypatch.setattr(meta, "replicate", lambda spec: calls.append(1) or real(spec))
+
+    def plans():
+        return [(p.peak_bytes, p.breakdown, p.max_prompt_len) for p in (plan(cfg, **kw) for kw in kws)]
+
+    fast = plans()
+    assert len(calls) > 10  # the shortcut did skip steps
+    monkeypatch.setattr(meta, "SHORTCUTS", False)
+    assert plans() == fast

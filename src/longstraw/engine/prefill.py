@@ -29,6 +29,7 @@ from longstraw.engine.kept_graphs import (
 )
 from longstraw.engine.lockstep import idle_prefill_step
 from longstraw.models.transformer import CausalLM
+from longstraw.ops import meta
 from longstraw.state import PromptState
 
 
@@ -58,12 +59,20 @@ def prefill_keeping(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool =
         assert exact, "kept graphs are exact mode's"
         check_budget_placement(model, graph_budget)
         kept = KeptGraphs(graph_budget)
+    template = None  # the memory planner's dry run: (length, layout of the pieces) of the last step run
+    run_steps = (0, 1, len(steps) - 2, len(steps) - 1)  # ... and the steps it runs (ops/meta.py)
     for i in range(total):
         if i < len(steps):
             s, e = steps[i]
             if kept is None:
-                prefix = state.step_prefix(i, grad=False)
-                _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
+                if (template is not None and template[0] == e - s and template[1] is not None
+                        and meta.skip_repeated_block(ids, i, run_steps)):
+                    pieces = meta.replicate(template[1])  # the state stores them as a run step's
+                else:
+                    prefix = state.step_prefix(i, grad=False)
+                    _, pieces = model.run(ids[None, s:e], s, prefix, need_hidden=False)
+                    if meta.is_meta(ids):
+                        template = (e - s, meta.layout(pieces))
                 state.write_step(i, pieces)
             elif i == 0:
                 _measure_first_step(model, state, ids, kept)

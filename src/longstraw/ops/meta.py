@@ -24,6 +24,14 @@ lifetimes) as the real path, and a test holds every tracked byte equal with the 
     set the peak run: the first and the last query blocks (the others repeat the first), and of the indexer's key
     chunks (whose partial scores accumulate until they are concatenated) the first, the last full-size one and the
     last two; a skipped key chunk only allocates its partial scores.
+``skip_repeated_block`` for prefill steps, with ``layout`` and ``replicate``
+    The prefill (``engine/prefill.py``) runs one step per chunk of the prompt, each over a longer prefix; a step
+    frees its activations before the next and leaves only its state pieces. On meta only the steps that can set
+    the peak run (the first two and the last two: the state grows and a step's transient grows with its prefix),
+    and a skipped step of the same length as the last one run gets fresh pieces laid out as that step's were
+    (:func:`layout`, :func:`replicate`: the same storages, shapes, strides and aliasing), which the state stores as
+    it stores real ones. A million-token dry run is then four steps instead of hundreds, of which each would also
+    walk every stored chunk of a DSA prefix.
 ``value``
     Where the engine turns a 0-d tensor into a Python number (the loss and statistics it reports), meta gives NaN.
 
@@ -39,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SHORTCUTS", "is_meta", "value", "experts_forward_shapes", "skip_delta_rule_block", "skip_repeated_block"]
+__all__ = ["SHORTCUTS", "is_meta", "value", "experts_forward_shapes", "skip_delta_rule_block", "skip_repeated_block",
+           "layout", "replicate"]
 
 SHORTCUTS = True  # tests switch this off to check that the shortcuts change no tracked byte
 
@@ -80,3 +89,53 @@ def skip_repeated_block(x: Tensor, i: int, keep: Iterable[int]) -> bool:
     """Whether block ``i`` of a loop of repeated blocks may be skipped (``skip_repeated_block`` in the module
     docstring): on meta, with the shortcuts on, and ``i`` not among the blocks to ``keep``."""
     return SHORTCUTS and is_meta(x) and i not in set(keep)
+
+
+def layout(pieces) -> tuple | None:
+    """The storage layout of a nest (tuples, lists, None) of meta tensors, for :func:`replicate`: per storage its
+    bytes, per tensor its storage, dtype, shape, strides and offset (tensors sharing a storage share it in the
+    copy). None when the nest holds anything else, a tensor off meta or one that requires grad (nothing to
+    replicate then: the caller runs the step)."""
+    storages: dict[int, int] = {}  # id(storage) -> its index in the layout
+
+    def walk(x):
+        if x is None:
+            return None
+        if isinstance(x, Tensor):
+            if not is_meta(x) or x.requires_grad or x.is_conj() or x.is_neg():
+                raise TypeError
+            st = x.untyped_storage()
+            k = storages.setdefault(id(st), len(storages))
+            if k == len(sizes):
+                sizes.append(st.nbytes())
+            return (k, x.dtype, tuple(x.shape), x.stride(), x.storage_offset())
+        if type(x) in (tuple, list):
+            return (type(x), tuple(walk(y) for y in x))
+        raise TypeError
+
+    sizes: list[int] = []
+    try:
+        tree = walk(pieces)
+    except TypeError:
+        return None
+    return tuple(sizes), tree
+
+
+def replicate(spec: tuple):
+    """Fresh meta tensors laid out as :func:`layout` recorded them: one new storage per recorded storage (a
+    ``uint8`` buffer of its bytes), each tensor a view of its storage with the recorded dtype, shape, strides
+    and offset."""
+    sizes, tree = spec
+    return _build(tree, [torch.empty(n, dtype=torch.uint8, device="meta") for n in sizes])
+
+
+def _build(node, bufs: list[Tensor]):
+    """:func:`replicate`'s walk (a module function: a recursive closure would be a reference cycle that keeps the
+    buffers alive until the garbage collector runs)."""
+    if node is None:
+        return None
+    if len(node) == 2:
+        kind, items = node
+        return kind(_build(y, bufs) for y in items)
+    k, dtype, shape, stride, offset = node
+    return bufs[k].view(dtype).as_strided(shape, stride, offset)
