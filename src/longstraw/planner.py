@@ -9,8 +9,8 @@ DeltaNet boundary states, MLA latents, MoE routing) without per-family bookkeepi
 allocator fragmentation and caching (CUDA caching allocator, glibc arenas), the framework's own context (CUDA
 context ~0.5 GB, Python), and kernels' private workspaces.
 
-What the dry run samples instead of running it all (its only shortcuts besides the ops' meta paths, which
-``longstraw.ops.meta`` lists): ONE branch batch of the G (every batch allocates alike and frees its graph before
+What the dry run samples instead of running it all (its only shortcuts besides the meta paths that
+``longstraw.ops.meta`` lists, the prefill's repeated steps among them): ONE branch batch of the G (every batch allocates alike and frees its graph before
 the next: the replay's memory is flat in G), and in exact mode the reverse-pass steps that can set its peak
 (:func:`peak_steps`: the first and the last two; every other step repeats the second-to-last with a shorter
 prefix). Tests hold both to a full dry run. And not every layer: a few layers (the first and the last of each
