@@ -66,6 +66,17 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_reduce_max(self, t: Tensor) -> Tensor:
+        """Elementwise maximum over the group, in place; returns ``t``."""
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def reduce(self, t: Tensor, dst: int) -> Tensor:
+        """Sum over the group into rank ``dst``'s ``t``, in place (the other ranks' ``t`` is undefined after);
+        returns ``t``."""
+        dist.reduce(t, op=dist.ReduceOp.SUM, group=self.group, group_dst=dst)
+        return t
+
     def broadcast(self, t: Tensor, src: int = 0) -> Tensor:
         """Rank ``src``'s ``t`` on every rank, in place; returns ``t``."""
         dist.broadcast(t, group=self.group, group_src=src)

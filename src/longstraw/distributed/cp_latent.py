@@ -36,9 +36,12 @@ DSA (DeepSeek Sparse Attention), the layers whose queries see more than ``index_
   keys split by owner, so each rank attends the queries over the selected keys it owns (a partial ``(o, lse)``),
   merged by log-sum-exp: the dense CP attention's pattern with a selection mask. Replicated queries: partials
   all-gathered (``R B T H (D + 1)``), ``dq`` all-reduced, ``d lat`` of the selected stored keys into the owner's
-  sink. Prefill step: the step's absorbed queries and selections travel to the owners of the stored prefix and the
-  partials come back by all-to-all (backward: ``(q, dO, O, lse)`` gathered, ``dq`` back by all-to-all); the step's
-  latent pieces are all-gathered and the earlier pieces' ``d lat`` returns to their owners inside the same backward.
+  sink. Prefill step: one piece at a time (per rank memory of one piece, not of the ``R`` pieces: at GLM-5's
+  size a whole step's exchange was 65 GiB per rank), its owner broadcasts its absorbed queries and selection, every
+  rank attends them over the selected keys it stores, and the partials are merged to the owner (the group's maximum
+  ``lse``, then the weighted partials and weights reduced to it); backward likewise: ``(q, dO, O, lse)`` broadcast,
+  the partial ``dq`` reduced to the owner. The step's latent pieces are all-gathered and the earlier pieces'
+  ``d lat`` returns to their owners inside the same backward.
 
 Every decision that skips a collective depends only on values that are the same on every rank (the step, the
 global lengths): all ranks make the same calls in the same order.
@@ -405,26 +408,32 @@ def dsa_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -
     dry run runs one process): ``(peak, saved)``, ``saved`` being what the layer's graph keeps for its backward
     (``grad``: a reverse-pass step) and ``peak`` its largest moment, ``saved`` included.
 
-    ``_CPSparse`` (``N = cp x piece`` step rows, ``H`` heads, ``D = r + dr``, ``K = index_topk``, ``b`` bytes of
-    ``dtype``, ``a`` of the float32 accumulators): every piece's queries gathered, ``N H D b``, and the step's
-    selections localised, ``N K`` int64 + bool (both saved for the backward), besides the gathered selections
-    (``N K`` int64); this rank's partial for every piece and the all-to-all's result, ``2 N H (D + 1) a``. Backward:
-    the gathered ``(dO, O)`` and ``lse``, ``2 N H D b + N H a``, and the partial ``dq`` of every piece with its
-    all-to-all, ``2 N H D a``. A full layer's ``cp_index_select`` first gathers the step's index queries and head
-    weights, ``N Hi (Di b + a)``, and exchanges every piece's local top-``K`` (scores and positions), ``2 N K 12``.
-    The per-block transients of the kernels are one process's (the same blocking)."""
+    ``_CPSparse`` (``n = piece`` rows of ``H`` heads, ``D = r + dr``, ``K = index_topk``, ``b`` bytes of ``dtype``,
+    ``a`` of the float32 accumulators) takes the step's pieces one at a time: this rank's padded queries and
+    selection (``n H D b``, ``n K`` int64) and its merged partial (``n H (D + 1) a``) live through the loop, and a
+    round adds the piece's broadcast queries and selection with their localised copy (``n K 17``) and this rank's
+    partial, or, while it is merged, the partial, its weights and the weighted sum reduced to the piece's owner
+    (``n H D a`` and ``2 n H a``); the step's latent pieces are all-gathered (``R n D b``) and the earlier ones kept
+    for the backward (``(R - 1) n D b``). Backward: this rank's padded ``(q, dO, O)`` and ``lse`` and a round's
+    broadcast copies, the localised selection and the piece's partial ``dq`` (``n H D a``), and the earlier pieces'
+    ``d lat`` on their way back to their owners with the exchange's result (``2 R n D a``). A full layer's
+    ``cp_index_select`` first gathers the step's index queries and head weights, ``R n Hi (Di b + a)``, and
+    exchanges every piece's local top-``K`` (scores and positions), ``2 R n K 12``: that part still grows with
+    ``R x n``. The per-block transients of the kernels are one process's (the same blocking)."""
     h, d, k = layer.num_heads, layer.kv_lora_rank + layer.dr, layer.index_topk
     b = torch.empty(0, dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
     n = cp * piece
-    saved = n * h * d * b + n * k * 9
-    fwd = saved + n * k * 8 + 2 * n * h * (d + 1) * a
+    q1, sel1, o1 = piece * h * d * b, piece * k * 8, piece * h * (d + 1) * a
+    saved = (cp - 1) * piece * d * b
+    fwd = saved + n * d * b + q1 + sel1 + o1 + max(q1 + sel1 + piece * k * 17 + o1,
+                                                   2 * o1 + piece * h * d * a + 2 * piece * h * a)
     ix = layer.indexer
     if ix is not None:
         fwd = max(fwd, n * ix.num_heads * (ix.head_dim * b + a) + 2 * n * k * 12)
     if not grad:
         return fwd, 0
-    bwd = saved + 2 * n * h * d * b + n * h * a + 2 * n * h * d * a
+    bwd = saved + 2 * n * d * a + 2 * (3 * q1 + sel1 + piece * h * a) + piece * k * 17 + piece * h * d * a
     return max(fwd, bwd), saved
 
 
@@ -566,6 +575,26 @@ def _localize(idx: Tensor, plan: _SparsePlan) -> tuple[Tensor, Tensor]:
     return torch.where(m, local, 0), m
 
 
+def _from(comm: Comm, j: int, mine: Tensor) -> Tensor:
+    """Rank ``j``'s ``mine`` on every rank (every rank's ``mine`` has the same shape and dtype)."""
+    return comm.broadcast(mine.contiguous() if comm.rank == j else torch.empty_like(mine), src=j)
+
+
+def _merge_to(comm: Comm, j: int, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The log-sum-exp merge over the group of every rank's partial ``o [.., H, D]``, ``lse [.., H]`` (``-inf``: no
+    key), as :func:`~longstraw.ops.sparse_attention.merge_partials` merges a list, delivered to rank ``j`` (None on
+    the others): the group's maximum ``m`` of ``lse``, then the sums of ``w = exp(lse - m)`` and ``w o`` reduced to
+    ``j``, where the merge is ``(sum w o / sum w, m + log sum w)``; a row that no rank covers stays ``(0, -inf)``."""
+    m = comm.all_reduce_max(lse.clone())
+    m = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.exp(lse - m)
+    ow = comm.reduce(o * w[..., None], dst=j)
+    s = comm.reduce(w, dst=j)
+    if comm.rank != j:
+        return None
+    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)
+
+
 class _CPSparse(torch.autograd.Function):
     """Sparse latent attention with the prompt latents split over the CP group (module docstring). Inputs:
     ``q [B, H, T, D]``, the selection (concatenated positions), this rank's share ``sh_lat [1, 1, S_local, D]``
@@ -586,17 +615,21 @@ class _CPSparse(torch.autograd.Function):
                 li, lv = _localize(packed, plan)
                 o, l = partial_forward(qt, (sh_lat,), (0,), li, lv, scale, acc)
                 o, l = merge_partials(list(comm.all_gather(o)), list(comm.all_gather(l)))
-            else:
+                saved["li"], saved["lv"] = li, lv
+            else:  # one piece at a time: its queries and selection from its owner, the partials merged back to it
                 tm = step.max_len
-                qs = comm.all_gather(_pad1(qt, tm)[0])  # [R, Tm, H, D]: every piece's queries
-                li, lv = _localize(comm.all_gather(_pad1(packed, tm, -1)[0]), plan)  # [R, Tm, K]
-                o, l = partial_forward(qs, (sh_lat,), (0,), li, lv, scale, acc)
-                o, l = comm.all_to_all(o), comm.all_to_all(l)  # block j: rank j's partial for my piece
-                o, l = merge_partials(list(o[:, None, :t]), list(l[:, None, :t]))
-                saved["qs"] = qs
+                q_pad, p_pad = _pad1(qt, tm)[0], _pad1(packed, tm, -1)[0]  # [Tm, H, D], [Tm, K]
+                for j in range(comm.size):
+                    qj, pj = _from(comm, j, q_pad), _from(comm, j, p_pad)
+                    li, lv = _localize(pj[None], plan)  # [1, Tm, K]
+                    oj, lj = partial_forward(qj[None], (sh_lat,), (0,), li, lv, scale, acc)  # [1, Tm, H, D], [1, Tm, H]
+                    qj = pj = li = lv = None
+                    merged = _merge_to(comm, j, oj, lj)
+                    if merged is not None:
+                        o, l = merged[0][:, :t], merged[1][:, :t]
+                    oj = lj = merged = None
             os_.append(o)
             ls.append(l)
-            saved["li"], saved["lv"] = li, lv
         earlier = None
         if step is not None:  # the earlier pieces of the step, from the lower ranks
             tm, r = step.max_len, step.rank
@@ -649,15 +682,21 @@ class _CPSparse(torch.autograd.Function):
             grads[0] = got if grads[0] is None else grads[0] + got
         if plan.global_length > 0:
             sink = [plan.sink.view(-1, plan.sink.shape[-1])] if plan.sink is not None else [None]
-            li, lv = saved["li"], saved["lv"]
             if step is None:
+                li, lv = saved["li"], saved["lv"]
                 dq += comm.all_reduce(partial_backward(qt, dt, out, lse, (sh_lat,), (0,), li, lv, scale, sink))
-            else:
+            else:  # one piece at a time, as in forward: its (q, dO, O, lse) from its owner, its dq summed back to it
                 tm = step.max_len
-                gather = lambda x: comm.all_gather(_pad1(x, tm)[0])  # noqa: E731  [R, Tm, ...]
-                dts, ots, lses = gather(dt), gather(out), gather(lse)  # padded rows: dO = 0, lse = 0
-                dqs = partial_backward(saved["qs"], dts, ots, lses, (sh_lat,), (0,), li, lv, scale, sink)
-                dq += comm.all_to_all(dqs).sum(0)[None, :t]
+                mine = [_pad1(x, tm, v)[0] for x, v in ((qt, 0), (packed, -1), (dt, 0), (out, 0), (lse, 0))]
+                for j in range(comm.size):  # padded rows: no key selected, dO = 0, lse = 0
+                    qj, pj, dtj, otj, lsej = (_from(comm, j, x)[None] for x in mine)
+                    li, lv = _localize(pj, plan)
+                    dqj = partial_backward(qj, dtj, otj, lsej, (sh_lat,), (0,), li, lv, scale, sink)
+                    qj = pj = dtj = otj = lsej = li = lv = None
+                    comm.reduce(dqj, dst=j)
+                    if j == comm.rank:
+                        dq += dqj[:, :t]
+                    dqj = None
         grads = [None if g is None else g.to(lat.dtype) for g, lat in zip(grads, lats)]
         return (dq.to(q.dtype).transpose(1, 2), None, None, None, None, None, None, None, *grads)
 
