@@ -315,8 +315,8 @@ def test_lora_per_rank_plan_under_fsdp_within_fifteen_percent(tmp_path):
 def test_dsa_fp16_per_rank_plan_within_fifteen_percent(tmp_path):
     """A GLM-5-style model (MLA + MoE + DSA with a shared indexer layer) in float16 on FSDP2 over 2 ranks: cp = 1,
     and cp = 2, where every DSA layer's steps run the sparse path's exchange (``cp_latent.dsa_step_bytes``, once
-    not counted: 0.80x; 1.00-1.02x since it goes one piece at a time), in full fine-tuning and with LoRA. It also runs the fp16 DSA model under FSDP2 (the indexer's
-    ``weights_proj`` float32 in fp16 models)."""
+    not counted: 0.80x; 1.00-1.02x since it goes one piece at a time), in full fine-tuning and with LoRA. It also
+    runs the fp16 DSA model under FSDP2 (the indexer's ``weights_proj`` float32 in fp16 models)."""
     from transformers import GlmMoeDsaConfig
 
     from hf_reference import save_tiny, tiny_hf
