@@ -336,6 +336,32 @@ def test_dsa_fp16_per_rank_plan_within_fifteen_percent(tmp_path):
             assert 0.85 <= ratio <= 1.15, (cp, lora_rank, ratio)
 
 
+@pytest.mark.slow  # 2 gloo ranks
+def test_mla_decompressed_per_rank_plan_within_fifteen_percent(tmp_path):
+    """A DeepSeek-V3-style model (dense MLA + MoE) whose CP steps take the decompressed form (the FLOP rule, at
+    these head sizes; 1,024 stored positions expanded at a time, as a rank's share expands them too) on FSDP2 over
+    2 ranks: cp = 1 and cp = 2, where the step's pieces go one at a time and the planner counts that exchange by
+    formula (``cp_latent.mla_step_bytes``)."""
+    from transformers import DeepseekV3Config
+
+    from hf_reference import save_tiny, tiny_hf
+
+    hf_cfg = DeepseekV3Config(vocab_size=4000, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=8,
+                              num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, max_position_embeddings=8192, kv_lora_rank=512,
+                              qk_rope_head_dim=16, qk_nope_head_dim=112, v_head_dim=128, q_lora_rank=96)
+    hf_cfg._experts_implementation = "eager"
+    path = save_tiny(tiny_hf(hf_cfg, seed=0, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
+    cfg = json.loads((path / "config.json").read_text())
+    pl = plan(cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=2, cp=2,
+              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024))
+    assert pl.settings["assumptions"]["mla_attention"].startswith("cp=2: decompressed")
+    for cp in (1, 2):
+        for ratio in _per_rank_ratios(tmp_path, cfg, path, 2, cp):
+            assert 0.85 <= ratio <= 1.15, (cp, ratio)
+
+
 def test_cp_plans_count_the_dsa_sparse_step_exchange():
     """Under CP a DSA model whose steps see more than ``index_topk`` keys runs the sparse path's exchange, which the
     one-process dry run does not: ``prefill_chunk`` is the dry run's plus ``cp_latent.dsa_step_bytes`` of the

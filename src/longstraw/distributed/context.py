@@ -67,13 +67,16 @@ class Comm:
         return t
 
     def all_reduce_max(self, t: Tensor) -> Tensor:
-        """Elementwise maximum over the group, in place; returns ``t``."""
+        """Elementwise maximum over the group, in place when ``t`` is contiguous (else into a contiguous copy);
+        returns the result."""
+        t = t.contiguous()
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
 
     def reduce(self, t: Tensor, dst: int) -> Tensor:
-        """Sum over the group into rank ``dst``'s ``t``, in place (the other ranks' ``t`` is undefined after);
-        returns ``t``."""
+        """Sum over the group on rank ``dst``: in place when ``t`` is contiguous (else into a contiguous copy);
+        returns the result (undefined on the other ranks)."""
+        t = t.contiguous()
         dist.reduce(t, op=dist.ReduceOp.SUM, group=self.group, group_dst=dst)
         return t
 

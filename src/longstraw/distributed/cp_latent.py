@@ -232,6 +232,33 @@ class ShardedIndexedLatentState(ShardedLatentState):
         return IndexedLatentDecoder(self, batch, max_new)  # reads prefix(length)
 
 
+# ---------------------------------------------------------------------------------------------------- piece by piece
+# A prefill or reverse step's R pieces attend the stored prefix one at a time (every rank loops over the owners j in
+# order): the owner broadcasts what the piece's queries need, every rank computes its partial over its share, and
+# the partials merge to the owner. A rank then holds one piece's buffers, never the step's R.
+
+
+def _from(comm: Comm, j: int, mine: Tensor) -> Tensor:
+    """Rank ``j``'s ``mine`` on every rank (every rank's ``mine`` has the same shape and dtype)."""
+    return comm.broadcast(mine.contiguous() if comm.rank == j else torch.empty_like(mine), src=j)
+
+
+def _merge_to(comm: Comm, j: int, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The log-sum-exp merge over the group of every rank's partial ``o [..., D]``, ``lse [...]`` (``-inf``: no
+    key), as :func:`~longstraw.ops.sparse_attention.merge_partials` merges a list, delivered to rank ``j`` (None on
+    the others; every rank calls it, in the same order): the group's maximum ``m`` of ``lse``, then the sums of
+    ``w = exp(lse - m)`` and ``w o`` reduced to ``j``, where the merge is ``(sum w o / sum w, m + log sum w)``; a row
+    that no rank covers stays ``(0, -inf)``."""
+    m = comm.all_reduce_max(lse.clone())
+    m = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.exp(lse - m)
+    ow = comm.reduce(o * w[..., None], dst=j)
+    s = comm.reduce(w, dst=j)
+    if comm.rank != j:
+        return None
+    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)
+
+
 # ---------------------------------------------------------------------------------------------------- decompressed
 
 
@@ -265,15 +292,16 @@ class _CPDecompressed(torch.autograd.Function):
             if step is None:  # replicated queries: partials gathered and merged
                 o, l = decompressed_partial(fwd, q, sh_lat, w_uk, w_uv, scale, chunk)
                 o, l = _merge_blocks(comm.all_gather(o.to(q.dtype)), comm.all_gather(l), l.dtype)
-            else:  # the step's queries travel to the shares; each piece's partials come back (all-to-all)
-                tm = step.max_len
-                qs = comm.all_gather(_pad_time(q, tm)[0])  # [R, H, Tm, dn + dr]: every piece's queries
-                o, l = decompressed_partial(fwd, qs, sh_lat, w_uk, w_uv, scale, chunk)  # one piece per block
-                del qs
-                o = o.to(q.dtype)  # (the float32 accumulator freed before the exchange)
-                o = comm.all_to_all(o)  # [R, H, Tm, dv]; block j: rank j's partial for my piece
-                l = comm.all_to_all(l)
-                o, l = _merge_blocks(o[:, None, :, :t], l[:, None, :, :t], l.dtype)
+            else:  # one piece at a time: its queries from its owner, the shares' partials merged back to it
+                q_pad = _pad_time(q, step.max_len)[0]  # [H, Tm, dn + dr]
+                for j in range(comm.size):
+                    qj = _from(comm, j, q_pad)[None]
+                    oj, lj = decompressed_partial(fwd, qj, sh_lat, w_uk, w_uv, scale, chunk)  # [1, H, Tm, dv]
+                    qj = None
+                    merged = _merge_to(comm, j, oj, lj)
+                    if merged is not None:
+                        o, l = merged[0][:, :, :t], merged[1][:, :, :t]
+                    oj = lj = merged = None
             outs.append(o)
             lses.append(l)
         earlier = None
@@ -331,15 +359,18 @@ class _CPDecompressed(torch.autograd.Function):
                 if dws is not None:
                     dw[0].add_(comm.all_reduce(dws[0]))
                     dw[1].add_(comm.all_reduce(dws[1]))
-            else:  # (q, dO, O, lse) of every piece gathered; this share's dq partials back to the pieces' owners
+            else:  # one piece at a time: its (q, dO, O, lse) from its owner, this share's dq partial reduced to it
                 tm = step.max_len
-                gather = lambda x: comm.all_gather(_pad_time(x, tm)[0])  # noqa: E731  [R, H, Tm, ...]
-                qs, dos, os_ = gather(q), gather(dout), gather(out)
-                ls = comm.all_gather(_pad_time(lse[..., None], tm)[0, ..., 0])  # padded rows: dO = 0, add nothing
-                dqs = decompressed_partial_backward(bwd, dos, qs, sh_lat, w_uk, w_uv, os_, ls, scale, chunk,
-                                                    plan.sink, dw)
-                del qs, dos, os_, ls
-                dq += comm.all_to_all(dqs).sum(0)[None, :, :t]
+                mine = [_pad_time(x, tm)[0] for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[0, ..., 0]]
+                for j in range(comm.size):  # padded rows: dO = 0, they add nothing
+                    qj, doj, oj, lj = (_from(comm, j, x)[None] for x in mine)
+                    dqj = decompressed_partial_backward(bwd, doj, qj, sh_lat, w_uk, w_uv, oj, lj, scale, chunk,
+                                                        plan.sink, dw)
+                    qj = doj = oj = lj = None
+                    dqj = comm.reduce(dqj, dst=j)
+                    if j == comm.rank:
+                        dq += dqj[:, :, :t]
+                    dqj = None
         return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
                 None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, d_lat_own, None, None, None,
                 *([None] * len(lats)))
@@ -377,12 +408,16 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
     Returns ``(form, step bytes, per-block transient bytes)``, the form being what :meth:`choose_form` picks for
     the step over ``stored`` prompt positions (``group_shape``).
 
-    Decompressed (``N = cp x piece`` shipped query rows, ``H`` heads, ``b`` bytes of ``dtype``, ``a`` of the
-    float32 accumulators): forward ``N H (dn + dr) b`` gathered queries + ``N H (dv + 1) a`` merged partials, then
-    ``2 N H (dv b + a)`` around the all-to-all; backward ``N H ((dn + dr + 2 dv) b + a)`` gathered ``(q, dO, O,
-    lse)`` + ``N H (dn + dr) a`` partial ``dq`` (twice around its all-to-all). Per block (each expanded chunk
-    against one piece's queries): the chunk's K/V ``c H (dn + dr + dv)`` (and their float32 gradient in backward)
-    plus the block's partial output and merge weights. Absorbed (``D = r + dr`` per head): ``~3 N H D b``
+    Decompressed (``n = piece`` query rows, ``N = cp x piece``, ``H`` heads, ``D = r + dr``, ``b`` bytes of
+    ``dtype``, ``a`` of the float32 accumulators), one piece at a time (``_CPDecompressed``): forward, this rank's
+    merged partial ``n H (dv + 1) a`` (from its own round on) and a round's broadcast queries ``n H (dn + dr) b``
+    and partial, or, while it merges, the partial, its weights and the weighted sum reduced to the owner
+    (``2 n H dv a`` and ``3 n H a``); the step's latents all-gathered, ``N D b``. Backward: a round's broadcast
+    ``(q, dO, O, lse)``, ``n H ((dn + dr + 2 dv) b + a)``, and partial ``dq`` ``n H (dn + dr) a``, and the earlier
+    pieces' ``d lat`` with the exchange's result, ``2 N D a`` (this rank's own ``(q, dO, O, lse)`` are the ones a
+    process holds anyway; they are copied only when the step's pieces differ in length). Per block (each
+    expanded chunk against one piece's queries): the chunk's K/V ``c H (dn + dr + dv)`` (and their float32 gradient
+    in backward) plus the block's partial output and merge weights. Absorbed (``D = r + dr`` per head): ``~3 N H D b``
     forward (gathered queries, a folded copy per key block, partial outputs), and twice that in backward."""
     h, dk, dv, dl = layer.num_heads, layer.dn + layer.dr, layer.dv, layer.kv_lora_rank + layer.dr
     b = torch.empty(0, dtype=dtype).element_size()
@@ -393,12 +428,13 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
     if form == "absorbed":
         step = 3 * n * h * dl * b * (2 if grad else 1)
         return form, step, 0
-    fwd = max(n * h * dk * b + n * h * (dv + 1) * a, n * h * dv * (a + b) + n * h * a, 2 * n * h * (dv * b + a))
+    q1, o1 = piece * h * dk * b, piece * h * (dv + 1) * a
+    fwd = n * dl * b + o1 + max(q1 + o1, 2 * o1 + piece * h * dv * a + 3 * piece * h * a)
     rows = min(piece, max(1, _QUERY_ELEMS // (h * max(dk, dv))))  # query rows per kernel call
     block = c * h * (dk + dv) * b + rows * h * dv * (b + 2 * a) + 3 * rows * h * a
     if not grad:
         return form, fwd, block
-    bwd = max(n * h * ((dk + 2 * dv) * b + a) + n * h * dk * a, 2 * n * h * dk * a)
+    bwd = piece * h * ((dk + 2 * dv) * b + a) + piece * h * dk * a + 2 * n * dl * a
     return form, max(fwd, bwd), c * h * (dk + dv) * (b + 2 * a) + rows * h * dk * (b + a)
 
 
@@ -575,26 +611,6 @@ def _localize(idx: Tensor, plan: _SparsePlan) -> tuple[Tensor, Tensor]:
     return torch.where(m, local, 0), m
 
 
-def _from(comm: Comm, j: int, mine: Tensor) -> Tensor:
-    """Rank ``j``'s ``mine`` on every rank (every rank's ``mine`` has the same shape and dtype)."""
-    return comm.broadcast(mine.contiguous() if comm.rank == j else torch.empty_like(mine), src=j)
-
-
-def _merge_to(comm: Comm, j: int, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The log-sum-exp merge over the group of every rank's partial ``o [.., H, D]``, ``lse [.., H]`` (``-inf``: no
-    key), as :func:`~longstraw.ops.sparse_attention.merge_partials` merges a list, delivered to rank ``j`` (None on
-    the others): the group's maximum ``m`` of ``lse``, then the sums of ``w = exp(lse - m)`` and ``w o`` reduced to
-    ``j``, where the merge is ``(sum w o / sum w, m + log sum w)``; a row that no rank covers stays ``(0, -inf)``."""
-    m = comm.all_reduce_max(lse.clone())
-    m = torch.where(torch.isinf(m), 0.0, m)
-    w = torch.exp(lse - m)
-    ow = comm.reduce(o * w[..., None], dst=j)
-    s = comm.reduce(w, dst=j)
-    if comm.rank != j:
-        return None
-    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)
-
-
 class _CPSparse(torch.autograd.Function):
     """Sparse latent attention with the prompt latents split over the CP group (module docstring). Inputs:
     ``q [B, H, T, D]``, the selection (concatenated positions), this rank's share ``sh_lat [1, 1, S_local, D]``
@@ -693,7 +709,7 @@ class _CPSparse(torch.autograd.Function):
                     li, lv = _localize(pj, plan)
                     dqj = partial_backward(qj, dtj, otj, lsej, (sh_lat,), (0,), li, lv, scale, sink)
                     qj = pj = dtj = otj = lsej = li = lv = None
-                    comm.reduce(dqj, dst=j)
+                    dqj = comm.reduce(dqj, dst=j)
                     if j == comm.rank:
                         dq += dqj[:, :t]
                     dqj = None
