@@ -42,7 +42,8 @@ from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
 
-__all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention"]
+__all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "dense_step_bytes",
+           "attention_step_bytes"]
 
 
 @dataclass(frozen=True)
@@ -160,11 +161,18 @@ def _sharded_fwd(fwd, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, scale: float
     if step is None:  # replicated queries: partial over the local share, gathered and merged
         o, lse = _partial(fwd, q, k, v, plan, scale)
         return _merge_blocks(comm.all_gather(o), comm.all_gather(lse), q.dtype)
-    t, tm = q.shape[2], step.max_len
-    qs = comm.all_gather(_pad_time(q, tm)[0])  # [R, Hq, Tm, Dk]: every piece's queries
-    o, lse = _partial(fwd, qs, k, v, plan, scale)  # the R pieces over this rank's stored positions
-    o, lse = comm.all_to_all(o), comm.all_to_all(lse)  # block i: rank i's partial for this rank's piece
-    return _merge_blocks(o[:, None, :, :t], lse[:, None, :, :t], q.dtype)
+    t = q.shape[2]
+    q_pad = _pad_time(q, step.max_len)[0]  # [Hq, Tm, Dk]
+    mine = None
+    for j in range(comm.size):  # one piece at a time: its queries from its owner, the partials merged back to it
+        qj = piece_from(comm, j, q_pad)[None]
+        oj, lj = _partial(fwd, qj, k, v, plan, scale)  # [1, Hq, Tm, Dv], [1, Hq, Tm] over this rank's share
+        qj = None
+        merged = merge_to(comm, j, oj, lj)
+        if merged is not None:
+            mine = merged[0][:, :, :t].to(q.dtype), merged[1][:, :, :t]
+        oj = lj = merged = None
+    return mine
 
 
 def _sharded_bwd(bwd, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: _Plan,
@@ -174,11 +182,42 @@ def _sharded_bwd(bwd, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     if step is None:
         return comm.all_reduce(_partial_bwd(bwd, dout, q, k, v, out, lse, plan, scale).contiguous())
     t, tm = q.shape[2], step.max_len
-    gather = lambda x: comm.all_gather(_pad_time(x, tm)[0])  # noqa: E731  [R, ...] every piece's tensor
-    qs, dos, os_ = gather(q), gather(dout), gather(out)
-    ls = comm.all_gather(_pad_time(lse[..., None], tm)[0, ..., 0])  # padded rows: dO = 0, so they add nothing
-    dqs = _partial_bwd(bwd, dos, qs, k, v, os_, ls, plan, scale)
-    return comm.all_to_all(dqs).sum(0)[None, :, :t]
+    own = [_pad_time(x, tm)[0] for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[0, ..., 0]]
+    dq = None
+    for j in range(comm.size):  # one piece at a time: its (q, dO, O, lse) from its owner, the dq partial back to it
+        qj, doj, oj, lj = (piece_from(comm, j, x)[None] for x in own)  # padded rows: dO = 0, they add nothing
+        dqj = _partial_bwd(bwd, doj, qj, k, v, oj, lj, plan, scale)
+        qj = doj = oj = lj = None
+        dqj = comm.reduce(dqj, dst=j)
+        if j == comm.rank:
+            dq = dqj[:, :, :t]
+        dqj = None
+    return dq
+
+
+def piece_from(comm: Comm, j: int, mine: Tensor) -> Tensor:
+    """Rank ``j``'s ``mine`` on every rank (every rank's ``mine`` has the same shape and dtype): a step's piece,
+    broadcast by its owner. A prefill or reverse step's ``R`` pieces attend the stored prefix one at a time (every
+    rank loops over the owners ``j`` in order): the owner broadcasts what the piece's queries need, every rank
+    computes its partial over its share, and the partials merge to the owner (:func:`merge_to`); a rank holds one
+    piece's buffers, never the step's ``R``."""
+    return comm.broadcast(mine.contiguous() if comm.rank == j else torch.empty_like(mine), src=j)
+
+
+def merge_to(comm: Comm, j: int, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The log-sum-exp merge over the group of every rank's partial ``o [..., D]``, ``lse [...]`` (``-inf``: no
+    key), as a list of partials merges in one process, delivered to rank ``j`` (None on the others; every rank calls
+    it, in the same order): the group's maximum ``m`` of ``lse``, then the sums of ``w = exp(lse - m)`` and
+    ``w o`` reduced to ``j``, where the merge is ``(sum w o / sum w, m + log sum w)`` in ``lse``'s dtype; a row that
+    no rank covers stays ``(0, -inf)``."""
+    m = comm.all_reduce_max(lse.clone())
+    m = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.exp(lse - m)
+    ow = comm.reduce(o * w[..., None], dst=j)
+    s = comm.reduce(w, dst=j)
+    if comm.rank != j:
+        return None
+    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)
 
 
 def _gather_step(k: Tensor, v: Tensor, step: StepPieces, comm: Comm) -> tuple[Tensor, Tensor]:
@@ -309,3 +348,37 @@ def cp_segment_attention(q: Tensor, segments: list[KVSegment], scale: float, *, 
     out, lse = _CPAttention.apply(q.contiguous(), float(scale), backend, plan, meta, causal_idx, sh.k.detach(),
                                   sh.v.detach(), *kv)
     return (out, lse) if return_lse else out
+
+
+def dense_step_bytes(heads: int, kv_heads: int, dk: int, dv: int, cp: int, piece: int, dtype: torch.dtype,
+                     grad: bool) -> tuple[int, int]:
+    """What a CP prefill step of :class:`_CPAttention` allocates per rank beyond one process's chunk of ``piece``
+    tokens (``grad``: a reverse-pass step), by formula (the planner's dry run runs one process): ``(peak, saved)``,
+    ``saved`` being what the layer's graph keeps for its backward. ``n = piece`` rows of ``H = heads`` query heads,
+    ``N = cp x piece``, ``b`` bytes of ``dtype``, ``a`` of the float32 accumulators.
+
+    Forward, one piece at a time: a round's broadcast queries ``n H dk b`` and this rank's partial ``n H (dv b +
+    a)``, or, while it merges, the partial, its weights and the weighted sum reduced to the owner (``2 n H dv a``,
+    ``3 n H a``), beside this rank's merged result (``n H (dv b + a)``); the step's K/V all-gathered, ``N Hkv (dk +
+    dv) b``, of which the earlier pieces' are kept for the backward (``(R - 1) n Hkv (dk + dv) b``). Backward: a
+    round's broadcast ``(q, dO, O, lse)``, ``n H ((dk + 2 dv) b + a)``, and partial ``dq`` ``n H dk b``; the earlier
+    pieces' ``dK, dV`` on their way back to their owners with the exchange's result, ``2 N Hkv (dk + dv) b``.
+    Per block of the local share the kernels' transients are one process's (the same blocking)."""
+    b = torch.empty(0, dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    n, h = cp * piece, heads
+    kv = n * kv_heads * (dk + dv) * b
+    saved = (cp - 1) * piece * kv_heads * (dk + dv) * b
+    own = piece * h * (dv * b + a)
+    fwd = kv + own + max(piece * h * dk * b + own, own + 2 * piece * h * dv * a + 3 * piece * h * a)
+    if not grad:
+        return fwd, 0
+    bwd = saved + 2 * kv + piece * h * ((dk + 2 * dv) * b + a) + piece * h * dk * b
+    return max(fwd, bwd), saved
+
+
+def attention_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -> tuple[int, int]:
+    """:func:`dense_step_bytes` of a full-attention layer (``models.attention.Attention``)."""
+    d = layer.head_dim
+    return dense_step_bytes(layer.num_heads, layer.num_kv_heads, d, d, cp, piece, dtype, grad)
+

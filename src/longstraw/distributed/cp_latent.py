@@ -55,7 +55,8 @@ import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.distributed.cp_attention import ShardedSegment, StepPieces, _merge_blocks, _pad_time
+from longstraw.distributed.cp_attention import (ShardedSegment, StepPieces, _merge_blocks, _pad_time,
+                                                  dense_step_bytes, merge_to, piece_from)
 from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
 from longstraw.models.context import CallContext
 from longstraw.models.dsa import SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix
@@ -232,33 +233,6 @@ class ShardedIndexedLatentState(ShardedLatentState):
         return IndexedLatentDecoder(self, batch, max_new)  # reads prefix(length)
 
 
-# ---------------------------------------------------------------------------------------------------- piece by piece
-# A prefill or reverse step's R pieces attend the stored prefix one at a time (every rank loops over the owners j in
-# order): the owner broadcasts what the piece's queries need, every rank computes its partial over its share, and
-# the partials merge to the owner. A rank then holds one piece's buffers, never the step's R.
-
-
-def _from(comm: Comm, j: int, mine: Tensor) -> Tensor:
-    """Rank ``j``'s ``mine`` on every rank (every rank's ``mine`` has the same shape and dtype)."""
-    return comm.broadcast(mine.contiguous() if comm.rank == j else torch.empty_like(mine), src=j)
-
-
-def _merge_to(comm: Comm, j: int, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The log-sum-exp merge over the group of every rank's partial ``o [..., D]``, ``lse [...]`` (``-inf``: no
-    key), as :func:`~longstraw.ops.sparse_attention.merge_partials` merges a list, delivered to rank ``j`` (None on
-    the others; every rank calls it, in the same order): the group's maximum ``m`` of ``lse``, then the sums of
-    ``w = exp(lse - m)`` and ``w o`` reduced to ``j``, where the merge is ``(sum w o / sum w, m + log sum w)``; a row
-    that no rank covers stays ``(0, -inf)``."""
-    m = comm.all_reduce_max(lse.clone())
-    m = torch.where(torch.isinf(m), 0.0, m)
-    w = torch.exp(lse - m)
-    ow = comm.reduce(o * w[..., None], dst=j)
-    s = comm.reduce(w, dst=j)
-    if comm.rank != j:
-        return None
-    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)
-
-
 # ---------------------------------------------------------------------------------------------------- decompressed
 
 
@@ -295,10 +269,10 @@ class _CPDecompressed(torch.autograd.Function):
             else:  # one piece at a time: its queries from its owner, the shares' partials merged back to it
                 q_pad = _pad_time(q, step.max_len)[0]  # [H, Tm, dn + dr]
                 for j in range(comm.size):
-                    qj = _from(comm, j, q_pad)[None]
+                    qj = piece_from(comm, j, q_pad)[None]
                     oj, lj = decompressed_partial(fwd, qj, sh_lat, w_uk, w_uv, scale, chunk)  # [1, H, Tm, dv]
                     qj = None
-                    merged = _merge_to(comm, j, oj, lj)
+                    merged = merge_to(comm, j, oj, lj)
                     if merged is not None:
                         o, l = merged[0][:, :, :t], merged[1][:, :, :t]
                     oj = lj = merged = None
@@ -363,7 +337,7 @@ class _CPDecompressed(torch.autograd.Function):
                 tm = step.max_len
                 mine = [_pad_time(x, tm)[0] for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[0, ..., 0]]
                 for j in range(comm.size):  # padded rows: dO = 0, they add nothing
-                    qj, doj, oj, lj = (_from(comm, j, x)[None] for x in mine)
+                    qj, doj, oj, lj = (piece_from(comm, j, x)[None] for x in mine)
                     dqj = decompressed_partial_backward(bwd, doj, qj, sh_lat, w_uk, w_uv, oj, lj, scale, chunk,
                                                         plan.sink, dw)
                     qj = doj = oj = lj = None
@@ -417,17 +391,16 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
     pieces' ``d lat`` with the exchange's result, ``2 N D a`` (this rank's own ``(q, dO, O, lse)`` are the ones a
     process holds anyway; they are copied only when the step's pieces differ in length). Per block (each
     expanded chunk against one piece's queries): the chunk's K/V ``c H (dn + dr + dv)`` (and their float32 gradient
-    in backward) plus the block's partial output and merge weights. Absorbed (``D = r + dr`` per head): ``~3 N H D b``
-    forward (gathered queries, a folded copy per key block, partial outputs), and twice that in backward."""
+    in backward) plus the block's partial output and merge weights. Absorbed: the dense CP path's step with one
+    latent head of ``D = r + dr`` as both K and V (``cp_attention.dense_step_bytes``)."""
     h, dk, dv, dl = layer.num_heads, layer.dn + layer.dr, layer.dv, layer.kv_lora_rank + layer.dr
     b = torch.empty(0, dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
     n = cp * piece
     form = layer.choose_form(1, piece, [_ShapeOnly(n, stored)], grad)
     c = layer.chunk_positions()
-    if form == "absorbed":
-        step = 3 * n * h * dl * b * (2 if grad else 1)
-        return form, step, 0
+    if form == "absorbed":  # the dense CP path with one latent head: K = V = lat
+        return form, dense_step_bytes(h, 1, dl, dl, cp, piece, dtype, grad)[0], 0
     q1, o1 = piece * h * dk * b, piece * h * (dv + 1) * a
     fwd = n * dl * b + o1 + max(q1 + o1, 2 * o1 + piece * h * dv * a + 3 * piece * h * a)
     rows = min(piece, max(1, _QUERY_ELEMS // (h * max(dk, dv))))  # query rows per kernel call
@@ -636,11 +609,11 @@ class _CPSparse(torch.autograd.Function):
                 tm = step.max_len
                 q_pad, p_pad = _pad1(qt, tm)[0], _pad1(packed, tm, -1)[0]  # [Tm, H, D], [Tm, K]
                 for j in range(comm.size):
-                    qj, pj = _from(comm, j, q_pad), _from(comm, j, p_pad)
+                    qj, pj = piece_from(comm, j, q_pad), piece_from(comm, j, p_pad)
                     li, lv = _localize(pj[None], plan)  # [1, Tm, K]
                     oj, lj = partial_forward(qj[None], (sh_lat,), (0,), li, lv, scale, acc)  # [1, Tm, H, D], [1, Tm, H]
                     qj = pj = li = lv = None
-                    merged = _merge_to(comm, j, oj, lj)
+                    merged = merge_to(comm, j, oj, lj)
                     if merged is not None:
                         o, l = merged[0][:, :t], merged[1][:, :t]
                     oj = lj = merged = None
@@ -705,7 +678,7 @@ class _CPSparse(torch.autograd.Function):
                 tm = step.max_len
                 mine = [_pad1(x, tm, v)[0] for x, v in ((qt, 0), (packed, -1), (dt, 0), (out, 0), (lse, 0))]
                 for j in range(comm.size):  # padded rows: no key selected, dO = 0, lse = 0
-                    qj, pj, dtj, otj, lsej = (_from(comm, j, x)[None] for x in mine)
+                    qj, pj, dtj, otj, lsej = (piece_from(comm, j, x)[None] for x in mine)
                     li, lv = _localize(pj, plan)
                     dqj = partial_backward(qj, dtj, otj, lsej, (sh_lat,), (0,), li, lv, scale, sink)
                     qj = pj = dtj = otj = lsej = li = lv = None
