@@ -824,8 +824,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             "for such a run branch_graph and prefill_chunk are upper bounds")
     assumptions["checkpoint_layers"] = bool(cfg.checkpoint_layers)
 
-    mla_step = _mla_cp_step(model, dt, cfg, cp, prompt_len, assumptions) + _attention_cp_step(model, dt, cfg, cp,
-                                                                                               assumptions)
+    mla_step = _mla_cp_step(model, dt, cfg, cp, prompt_len, assumptions)
 
     def at(p: int, state_only: bool = False) -> dict[str, int]:
         if (p, state_only) not in cache:
@@ -904,30 +903,6 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if gp is not None:
         settings["graph_budget"] = gp
     return Plan(int(peak), breakdown, max_len, settings, usable)
-
-
-def _attention_cp_step(model, dtype: torch.dtype, cfg, cp: int, assumptions: dict) -> int:
-    """Bytes a CP step's full-attention layers add per rank beyond one process's chunk (the dry run runs one
-    process): one layer's step (``distributed.cp_attention.attention_step_bytes``: one piece's queries and partials
-    at a time, the step's K/V gathered), plus what the other layers' graphs keep in an exact step without layer
-    checkpointing (the earlier pieces' K/V). Writes ``assumptions["attention_cp_step"]``; 0 for cp = 1 or without
-    full-attention layers."""
-    from longstraw.models.attention import Attention
-
-    layers = [m.mixer for m in model.layers if isinstance(m.mixer, Attention)]
-    if cp == 1 or not layers:
-        return 0
-    from longstraw.distributed.cp_attention import attention_step_bytes
-
-    per = [attention_step_bytes(m, cp, cfg.prefill_chunk, dtype, cfg.exact) for m in layers]
-    peak = max(p for p, _ in per)
-    kept = 0 if cfg.checkpoint_layers else sum(sv for _, sv in per) - max(sv for _, sv in per)
-    assumptions["attention_cp_step"] = (
-        f"cp={cp}: per rank a step of {cp} x {cfg.prefill_chunk:,} tokens adds {format_bytes(peak)} in one "
-        "full-attention layer (one piece's queries and partials at a time, the step's K/V gathered)"
-        + (f", and the other layers' graphs keep {format_bytes(kept)}" if kept else "") + " (by formula, in "
-        "prefill_chunk)")
-    return peak + kept
 
 
 def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:

@@ -42,8 +42,7 @@ from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
 
-__all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "dense_step_bytes",
-           "attention_step_bytes"]
+__all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "dense_step_bytes"]
 
 
 @dataclass(frozen=True)
@@ -375,10 +374,4 @@ def dense_step_bytes(heads: int, kv_heads: int, dk: int, dv: int, cp: int, piece
         return fwd, 0
     bwd = saved + 2 * kv + piece * h * ((dk + 2 * dv) * b + a) + piece * h * dk * b
     return max(fwd, bwd), saved
-
-
-def attention_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -> tuple[int, int]:
-    """:func:`dense_step_bytes` of a full-attention layer (``models.attention.Attention``)."""
-    d = layer.head_dim
-    return dense_step_bytes(layer.num_heads, layer.num_kv_heads, d, d, cp, piece, dtype, grad)
 
