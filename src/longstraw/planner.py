@@ -10,17 +10,17 @@ allocator fragmentation and caching (CUDA caching allocator, glibc arenas), the 
 context ~0.5 GB, Python), and kernels' private workspaces.
 
 What the dry run samples instead of running it all (its only shortcuts besides the meta paths that
-``longstraw.ops.meta`` lists, the prefill's repeated steps among them): ONE branch batch of the G (every batch allocates alike and frees its graph before
-the next: the replay's memory is flat in G), and in exact mode the reverse-pass steps that can set its peak
-(:func:`peak_steps`: the first and the last two; every other step repeats the second-to-last with a shorter
-prefix). Tests hold both to a full dry run. And not every layer: a few layers (the first and the last of each
-layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in a few small models and
-the runs combined for the whole depth (byte-exact on test models, the exact-mode transients within a few percent).
-Beyond two chunks and one attention block the prompt's length enters only through the state (see below), so a
-plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers (more when
-``max_prompt_len`` lies below those two lengths: an interpolation search over dry runs). What a dry run costs is
-mostly torch's meta kernels, which :class:`LiveBytes` memoises per op and argument layout (the same storages,
-fewer Python calls: :data:`MEMO_OPS`, held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
+``longstraw.ops.meta`` lists, the prefill's repeated steps among them): ONE branch batch of the G (every batch
+allocates alike and frees its graph before the next: the replay's memory is flat in G), and in exact mode the
+reverse-pass steps that can set its peak (:func:`peak_steps`: the first and the last two; every other step repeats
+the second-to-last with a shorter prefix). Tests hold both to a full dry run. And not every layer: a few layers (the
+first and the last of each layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in
+a few small models and the runs combined for the whole depth (byte-exact on test models, the exact-mode transients
+within a few percent). Beyond two chunks and one attention block the prompt's length enters only through the state
+(see below), so a plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers
+(more when ``max_prompt_len`` lies below those two lengths: an interpolation search over dry runs). What a dry run
+costs is mostly torch's meta kernels, which :class:`LiveBytes` memoises per op and argument layout (the same
+storages, fewer Python calls: :data:`MEMO_OPS`, held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
 
 Breakdown (bytes per device):
 

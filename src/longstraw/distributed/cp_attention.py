@@ -374,4 +374,3 @@ def dense_step_bytes(heads: int, kv_heads: int, dk: int, dv: int, cp: int, piece
         return fwd, 0
     bwd = saved + 2 * kv + piece * h * ((dk + 2 * dv) * b + a) + piece * h * dk * b
     return max(fwd, bwd), saved
-
