@@ -21,6 +21,7 @@ and smoothed. Two panels read more than the metrics:
 from __future__ import annotations
 
 import json
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -145,7 +146,7 @@ def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
             if key.endswith("_bytes"):
                 ys = [y / 2**20 for y in ys]
             (line,) = ax.plot(steps, _smooth(ys, window), lw=2,
-                              label=label + (f" (smoothed over {window} steps)" if window > 1 else ""))
+                              label=_wrap(label + (f" (smoothed over {window} steps)" if window > 1 else "")))
             if window > 1:
                 ax.plot(steps, ys, alpha=0.3, lw=1, color=line.get_color())
             drawn = True
@@ -157,7 +158,7 @@ def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
         if name == "solved" and evals:
             for i, (label, v) in enumerate(evals):
                 ax.scatter([steps[0] if i == 0 else steps[-1]], [v], marker="D" if i == 0 else "s", s=50,
-                           zorder=5, label=label)
+                           zorder=5, label=_wrap(label))
         if name == "memory":
             if naive is not None:
                 ax.axhline(naive / 2**20, ls="--", color="tab:red", lw=1.5, label=f"{NAIVE_LABEL}: "
@@ -167,16 +168,21 @@ def plot_run(run_dir: str | Path, naive_bytes: int | None = None) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+        # below the axes, not over the curves: the labels are sentences, and a legend inside covered the data
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
         p = out_dir / f"{name}.png"
-        fig.savefig(p)
+        fig.savefig(p, bbox_inches="tight")  # grows the figure to hold the legend: nothing cut off
         plt.close(fig)
         paths.append(p)
     load = read_metrics(run_dir, EXPERT_LOAD)
     if load:
         paths.append(_plot_expert_load(plt, rows, load, out_dir / "expert_load.png"))
     return paths
+
+
+def _wrap(label: str, width: int = 90) -> str:
+    """A legend label broken into lines of at most ``width`` characters."""
+    return textwrap.fill(label, width)
 
 
 def _plot_expert_load(plt, rows: list[dict], load: list[dict], path: Path) -> Path:
