@@ -219,3 +219,19 @@ def test_the_delta_rule_kernel_is_named_once_and_in_every_step(tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert [r["delta_rule_kernel"] for r in rows] == ["torch", "torch"]  # CPU: the torch chunked rule
     assert [s for s in said if "delta-rule kernel" in s] == ["Gated DeltaNet layers run the torch delta-rule kernel"]
+
+
+def test_graph_budget_use_is_in_the_metrics(tmp_path):
+    """With algorithm.graph_budget the metrics say what the budget kept (the most of a step's calls); without one
+    the keys are absent."""
+    run = ["train.steps=1", "train.save_every=0", "algorithm.prompt_grad=\"exact\"",
+           "algorithm.entropy_coef=0.001"]  # an update runs whatever the (untrained) model's rewards
+    cfg = _cfg(tmp_path / "kept", *run, "algorithm.graph_budget=\"1G\"",
+               "algorithm.reuse_rollout_state=false")  # the update prefills (a reused rollout state: no budget)
+    Trainer(cfg, resume=False, echo=lambda *_: None).train()
+    (row,) = read_metrics(tmp_path / "kept")
+    assert row["kept_steps"] == 3 and row["kept_graph_bytes"] > 0  # 159 positions in 64-token steps: all kept
+    cfg = _cfg(tmp_path / "none", *run)
+    Trainer(cfg, resume=False, echo=lambda *_: None).train()
+    (row,) = read_metrics(tmp_path / "none")
+    assert "kept_steps" not in row and "kept_graph_bytes" not in row

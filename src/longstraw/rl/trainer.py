@@ -510,7 +510,7 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl": 0.0, "entropy": 0.0, "active": 0}
-            st_bytes, peak = 0, 0
+            st_bytes, peak, kept = 0, 0, (0, 0)
             for g in calls:
                 st = grpo_backward(self.model, g.prompt_ids, g.responses, g.advantages, self.gcfg,
                                    old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=scale,
@@ -518,6 +518,7 @@ class Trainer:
                 g.prompt_state = None
                 st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes)
                 peak = max(peak, max(st.peak_memory.values(), default=0))
+                kept = max(kept, (st.kept_graph_bytes, st.kept_steps))  # the graph budget's use (exact mode)
                 if id(g) not in is_active:
                     continue  # a zero call: no metrics
                 w = st.num_tokens
@@ -537,13 +538,16 @@ class Trainer:
                 self.opt.step()
             self.opt_step += 1
             if epoch == 0:
-                reps = job.gather((sums, st_bytes, peak))
+                reps = job.gather((sums, st_bytes, peak, kept))
                 total = {k: sum(r[0][k] for r in reps[:: job.cp_size]) for k in sums}
                 n = max(1, sum(all_lens))
                 out = {"loss": total["loss"] / job.dp_size, "pg_clipfrac": total["pg_clipfrac"] / n,
                        "ppo_kl": total["ppo_kl"] / n, "grad_norm": gnorm, "lr": lr,
                        "prompt_state_bytes": max(r[1] for r in reps), "train_peak_bytes": max(r[2] for r in reps),
                        "active_groups": total["active"]}
+                if self.gcfg.exact and self.gcfg.graph_budget_bytes:  # what the budget kept, the most of a call
+                    out["kept_graph_bytes"] = max(r[3][0] for r in reps)
+                    out["kept_steps"] = max(r[3][1] for r in reps)
                 if self.gcfg.kl_coef > 0:
                     out["kl"] = total["kl"] / n
                 if self.gcfg.entropy_coef > 0:
