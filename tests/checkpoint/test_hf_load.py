@@ -136,3 +136,17 @@ def test_save_model_copies_hf_tokenizer_files(ckpt, tmp_path):
         assert (tmp_path / "out" / n).read_text() == text
     assert (tmp_path / "out" / "additional_chat_templates" / "tool.jinja").read_text() == "t"
     assert not (tmp_path / "out" / "notes.txt").exists()
+
+
+def test_weights_false_allocates_without_reading_tensor_data(ckpt, monkeypatch):
+    """load_model(weights=False) checks the files' headers and allocates the model, reading no tensor data (the
+    trainer then fills every weight from a sharded checkpoint); the same load with weights reads them all."""
+    from longstraw.checkpoint import hf
+
+    reads = []
+    real = hf._SafetensorsReader.read
+    monkeypatch.setattr(hf._SafetensorsReader, "read", lambda self, name, rows=None: reads.append(name) or
+                        real(self, name, rows))
+    m = longstraw.load_model(ckpt, weights=False)
+    assert reads == [] and m.model.embed_tokens.weight.shape == (259, 32)
+    assert _same(longstraw.load_model(ckpt), load_file(ckpt / "model.safetensors")) and len(reads) > 0

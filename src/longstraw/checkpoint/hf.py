@@ -262,7 +262,7 @@ def _master_dtype(dtype: torch.dtype, master_dtype: str | torch.dtype | None) ->
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, *, allow_pickle: bool = False,
                master_dtype: str | torch.dtype | None = None, lora=None, adapter: str | os.PathLike | None = None,
-               lora_seed: int | None = None) -> CausalLM:
+               lora_seed: int | None = None, weights: bool = True) -> CausalLM:
     """Load an HF checkpoint directory into a LongStraw model, with the process's parallelism applied.
 
     dtype: the compute dtype (default: the config's ``dtype``/``torch_dtype``, else float32).
@@ -300,6 +300,11 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     Checked before anything is allocated or any tensor data read (the size first, then from the files' headers):
     tensors the model does not have, tensors it needs that are missing, shape mismatches (named), incomplete
     experts; multi-token-prediction and vision weights are skipped with a warning.
+
+    ``weights=False`` does all of that but reads no tensor data: the weights are allocated (sharded as above) and
+    left uninitialised, for a caller that fills every one of them itself (the trainer resuming from a sharded
+    training checkpoint, whose DCP state holds them all: reading the HF export first would read the model twice).
+    LoRA adapters are still created and filled as asked.
     """
     p = Path(path)
     cfg = read_config(p)
@@ -362,7 +367,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     assert set(params) == set(sources), set(params) ^ set(sources)
     try:
         with torch.no_grad():
-            for pname, src in sources.items():
+            for pname, src in sources.items() if weights else ():
                 target = params[pname]
                 rows, local = local_rows(target), _local(target)
                 if pname in ep_rows:

@@ -293,7 +293,7 @@ class Trainer:
         """Model, reference model and optimiser; with a checkpoint, its weights, optimiser and RNG state (a sharded
         checkpoint's through DCP, whatever this run's layout)."""
         try:
-            self.model = self._build_model(ckpt)
+            self.model = self._build_model(ckpt, sharded=st is not None and st.get("format") == "sharded")
         except ModelTooLargeError:
             raise
         except ValueError as e:
@@ -417,7 +417,11 @@ class Trainer:
             return "float32"
         return m.dtype
 
-    def _build_model(self, ckpt: Path | None):
+    def _build_model(self, ckpt: Path | None, sharded: bool = False):
+        """The model to train: from the initial checkpoint, or ``ckpt``'s. ``sharded``: ``ckpt`` is a sharded
+        checkpoint whose DCP state the caller reads into every trained weight next, so a full fine-tune's weights
+        are allocated, not read (``load_model(weights=False)``); a LoRA run reads its frozen base, which the DCP
+        state does not hold."""
         kw = dict(dtype=self.cfg.model.dtype, device=self.device, master_dtype=self._master_dtype())
         if self.cfg.lora.enabled:  # the frozen base from where the run started, the adapters from the checkpoint
             if ckpt is not None:
@@ -426,7 +430,8 @@ class Trainer:
                 kw.update(lora=lora_settings(self.cfg.lora), lora_seed=_derive_seed(self.cfg.train.seed, 0x10A))
             model = load_model(self._initial_model_dir(), **kw)
         else:
-            model = load_model(ckpt / "model" if ckpt is not None else self._initial_model_dir(), **kw)
+            model = load_model(ckpt / "model" if ckpt is not None else self._initial_model_dir(), **kw,
+                               weights=not sharded)
         model.train()
         return model
 
