@@ -929,13 +929,13 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
     from longstraw.distributed.cp_latent import dsa_step_bytes, mla_step_bytes
 
     if not dense:  # every DSA layer (full and shared) on its sparse path
-        per = [dsa_step_bytes(m, cp, chunk, dtype, cfg.exact) for m in mixers]
+        per = [dsa_step_bytes(m, cp, chunk, dtype, cfg.exact, prompt_len) for m in mixers]
         peak = max(p for p, _ in per)
         kept = 0 if cfg.checkpoint_layers else sum(sv for _, sv in per) - max(sv for _, sv in per)
         assumptions["mla_attention"] = (
             f"cp={cp}: DSA layers run the sparse path at this length (absorbed latents); per rank a step of "
             f"{cp} x {chunk:,} tokens adds {format_bytes(peak)} in one layer (the sparse attention exchanged one "
-            f"piece at a time, the indexer's top-k for every piece at once)"
+            f"piece at a time, the indexer's top-k merged around the ring)"
             + (f", and the other layers' graphs keep {format_bytes(kept)}" if kept else "")
             + " (by formula, in prefill_chunk)")
         return peak + kept

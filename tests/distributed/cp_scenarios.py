@@ -89,6 +89,18 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     return out
 
 
+def _ring_selection(run):
+    """``run()`` with every replicated DSA top-k taking the ring (``cp_latent._GATHER_BYTES`` below any call's
+    size), restored after; one process never reads it."""
+    from longstraw.distributed import cp_latent
+
+    old, cp_latent._GATHER_BYTES = cp_latent._GATHER_BYTES, -1
+    try:
+        return run()
+    finally:
+        cp_latent._GATHER_BYTES = old
+
+
 def score(paths, *, family="llama", fsdp=False, mla_mode=None):
     model = _load(paths[family], fsdp)
     _mla_mode(model, mla_mode)
@@ -358,6 +370,10 @@ SCENARIOS = {
     "dsa_generate": lambda p: generate(p, family="glm_moe_dsa"),
     "dsa_score": lambda p: score(p, family="glm_moe_dsa"),
     "dsa_state_bytes": lambda p: state_bytes(p, family="glm_moe_dsa"),
+    # every replicated DSA selection (replay, score, decoding) on the ring path that large calls take
+    "dsa_ring_exact": lambda p: _ring_selection(lambda: grpo_two_groups(p, family="glm_moe_dsa", branch_batch=2)),
+    "dsa_ring_score": lambda p: _ring_selection(lambda: score(p, family="glm_moe_dsa")),
+    "dsa_ring_generate": lambda p: _ring_selection(lambda: generate(p, family="glm_moe_dsa")),
     "v32_exact": lambda p: grpo_two_groups(p, family="deepseek_v32", chunk=4),
     # MLA forms forced under CP (the decompressed CP twin, the absorbed CP path), against one process forced alike
     "v3_exact_absorbed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=5, mla_mode="absorbed"),

@@ -45,10 +45,11 @@ DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_d
       "bf16_exact"]
 MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
-        "v32_exact", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached", "q35moe_exact",
-        "q35moe_detached"]
+        "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
+        "next_exact", "next_detached", "q35moe_exact", "q35moe_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
-        "dsa_state_bytes", "glm4_moe_exact", "glm4_moe_detached", "next_exact", "next_detached"]
+        "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
+        "next_detached"]
 # MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
 # whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2,
 # checkpointed layers with batched branches, score, generate (decoding over the generated tokens' latents), the
@@ -445,10 +446,11 @@ def test_layout_partitions_positions():
 
 
 def test_latent_positions_and_deterministic_topk():
-    """cp_latent's helpers: global <-> local positions of a rank's pieces, and the global top-k over gathered
-    (score, position) pairs, whose exact ties go to the lower position whatever the candidates' order."""
+    """cp_latent's helpers: global <-> local positions of a rank's pieces, and the best k of (score, position)
+    candidates, whose exact ties go to the lower position whatever the candidates' order, and which merges in any
+    grouping to the same result (the ring's reduction: the best of the bests of the parts)."""
     from longstraw.distributed import shard_layout
-    from longstraw.distributed.cp_latent import _global_select, _Owner
+    from longstraw.distributed.cp_latent import _best, _Owner
     from longstraw.ops.topk import first_topk as _first_topk
 
     lay = shard_layout(37, 3, 4)
@@ -462,10 +464,19 @@ def test_latent_positions_and_deterministic_topk():
     vals = torch.tensor([[[1.0, 3.0, 2.0, 3.0, float("-inf"), 2.0]]])
     assert _first_topk(vals, 3).tolist() == [[[1, 2, 3]]]  # both 3s, then the first 2
     pos = torch.tensor([[[9, 7, 5, 2, 0, 4]]])  # shuffled positions: the tie at 2.0 goes to position 4
-    sel = _global_select([vals], [pos], 3)
-    assert sorted(sel.idx.flatten().tolist()) == [2, 4, 7] and bool(sel.valid.all())
-    sel = _global_select([vals], [pos], 6)  # wider than the finite candidates: the -inf one is invalid
-    assert sel.valid.sum().item() == 5 and 0 in sel.idx[~sel.valid].tolist()
+    v, p = _best([vals], [pos], 3)
+    assert sorted(p.flatten().tolist()) == [2, 4, 7] and bool((v > float("-inf")).all())
+    v, p = _best([vals], [pos], 8)  # wider than the candidates: padded, and the -inf ones are invalid
+    assert (v > float("-inf")).sum().item() == 5 and p.shape[-1] == 8 and 0 in p[v == float("-inf")].tolist()
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (2, 5, 48), generator=g).double()  # many exact ties
+    places = torch.randperm(48, generator=g).expand(2, 5, 48)  # distinct positions, shuffled
+    want = _best([scores], [places], 7)
+    parts = [(scores[..., i : i + 12], places[..., i : i + 12]) for i in range(0, 48, 12)]
+    acc = _best([parts[0][0]], [parts[0][1]], 7)
+    for sv, sp in parts[1:]:  # the ring's order: a running best merged with the next part's best
+        acc = _best([acc[0], _best([sv], [sp], 7)[0]], [acc[1], _best([sv], [sp], 7)[1]], 7)
+    assert torch.equal(acc[0], want[0]) and torch.equal(acc[1], want[1])
 
 
 def test_mla_form_is_the_groups_choice():

@@ -378,16 +378,15 @@ def test_cp_plans_count_the_dsa_sparse_step_exchange():
         gc = GRPOConfig(prompt_grad="exact" if exact else "detached", prefill_chunk=128, checkpoint_layers=ckpt)
         one = plan(cfg, cp=1, cfg=gc, **kw).breakdown["prefill_chunk"]
         four = plan(cfg, cp=4, cfg=gc, **kw)
-        per = [dsa_step_bytes(m, 4, 128, torch.float32, exact) for m in mixers]
+        per = [dsa_step_bytes(m, 4, 128, torch.float32, exact, 1024) for m in mixers]
         kept = 0 if ckpt else sum(sv for _, sv in per) - max(sv for _, sv in per)
         assert four.breakdown["prefill_chunk"] - one == max(pk for pk, _ in per) + kept > 0, (exact, ckpt)
         assert "adds" in four.settings["assumptions"]["mla_attention"]
-    full, shared = dsa_step_bytes(mixers[0], 4, 128, torch.float32, True), dsa_step_bytes(mixers[1], 4, 128,
-                                                                                          torch.float32, True)
+    full, shared = (dsa_step_bytes(m, 4, 128, torch.float32, True, 1024) for m in mixers[:2])
     assert full[1] == shared[1] == 3 * 128 * 16 * 4  # the earlier pieces' latents [(R - 1) n, r + dr]
     # one piece at a time: what grows with cp is latent-sized (the step's pieces gathered, the earlier ones kept and
     # their d lat sent back: [R n, r + dr] each), no longer [R n, H, r + dr] queries and partials
-    wide = dsa_step_bytes(mixers[1], 8, 128, torch.float32, True)[0]
+    wide = dsa_step_bytes(mixers[1], 8, 128, torch.float32, True, 1024)[0]
     assert shared[0] < wide <= shared[0] + (8 - 4) * 128 * 16 * (4 + 4 + 2 * 4)
 
 

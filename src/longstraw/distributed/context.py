@@ -85,6 +85,19 @@ class Comm:
         dist.broadcast(t, group=self.group, group_src=src)
         return t
 
+    def shift(self, ts: list[Tensor]) -> list[Tensor]:
+        """One step around the ring: ``ts`` go to rank ``rank + 1``, and the same-shaped list of rank ``rank - 1``
+        comes back (mod ``size``). One batch of point-to-point operations (``dist.batch_isend_irecv``: coalesced
+        on NCCL, plain isend/irecv on gloo), so no ordering between the ranks can deadlock."""
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        sends = [t.contiguous() for t in ts]
+        recvs = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=prv) for t in recvs]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return recvs
+
 
 @dataclass(frozen=True)
 class ParallelContext:

@@ -7,20 +7,22 @@ call to its ``attention`` (:func:`cp_segment_attention`). Two modes:
 
 Replicated queries (branch replay, rollout decoding, score): every rank runs the same tokens, so ``q`` is the same
 everywhere. Forward: each rank attends ``q`` over its share, giving a partial ``(o_r, lse_r)``; the partials are
-all-gathered and merged by log-sum-exp (in rank order, identically on every rank), then merged with the local
+merged by log-sum-exp over the group with all-reduces (:func:`merge_all`: the maximum ``lse``, then the weighted
+partials and their weights summed, so a rank holds one partial's size, not ``R``), then merged with the local
 segments (the new tokens' own causal K/V, already generated tokens). Backward (ring-attention pattern): each rank
 recomputes its share's probabilities against the GLOBAL lse and merged output, adds ``dK, dV`` of its positions into
-its own gradient sinks (never communicated) and all-reduces the partial ``dq``. Per call:
-``R x (B T Hq (Dv + 1))`` gathered, ``B T Hq Dk`` all-reduced; independent of the prompt length.
+its own gradient sinks (never communicated) and all-reduces the partial ``dq``. Per call: ``B T Hq (Dv + 2)``
+all-reduced forward, ``B T Hq Dk`` backward; independent of the prompt length.
 
 Distinct queries (one prefill step, and its recomputation in the exact reverse pass): rank ``r`` processes piece
 ``r`` of the step (positions right after piece ``r - 1``'s). Its queries need
 
-* the stored prompt before the step, spread over all ranks: the queries are shipped, not the K/V. The pieces'
-  queries are all-gathered (``R x T Hq Dk``), every rank attends all of them over its share (one kernel call, the
-  ``R`` pieces folded into the query axis), and an all-to-all returns each piece's partials to its owner
-  (``R x T Hq (Dv + 1)``), which merges them. Backward: ``(q, dO, O, lse)`` are all-gathered, every rank adds
-  ``dK, dV`` of its stored positions into its sinks and all-to-alls the partial ``dq`` back.
+* the stored prompt before the step, spread over all ranks: the queries are shipped, not the K/V, one piece at a
+  time (:func:`merged_by_piece`): piece ``j``'s owner broadcasts its queries, every rank attends them over its share
+  and the partials merge to the owner by log-sum-exp (:func:`merge_to`). Backward (:func:`reduced_by_piece`):
+  ``(q, dO, O, lse)`` broadcast by the owner, every rank adds ``dK, dV`` of its stored positions into its sinks and
+  the partial ``dq`` is reduced to the owner. A rank holds one piece's buffers (``T Hq (Dk + Dv + 2)``), never the
+  step's ``R``.
 * the earlier pieces of the same step, just computed on other ranks: their K/V are all-gathered
   (``R x T Hkv (Dk + Dv)``) and attended unmasked; in backward their ``dK, dV`` go back to the owners by all-to-all
   and join the owner's own causal K/V gradient inside the same backward (so later pieces' gradient reaches
@@ -32,6 +34,7 @@ every decision to skip one depends only on values that are the same on all ranks
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +45,8 @@ from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
 
-__all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "dense_step_bytes"]
+__all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "merge_all",
+           "merged_by_piece", "reduced_by_piece", "dense_step_bytes"]
 
 
 @dataclass(frozen=True)
@@ -147,31 +151,15 @@ def _partial_bwd(bwd, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, ls
     return dq
 
 
-def _merge_blocks(o: Tensor, lse: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Merge partials stacked on axis 0 (``o [R, B, H, T, Dv]``, ``lse [R, B, H, T]``; an empty share has
-    ``lse = -inf``): ``lse = logsumexp_r lse_r``, ``o = sum_r exp(lse_r - lse) o_r``, the same on every rank."""
-    total = torch.logsumexp(lse, dim=0)
-    w = torch.exp(lse - total)[..., None]
-    return (o.to(w.dtype) * w).sum(0).to(dtype), total
-
-
 def _sharded_fwd(fwd, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, scale: float) -> tuple[Tensor, Tensor]:
     comm, step = plan.comm, plan.step
-    if step is None:  # replicated queries: partial over the local share, gathered and merged
-        o, lse = _partial(fwd, q, k, v, plan, scale)
-        return _merge_blocks(comm.all_gather(o), comm.all_gather(lse), q.dtype)
+    if step is None:  # replicated queries: partial over the local share, merged over the group
+        o, lse = merge_all(comm, *_partial(fwd, q, k, v, plan, scale))
+        return o.to(q.dtype), lse
     t = q.shape[2]
-    q_pad = _pad_time(q, step.max_len)[0]  # [Hq, Tm, Dk]
-    mine = None
-    for j in range(comm.size):  # one piece at a time: its queries from its owner, the partials merged back to it
-        qj = piece_from(comm, j, q_pad)[None]
-        oj, lj = _partial(fwd, qj, k, v, plan, scale)  # [1, Hq, Tm, Dv], [1, Hq, Tm] over this rank's share
-        qj = None
-        merged = merge_to(comm, j, oj, lj)
-        if merged is not None:
-            mine = merged[0][:, :, :t].to(q.dtype), merged[1][:, :, :t]
-        oj = lj = merged = None
-    return mine
+    o, lse = merged_by_piece(comm, [_pad_time(q, step.max_len)],
+                             lambda qj: _partial(fwd, qj, k, v, plan, scale))  # [1, Hq, Tm, Dv], [1, Hq, Tm]
+    return o[:, :, :t].to(q.dtype), lse[:, :, :t]
 
 
 def _sharded_bwd(bwd, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: _Plan,
@@ -181,17 +169,9 @@ def _sharded_bwd(bwd, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     if step is None:
         return comm.all_reduce(_partial_bwd(bwd, dout, q, k, v, out, lse, plan, scale).contiguous())
     t, tm = q.shape[2], step.max_len
-    own = [_pad_time(x, tm)[0] for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[0, ..., 0]]
-    dq = None
-    for j in range(comm.size):  # one piece at a time: its (q, dO, O, lse) from its owner, the dq partial back to it
-        qj, doj, oj, lj = (piece_from(comm, j, x)[None] for x in own)  # padded rows: dO = 0, they add nothing
-        dqj = _partial_bwd(bwd, doj, qj, k, v, oj, lj, plan, scale)
-        qj = doj = oj = lj = None
-        dqj = comm.reduce(dqj, dst=j)
-        if j == comm.rank:
-            dq = dqj[:, :, :t]
-        dqj = None
-    return dq
+    own = [_pad_time(x, tm) for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[..., 0]]
+    dq = reduced_by_piece(comm, own, lambda qj, doj, oj, lj: _partial_bwd(bwd, doj, qj, k, v, oj, lj, plan, scale))
+    return dq[:, :, :t]  # padded rows: dO = 0, they add nothing
 
 
 def piece_from(comm: Comm, j: int, mine: Tensor) -> Tensor:
@@ -203,20 +183,70 @@ def piece_from(comm: Comm, j: int, mine: Tensor) -> Tensor:
     return comm.broadcast(mine.contiguous() if comm.rank == j else torch.empty_like(mine), src=j)
 
 
+def _weighted(comm: Comm, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(m, w o, w)``: the group's maximum ``m`` of ``lse`` (0 where no rank has a key) and this rank's weights
+    ``w = exp(lse - m)``; the merge is ``(sum w o / sum w, m + log sum w)``."""
+    m = comm.all_reduce_max(lse.clone())
+    m = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.exp(lse - m)
+    return m, o * w[..., None], w
+
+
+def _merged(m: Tensor, ow: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)  # no key: (0, -inf)
+
+
 def merge_to(comm: Comm, j: int, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
     """The log-sum-exp merge over the group of every rank's partial ``o [..., D]``, ``lse [...]`` (``-inf``: no
     key), as a list of partials merges in one process, delivered to rank ``j`` (None on the others; every rank calls
     it, in the same order): the group's maximum ``m`` of ``lse``, then the sums of ``w = exp(lse - m)`` and
     ``w o`` reduced to ``j``, where the merge is ``(sum w o / sum w, m + log sum w)`` in ``lse``'s dtype; a row that
     no rank covers stays ``(0, -inf)``."""
-    m = comm.all_reduce_max(lse.clone())
-    m = torch.where(torch.isinf(m), 0.0, m)
-    w = torch.exp(lse - m)
-    ow = comm.reduce(o * w[..., None], dst=j)
+    m, ow, w = _weighted(comm, o, lse)
+    ow = comm.reduce(ow, dst=j)
     s = comm.reduce(w, dst=j)
-    if comm.rank != j:
-        return None
-    return ow / torch.where(s > 0, s, 1.0)[..., None], m + torch.log(s)
+    return _merged(m, ow, s) if comm.rank == j else None
+
+
+def merge_all(comm: Comm, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`merge_to` delivered to every rank (all-reduces): replicated queries' partials over the shares, merged
+    with one process's memory, ``o``'s size, where gathering every rank's partial would hold ``R`` of them (a DSA
+    replay's sparse partials, ``R B T H (r + dr)`` float32, were 4.5 GiB per layer for GLM-5 on 32 ranks at 1,024
+    tokens)."""
+    m, ow, w = _weighted(comm, o, lse)
+    return _merged(m, comm.all_reduce(ow), comm.all_reduce(w))
+
+
+def merged_by_piece(comm: Comm, mine: Sequence[Tensor], partial: Callable[..., tuple[Tensor, Tensor]]
+                    ) -> tuple[Tensor, Tensor]:
+    """A step's pieces attend the shares one at a time: for each owner ``j`` in order (every rank loops), rank
+    ``j``'s ``mine`` (its piece's queries and whatever else they need, padded to the step's common shape) is
+    broadcast (:func:`piece_from`), ``partial(*pieces) -> (o, lse)`` attends them over this rank's share, and the
+    partials merge to ``j`` (:func:`merge_to`). Returns this rank's own piece's merged ``(o, lse)``, padded like
+    ``mine``. Between rounds nothing of a piece is kept."""
+    mine_merged = None
+    for j in range(comm.size):
+        o, lse = partial(*(piece_from(comm, j, x) for x in mine))  # the broadcast copies die with the call
+        merged = merge_to(comm, j, o, lse)
+        o = lse = None
+        if merged is not None:
+            mine_merged = merged
+        merged = None
+    return mine_merged
+
+
+def reduced_by_piece(comm: Comm, mine: Sequence[Tensor], partial_bwd: Callable[..., Tensor]) -> Tensor:
+    """The backward of :func:`merged_by_piece`: for each owner ``j`` in order, rank ``j``'s ``mine`` (its piece's
+    ``(q, dO, O, lse)``, ...) is broadcast, ``partial_bwd(*pieces) -> dq`` differentiates this rank's share's partial
+    (its key/value gradients go to this rank's sinks) and the ``dq`` partials are summed on ``j``. Returns this
+    rank's own piece's ``dq``, padded like ``mine``."""
+    dq = None
+    for j in range(comm.size):
+        dqj = comm.reduce(partial_bwd(*(piece_from(comm, j, x) for x in mine)), dst=j)
+        if j == comm.rank:
+            dq = dqj
+        dqj = None
+    return dq
 
 
 def _gather_step(k: Tensor, v: Tensor, step: StepPieces, comm: Comm) -> tuple[Tensor, Tensor]:

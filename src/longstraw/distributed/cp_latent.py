@@ -22,26 +22,31 @@ prefill step's ``R`` pieces share every expansion; the numbers are the same on e
 
 DSA (DeepSeek Sparse Attention), the layers whose queries see more than ``index_topk`` keys:
 
-* Indexer top-k (:func:`cp_index_select`, not differentiated): the selection is over the whole prompt. Replicated
-  queries (replay, score, decoding): each rank scores the queries against its stored keys, keeps its local
-  top-``k``, and an all-gather of ``(score, global position)`` pairs (``R B T k``) picks the global top-``k``
-  together with the replicated keys (the new tokens' own, generated tokens'). Prefill step: the step's index
-  queries and head weights are all-gathered (``R T Hi (Di + 1)``), every rank takes each piece's local top-``k``
-  over its stored keys and an all-to-all returns them to the pieces' owners (``R T k`` pairs); the step's indexer
-  keys are all-gathered (``R T Di``) for the earlier pieces. Ties are broken deterministically, by the lower
+* Indexer top-k (:func:`cp_index_select`, not differentiated): the selection is over the whole prompt. Every rank
+  takes its stored keys' best ``k`` for a block of query rows, and the group's best is their reduction by
+  :func:`_best` (the total order score descending, position ascending, so any grouping gives the same set): a ring
+  reduce-scatter (:func:`_ring_top`, point-to-point shifts) in which block ``j``'s running best starts at rank
+  ``j + 1`` and reaches rank ``j`` after ``R - 1`` hops, each rank merging its own share's best in. Prefill step:
+  the blocks are the pieces, and a piece's index queries and head weights ride the ring with its candidates
+  (``T Hi (Di + 1)`` and ``T k`` pairs per hop; a rank holds two pieces' worth, not ``R``); the step's indexer keys
+  are all-gathered (``R T Di``) for the earlier pieces. Replicated queries (replay, score, decoding): small calls
+  all-gather every rank's best (``R B T k`` pairs, one collective: decoding), larger ones split the ``B T`` rows
+  into ``R`` blocks for the ring and all-gather the merged blocks (``B T k``). The rows' final selection, over
+  these candidates and the keys every rank holds (the new tokens' own, generated tokens', the step's earlier
+  pieces), is blocked over query rows as in one process. Ties are broken deterministically, by the lower
   position (the single-process ``topk`` breaks exact ties in an order of its own; with real scores ties do not
   occur).
 * Sparse attention (:func:`cp_sparse_latent_attention`; the kernel is the single-process op's own partials,
-  ``ops.sparse_attention.partial_forward`` / ``partial_backward`` / ``merge_partials``): the selected
-  keys split by owner, so each rank attends the queries over the selected keys it owns (a partial ``(o, lse)``),
-  merged by log-sum-exp: the dense CP attention's pattern with a selection mask. Replicated queries: partials
-  all-gathered (``R B T H (D + 1)``), ``dq`` all-reduced, ``d lat`` of the selected stored keys into the owner's
-  sink. Prefill step: one piece at a time (per rank memory of one piece, not of the ``R`` pieces: at GLM-5's
+  ``ops.sparse_attention.partial_forward`` / ``partial_backward`` / ``merge_partials``): the selected keys split by
+  owner, so each rank attends the queries over the selected keys it owns (a partial ``(o, lse)``), merged by
+  log-sum-exp: the dense CP attention's pattern with a selection mask. Replicated queries: partials merged by
+  all-reduces (``B T H (D + 2)``; ``merge_all``), ``dq`` all-reduced, ``d lat`` of the selected stored keys into the
+  owner's sink. Prefill step: one piece at a time (per rank memory of one piece, not of the ``R`` pieces: at GLM-5's
   size a whole step's exchange was 65 GiB per rank), its owner broadcasts its absorbed queries and selection, every
   rank attends them over the selected keys it stores, and the partials are merged to the owner (the group's maximum
   ``lse``, then the weighted partials and weights reduced to it); backward likewise: ``(q, dO, O, lse)`` broadcast,
-  the partial ``dq`` reduced to the owner. The step's latent pieces are all-gathered and the earlier pieces'
-  ``d lat`` returns to their owners inside the same backward.
+  the partial ``dq`` reduced to the owner. The step's latent pieces are all-gathered and the earlier pieces' ``d lat``
+  returns to their owners inside the same backward.
 
 Every decision that skips a collective depends only on values that are the same on every rank (the step, the
 global lengths): all ranks make the same calls in the same order.
@@ -49,14 +54,15 @@ global lengths): all ranks make the same calls in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.distributed.cp_attention import (ShardedSegment, StepPieces, _merge_blocks, _pad_time,
-                                                  dense_step_bytes, merge_to, piece_from)
+from longstraw.distributed.cp_attention import (ShardedSegment, StepPieces, _pad_time,
+                                                  dense_step_bytes, merge_all, merged_by_piece, reduced_by_piece)
 from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
 from longstraw.models.context import CallContext
 from longstraw.models.dsa import SCORE_ELEMS, IndexedLatentDecoder, IndexedPrefix
@@ -74,6 +80,7 @@ __all__ = ["ShardedLatentState", "ShardedIndexedLatentState", "ShardedLatentSegm
 
 _NEG = float("-inf")
 _EMPTY_LAT = torch.empty(1, 1, 0, 0)
+_GATHER_BYTES = 64 << 20  # replicated index queries whose every-rank candidates (R B T k pairs) fit: one all-gather
 
 
 # ---------------------------------------------------------------------------------------------------- positions
@@ -263,19 +270,12 @@ class _CPDecompressed(torch.autograd.Function):
         t = q.shape[2]
         outs, lses = [], []
         if plan.global_length > 0:  # the stored prompt: each rank expands its own share, chunk by chunk
-            if step is None:  # replicated queries: partials gathered and merged
-                o, l = decompressed_partial(fwd, q, sh_lat, w_uk, w_uv, scale, chunk)
-                o, l = _merge_blocks(comm.all_gather(o.to(q.dtype)), comm.all_gather(l), l.dtype)
+            if step is None:  # replicated queries: the partials merged over the group (all-reduces)
+                o, l = merge_all(comm, *decompressed_partial(fwd, q, sh_lat, w_uk, w_uv, scale, chunk))
             else:  # one piece at a time: its queries from its owner, the shares' partials merged back to it
-                q_pad = _pad_time(q, step.max_len)[0]  # [H, Tm, dn + dr]
-                for j in range(comm.size):
-                    qj = piece_from(comm, j, q_pad)[None]
-                    oj, lj = decompressed_partial(fwd, qj, sh_lat, w_uk, w_uv, scale, chunk)  # [1, H, Tm, dv]
-                    qj = None
-                    merged = merge_to(comm, j, oj, lj)
-                    if merged is not None:
-                        o, l = merged[0][:, :, :t], merged[1][:, :, :t]
-                    oj = lj = merged = None
+                o, l = merged_by_piece(comm, [_pad_time(q, step.max_len)],  # [1, H, Tm, dn + dr]
+                                       lambda qj: decompressed_partial(fwd, qj, sh_lat, w_uk, w_uv, scale, chunk))
+                o, l = o[:, :, :t], l[:, :, :t]  # [1, H, T, dv], [1, H, T]
             outs.append(o)
             lses.append(l)
         earlier = None
@@ -335,16 +335,9 @@ class _CPDecompressed(torch.autograd.Function):
                     dw[1].add_(comm.all_reduce(dws[1]))
             else:  # one piece at a time: its (q, dO, O, lse) from its owner, this share's dq partial reduced to it
                 tm = step.max_len
-                mine = [_pad_time(x, tm)[0] for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[0, ..., 0]]
-                for j in range(comm.size):  # padded rows: dO = 0, they add nothing
-                    qj, doj, oj, lj = (piece_from(comm, j, x)[None] for x in mine)
-                    dqj = decompressed_partial_backward(bwd, doj, qj, sh_lat, w_uk, w_uv, oj, lj, scale, chunk,
-                                                        plan.sink, dw)
-                    qj = doj = oj = lj = None
-                    dqj = comm.reduce(dqj, dst=j)
-                    if j == comm.rank:
-                        dq += dqj[:, :, :t]
-                    dqj = None
+                mine = [_pad_time(x, tm) for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[..., 0]]
+                dq += reduced_by_piece(comm, mine, lambda qj, doj, oj, lj: decompressed_partial_backward(
+                    bwd, doj, qj, sh_lat, w_uk, w_uv, oj, lj, scale, chunk, plan.sink, dw))[:, :, :t]  # padded: dO = 0
         return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
                 None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, d_lat_own, None, None, None,
                 *([None] * len(lats)))
@@ -411,7 +404,7 @@ def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, 
     return form, max(fwd, bwd), c * h * (dk + dv) * (b + 2 * a) + rows * h * dk * (b + a)
 
 
-def dsa_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -> tuple[int, int]:
+def dsa_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool, stored: int) -> tuple[int, int]:
     """What one DSA layer on its sparse path (``models.dsa``, a full layer with its indexer or a shared one)
     allocates per rank in a CP prefill step beyond one process's chunk of ``piece`` tokens, by formula (the planner's
     dry run runs one process): ``(peak, saved)``, ``saved`` being what the layer's graph keeps for its backward
@@ -426,9 +419,16 @@ def dsa_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -
     for the backward (``(R - 1) n D b``). Backward: this rank's padded ``(q, dO, O)`` and ``lse`` and a round's
     broadcast copies, the localised selection and the piece's partial ``dq`` (``n H D a``), and the earlier pieces'
     ``d lat`` on their way back to their owners with the exchange's result (``2 R n D a``). A full layer's
-    ``cp_index_select`` first gathers the step's index queries and head weights, ``R n Hi (Di b + a)``, and
-    exchanges every piece's local top-``K`` (scores and positions), ``2 R n K 12``: that part still grows with
-    ``R x n``. The per-block transients of the kernels are one process's (the same blocking)."""
+    ``cp_index_select`` first runs the ring (:func:`_ring_top`): a piece's index queries and head weights
+    (``qw = n Hi (Di b + a)``, three at a time while they move, two while merging) and two pieces' candidates
+    (``c = n K (a + 8)``: scores and positions) moving, and a merge that holds four and the order, the masks and the
+    indices of ``first_topk`` (``n K (a + 56)``); then the step's indexer keys all-gathered (``R n Di b``) and the
+    rows' selection blocked as in one process: a block's candidates (the step's keys and the ring's ``K`` per row,
+    at most ``SCORE_ELEMS``) scored, concatenated with their positions, position-ordered and ranked, about 36 bytes
+    each, where one process's block at the same step (its ``n`` rows over the ``stored`` prompt, at most
+    ``SCORE_ELEMS`` too) holds about 24 (scores, mask and ``first_topk``'s): only the difference is counted.
+    Nothing of the indexer grows with ``R x n`` but the gathered keys. The per-block transients of the kernels are
+    one process's (the same blocking)."""
     h, d, k = layer.num_heads, layer.kv_lora_rank + layer.dr, layer.index_topk
     b = torch.empty(0, dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
@@ -439,7 +439,10 @@ def dsa_step_bytes(layer, cp: int, piece: int, dtype: torch.dtype, grad: bool) -
                                                    2 * o1 + piece * h * d * a + 2 * piece * h * a)
     ix = layer.indexer
     if ix is not None:
-        fwd = max(fwd, n * ix.num_heads * (ix.head_dim * b + a) + 2 * n * k * 12)
+        qw, c = piece * ix.num_heads * (ix.head_dim * b + a), piece * k * (a + 8)
+        ring = max(3 * qw + 2 * c, 2 * qw + 4 * c + piece * k * (a + 56))
+        cand, one = min(SCORE_ELEMS, piece * (k + n)), min(SCORE_ELEMS, piece * max(stored, piece))
+        fwd = max(fwd, ring, c + n * ix.head_dim * b + max(0, 36 * cand - 24 * one))
     if not grad:
         return fwd, 0
     bwd = saved + 2 * n * d * a + 2 * (3 * q1 + sel1 + piece * h * a) + piece * k * 17 + piece * h * d * a
@@ -485,34 +488,113 @@ def _local_top(indexer, q: Tensor, w: Tensor, keys: Tensor, k: int) -> tuple[Ten
     return vals, ids
 
 
-def _replicated_candidates(indexer, q: Tensor, w: Tensor, keys: list[Tensor], base: int, own_start: int
-                           ) -> tuple[Tensor, Tensor]:
-    """Scores ``[B, T, S]`` and global positions of keys every rank holds (``keys``, concatenated from position
-    ``base``; the last ``T`` of them are the queries' own, from ``own_start`` on: causally masked)."""
-    b, t = q.shape[:2]
-    acc = w.dtype
-    s = sum(k.shape[1] for k in keys)
-    pos = torch.arange(base, base + s, device=q.device)
-    qpos = torch.arange(own_start, own_start + t, device=q.device)
-    out = torch.empty(b, t, s, dtype=acc, device=q.device)
-    bt = max(1, min(t, SCORE_ELEMS // max(1, b * s)))
-    for t0 in range(0, t, bt):
-        t1 = min(t, t0 + bt)
-        sc = indexer.scores(q[:, t0:t1].to(acc), w[:, t0:t1], keys)
-        out[:, t0:t1] = sc.masked_fill_(pos[None, :] > qpos[t0:t1, None], _NEG)
-    return out, pos.expand(b, t, s)
-
-
-def _global_select(vals: list[Tensor], pos: list[Tensor], k: int) -> Selection:
-    """The top ``k`` of the candidates ``(score, global position)`` ``[B, T, C_i]``: ordered by position first so
-    that exact ties go to the lower position (deterministic); ``valid`` where the score is finite."""
+def _best(vals: list[Tensor], pos: list[Tensor], k: int) -> tuple[Tensor, Tensor]:
+    """The top ``k`` of the candidates ``(score, global position)`` ``[..., C_i]`` as ``(scores, positions)``
+    ``[..., k]`` (position order): ordered by position first so that exact ties go to the lower position. This is
+    the total order (score descending, position ascending), so the best ``k`` of a union equals the best ``k`` of
+    the best ``k`` of its parts: merging in any grouping gives the same result. Fewer candidates than ``k`` (a low
+    rank's piece early in a step) are padded with ``(-inf, 0)``."""
     v, p = torch.cat(vals, dim=-1), torch.cat(pos, dim=-1)
-    if v.shape[-1] < k:  # fewer candidates than the width (a low rank's piece early in a step): invalid slots
+    if v.shape[-1] < k:
         v, p = _pad_last(v, k, _NEG), _pad_last(p, k, 0)
     order = p.argsort(dim=-1, stable=True)
     v, p = v.gather(-1, order), p.gather(-1, order)
+    order = None
     i = first_topk(v, k)
-    return Selection(p.gather(-1, i), v.gather(-1, i) > _NEG)
+    return v.gather(-1, i), p.gather(-1, i)
+
+
+def _ring_top(comm: Comm, top: Callable[..., tuple[Tensor, Tensor]], k: int, *,
+              travelling: list[Tensor] | None = None, block: Callable[[int], list[Tensor]] | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """The group's best ``k`` stored keys for this rank's block of query rows: a ring reduce-scatter whose operator
+    is :func:`_best`. ``top(*inputs) -> (scores, global positions) [1, rows, k]`` is the best of this rank's share
+    for one block's inputs. Block ``j``'s running best starts at rank ``j + 1`` and travels the ring to rank ``j``,
+    each rank merging in its own share's best: ``R - 1`` shifts (:meth:`Comm.shift`), a rank holding two blocks'
+    candidates at a time, ``O(rows k)`` rather than the ``O(R rows k)`` of gathering every rank's candidates.
+
+    Exactly one of: ``travelling``, this rank's block's inputs when only their owner has them (a prefill step's
+    pieces: they are sent one hop ahead first and then ride along with the candidates, the last hop without them);
+    ``block(j)``, block ``j``'s inputs, when every rank can make any block's (replicated queries split by rows)."""
+    r, n = comm.rank, comm.size
+    if travelling is not None:
+        cur = comm.shift(travelling)  # block r - 1's inputs
+        v, p = top(*cur)
+    else:
+        v, p = top(*block((r - 1) % n))
+    for s in range(n - 1):
+        last = s == n - 2  # the block coming in is this rank's own
+        got = comm.shift([v, p] + (cur if travelling is not None and not last else []))
+        v = p = None
+        if travelling is not None:
+            cur = travelling if last else got[2:]
+            lv, lp = top(*cur)
+        else:
+            lv, lp = top(*block((r - 2 - s) % n))
+        v, p = _best([got[0], lv], [got[1], lp], k)
+        got = lv = lp = None
+    return v, p
+
+
+def _share_top(sh: ShardedIndexKeys, indexer, q: Tensor, w: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """This rank's best ``k`` stored keys for ``q [B, T, Hi, Di]``, ``w [B, T, Hi]``: ``(scores, global positions)``
+    ``[B, T, k]``."""
+    v, i = _local_top(indexer, q, w, sh.keys, k)
+    return v, sh.owner.to_global(i)
+
+
+def _replicated_top(sh: ShardedIndexKeys, indexer, q: Tensor, w: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The group's best ``k`` stored keys for replicated queries ``q [B, T, Hi, Di]`` (the same on every rank):
+    ``(scores, global positions) [B, T, k]``. Small calls (decoding) all-gather every rank's best (``R B T k``
+    pairs, one collective); larger ones (replay, score) split the ``B T`` rows into ``R`` blocks that travel the
+    ring (:func:`_ring_top`), then all-gather the merged blocks (``B T k`` pairs). The choice depends on shapes
+    only, the same on every rank."""
+    comm = sh.comm
+    b, t = q.shape[:2]
+    if comm.size * b * t * k * 12 <= _GATHER_BYTES:
+        v, p = _share_top(sh, indexer, q, w, k)
+        gv, gp = comm.all_gather(v), comm.all_gather(p)  # [R, B, T, k]
+        return gv.permute(1, 2, 0, 3).reshape(b, t, -1), gp.permute(1, 2, 0, 3).reshape(b, t, -1)
+    rows = -(-(b * t) // comm.size)  # rows per block; the last blocks padded
+    qf = _pad1(q.reshape(1, b * t, *q.shape[2:]), rows * comm.size)  # [1, R rows, Hi, Di]
+    wf = _pad1(w.reshape(1, b * t, w.shape[-1]), rows * comm.size)
+
+    def block(j: int) -> list[Tensor]:
+        return [qf[:, j * rows : (j + 1) * rows], wf[:, j * rows : (j + 1) * rows]]
+
+    v, p = _ring_top(comm, lambda qb, wb: _share_top(sh, indexer, qb, wb, k), k, block=block)  # [1, rows, k]
+    v, p = comm.all_gather(v[0]), comm.all_gather(p[0])  # [R, rows, k]
+    return v.reshape(-1, k)[: b * t].reshape(b, t, k), p.reshape(-1, k)[: b * t].reshape(b, t, k)
+
+
+def _select_rows(indexer, q: Tensor, w: Tensor, sharded: tuple[Tensor, Tensor] | None, keys: list[Tensor],
+                 base: int, own_start: int, k: int) -> Selection:
+    """The selection for queries ``q [B, T, Hi, Di]`` (weights ``w [B, T, Hi]``) from the stored prompt's
+    candidates ``sharded`` (``(scores, global positions) [B, T, C]``, the group's best: :func:`_ring_top` or
+    :func:`_replicated_top`) and the keys every rank holds, ``keys`` (concatenated from position ``base``; the last
+    ``T`` of them, from ``own_start`` on, are the queries' own: causally masked). Blocked over query rows as the
+    single-process ``Indexer.select`` is (``[B, bt, S]`` scores and their candidates at a time)."""
+    b, t = q.shape[:2]
+    acc = w.dtype
+    s = sum(x.shape[1] for x in keys)
+    c = 0 if sharded is None else sharded[0].shape[-1]
+    pos = torch.arange(base, base + s, device=q.device)
+    qpos = torch.arange(own_start, own_start + t, device=q.device)
+    idx = torch.empty(b, t, k, dtype=torch.long, device=q.device)
+    valid = torch.empty(b, t, k, dtype=torch.bool, device=q.device)
+    bt = max(1, min(t, SCORE_ELEMS // max(1, b * (s + c))))
+    for t0 in range(0, t, bt):
+        t1 = min(t, t0 + bt)
+        sc = indexer.scores(q[:, t0:t1].to(acc), w[:, t0:t1], keys)  # [B, bt, S]
+        sc = sc.masked_fill_(pos[None, :] > qpos[t0:t1, None], _NEG)
+        vals, poss = [sc], [pos.expand(b, t1 - t0, s)]
+        if sharded is not None:
+            vals.insert(0, sharded[0][:, t0:t1])
+            poss.insert(0, sharded[1][:, t0:t1])
+        v, p = _best(vals, poss, k)
+        idx[:, t0:t1] = p
+        valid[:, t0:t1] = v > _NEG
+    return Selection(idx, valid)
 
 
 @torch.no_grad()
@@ -527,39 +609,24 @@ def cp_index_select(sh: ShardedIndexKeys, indexer, x: Tensor, q_resid: Tensor, c
     q, w = indexer.queries(x, q_resid, ctx)  # [B, T, Hi, Di], [B, T, Hi]
     b, t = x.shape[:2]
     g = sh.global_length
-    vals, pos = [], []
     if sh.step is None:  # replicated queries: identical on every rank
         rest = list(prefix_keys[1:]) + [own_keys]
         n_rest = sum(k.shape[1] for k in rest)
-        if g > 0:
-            kl = min(topk, g)
-            v, i = _local_top(indexer, q, w, sh.keys, kl)
-            gv, gp = comm.all_gather(v), comm.all_gather(sh.owner.to_global(i))  # [R, B, T, kl]
-            vals.append(gv.permute(1, 2, 0, 3).reshape(b, t, -1))
-            pos.append(gp.permute(1, 2, 0, 3).reshape(b, t, -1))
-        v, p = _replicated_candidates(indexer, q, w, rest, g, g + n_rest - t)
-        vals.append(v)
-        pos.append(p)
-        return _global_select(vals, pos, min(topk, g + n_rest))
+        sharded = _replicated_top(sh, indexer, q, w, min(topk, g)) if g > 0 else None
+        return _select_rows(indexer, q, w, sharded, rest, g, g + n_rest - t, min(topk, g + n_rest))
     step = sh.step
     assert b == 1 and len(prefix_keys) == 1, "a prefill step selects over the stored prefix and the step"
     tm, r = step.max_len, step.rank
-    own_start = g + sum(step.lengths[:r])
-    end = g + sum(step.lengths)
-    if g > 0:  # the step's index queries travel to the stored keys' owners; each piece's local top-k comes back
-        qs = comm.all_gather(_pad1(q, tm)[0])  # [R, Tm, Hi, Di]
-        ws = comm.all_gather(_pad1(w, tm)[0])  # [R, Tm, Hi]
+    sharded = None
+    if g > 0:  # each piece's index queries travel the ring, collecting every share's best for it
         kl = min(topk, g)
-        v, i = _local_top(indexer, qs, ws, sh.keys, kl)  # [R, Tm, kl]: every piece over this rank's share
-        v, p = comm.all_to_all(v), comm.all_to_all(sh.owner.to_global(i))  # block j: rank j's for my piece
-        vals.append(v[:, :t].permute(1, 0, 2).reshape(1, t, -1))
-        pos.append(p[:, :t].permute(1, 0, 2).reshape(1, t, -1))
+        v, p = _ring_top(comm, lambda qb, wb: _share_top(sh, indexer, qb, wb, kl), kl,
+                         travelling=[_pad1(q, tm), _pad1(w, tm)])  # [1, Tm, kl]
+        sharded = v[:, :t], p[:, :t]
     gk = comm.all_gather(_pad1(own_keys, tm)[0])  # [R, Tm, Di]: the step's keys, for the later pieces
     keys = [gk[j : j + 1, : step.lengths[j]] for j in range(r)] + [own_keys]
-    v, p = _replicated_candidates(indexer, q, w, keys, g, own_start)
-    vals.append(v)
-    pos.append(p)
-    return _global_select(vals, pos, min(topk, end))  # one width on every rank (the step's end)
+    own_start = g + sum(step.lengths[:r])
+    return _select_rows(indexer, q, w, sharded, keys, g, own_start, min(topk, g + sum(step.lengths)))  # one width
 
 
 # ---------------------------------------------------------------------------------------------------- sparse op
@@ -602,21 +669,14 @@ class _CPSparse(torch.autograd.Function):
         if plan.global_length > 0:  # the selected stored keys, attended by their owners
             if step is None:
                 li, lv = _localize(packed, plan)
-                o, l = partial_forward(qt, (sh_lat,), (0,), li, lv, scale, acc)
-                o, l = merge_partials(list(comm.all_gather(o)), list(comm.all_gather(l)))
+                o, l = merge_all(comm, *partial_forward(qt, (sh_lat,), (0,), li, lv, scale, acc))
                 saved["li"], saved["lv"] = li, lv
             else:  # one piece at a time: its queries and selection from its owner, the partials merged back to it
                 tm = step.max_len
-                q_pad, p_pad = _pad1(qt, tm)[0], _pad1(packed, tm, -1)[0]  # [Tm, H, D], [Tm, K]
-                for j in range(comm.size):
-                    qj, pj = piece_from(comm, j, q_pad), piece_from(comm, j, p_pad)
-                    li, lv = _localize(pj[None], plan)  # [1, Tm, K]
-                    oj, lj = partial_forward(qj[None], (sh_lat,), (0,), li, lv, scale, acc)  # [1, Tm, H, D], [1, Tm, H]
-                    qj = pj = li = lv = None
-                    merged = merge_to(comm, j, oj, lj)
-                    if merged is not None:
-                        o, l = merged[0][:, :t], merged[1][:, :t]
-                    oj = lj = merged = None
+                o, l = merged_by_piece(comm, [_pad1(qt, tm), _pad1(packed, tm, -1)],  # [1, Tm, H, D], [1, Tm, K]
+                                       lambda qj, pj: partial_forward(qj, (sh_lat,), (0,), *_localize(pj, plan),
+                                                                      scale, acc))
+                o, l = o[:, :t], l[:, :t]  # [1, T, H, D], [1, T, H]
             os_.append(o)
             ls.append(l)
         earlier = None
@@ -676,16 +736,9 @@ class _CPSparse(torch.autograd.Function):
                 dq += comm.all_reduce(partial_backward(qt, dt, out, lse, (sh_lat,), (0,), li, lv, scale, sink))
             else:  # one piece at a time, as in forward: its (q, dO, O, lse) from its owner, its dq summed back to it
                 tm = step.max_len
-                mine = [_pad1(x, tm, v)[0] for x, v in ((qt, 0), (packed, -1), (dt, 0), (out, 0), (lse, 0))]
-                for j in range(comm.size):  # padded rows: no key selected, dO = 0, lse = 0
-                    qj, pj, dtj, otj, lsej = (piece_from(comm, j, x)[None] for x in mine)
-                    li, lv = _localize(pj, plan)
-                    dqj = partial_backward(qj, dtj, otj, lsej, (sh_lat,), (0,), li, lv, scale, sink)
-                    qj = pj = dtj = otj = lsej = li = lv = None
-                    dqj = comm.reduce(dqj, dst=j)
-                    if j == comm.rank:
-                        dq += dqj[:, :t]
-                    dqj = None
+                mine = [_pad1(x, tm, v) for x, v in ((qt, 0), (packed, -1), (dt, 0), (out, 0), (lse, 0))]
+                dq += reduced_by_piece(comm, mine, lambda qj, pj, dtj, otj, lsej: partial_backward(
+                    qj, dtj, otj, lsej, (sh_lat,), (0,), *_localize(pj, plan), scale, sink))[:, :t]  # padded: none
         grads = [None if g is None else g.to(lat.dtype) for g, lat in zip(grads, lats)]
         return (dq.to(q.dtype).transpose(1, 2), None, None, None, None, None, None, None, *grads)
 
