@@ -150,3 +150,41 @@ def test_weights_false_allocates_without_reading_tensor_data(ckpt, monkeypatch):
     m = longstraw.load_model(ckpt, weights=False)
     assert reads == [] and m.model.embed_tokens.weight.shape == (259, 32)
     assert _same(longstraw.load_model(ckpt), load_file(ckpt / "model.safetensors")) and len(reads) > 0
+
+
+MLA_MOE = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "vocab_size": 300, "max_position_embeddings": 8192}
+
+
+def test_save_model_dtype_writes_float32_masters_in_the_compute_dtype(tmp_path):
+    """save_model(dtype="bfloat16") of a model held in float32 (master weights): every parameter written in bf16,
+    each the master rounded; the router's e_score_correction_bias (a buffer transformers keeps float32) as held;
+    config.json names the dtype; the export loads back in bf16 with those values. Bad dtypes are one line."""
+    torch.manual_seed(0)
+    m = longstraw.build_model(MLA_MOE)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+        for b in m.buffers():
+            if b.is_floating_point() and b.dim() == 1 and b.numel() == 4:
+                b.normal_(0, 0.1)  # the router biases: values bf16 would round
+    longstraw.save_model(m, tmp_path / "f32")
+    longstraw.save_model(m, tmp_path / "bf16", dtype="bfloat16")
+    full, half = load_file(tmp_path / "f32" / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
+    assert full.keys() == half.keys()
+    bias = [k for k in half if k.endswith("e_score_correction_bias")]
+    assert bias and all(half[k].dtype == torch.float32 and torch.equal(half[k], full[k]) for k in bias)
+    for k in set(half) - set(bias):
+        assert full[k].dtype == torch.float32 and half[k].dtype == torch.bfloat16, k
+        assert torch.equal(half[k], full[k].to(torch.bfloat16)), k
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    back = longstraw.load_model(tmp_path / "bf16")
+    assert back.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(back.model.embed_tokens.weight, half["model.embed_tokens.weight"])
+    for bad in ("int8", torch.int64):
+        with pytest.raises(ValueError, match=r"save_model dtype"):
+            longstraw.save_model(m, tmp_path / "bad", dtype=bad)
+    assert not (tmp_path / "bad").exists()

@@ -64,7 +64,10 @@ def test_parallel_values_are_checked_in_the_configs_terms():
             (cfg("parallel.cp=1", "algorithm.prompts_per_step=3"), 2,
              r"^algorithm.prompts_per_step=3 does not split evenly over the 2 data-parallel replicas \(world 2 / "
              r"parallel.cp=1\); make it a multiple of 2 \(or raise parallel.cp\)$"),
-            (cfg("parallel.cp=2"), 1, r"^parallel.cp=2 need a job of several ranks, but this job has one process")):
+            (cfg("parallel.cp=2"), 1, r"^parallel.cp=2 need a job of several ranks, but this job has one process"),
+            (cfg("parallel.replicate=2"), 2,  # (a 4-rank HSDP run resumed on 2 ranks keeps its replicate)
+             r"^parallel.replicate=2 leaves 1 rank per shard group \(world 2 / replicate\); HSDP shards over at "
+             r"least 2: allowed 1$")):
         with pytest.raises(ValueError, match=msg):
             check_parallel(c, world, True)
 

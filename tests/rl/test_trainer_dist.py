@@ -15,7 +15,8 @@ make the same engine calls), step 2 two active groups, step 3 none (no optimiser
 Checked: metrics (loss, rewards, gradient norm, ...) and final weights of the 4-rank run equal the one-process run's
 to 1e-8 relative; a 4-rank run killed during its second checkpoint and resumed continues bit for bit; a 2-rank job
 (with and without FSDP) and one process resume from the 4-rank sharded checkpoint within float precision; an FSDP model's HF export loads
-in transformers with the sharded model's logits; bad ``[parallel]`` values are one line; two "nodes" of two ranks
+in transformers with the sharded model's logits; an HSDP run (replicate = 2) equals one process and resumes, in its
+layout bit for bit, in another within float precision; bad ``[parallel]`` values are one line; two "nodes" of two ranks
 each under torchrun with a c10d rendezvous train and rank 0 writes the metrics.
 """
 
@@ -199,6 +200,51 @@ def test_lora_on_four_ranks_gives_the_one_process_run(runs, tmp_path):
     _ok(train(2, ["--resume", str(run), "--set", "parallel.cp=1"]), "LoRA resumed on 2 ranks")
     _close(read_metrics(run), read_metrics(tmp_path / "one"))
     _close_weights(load_file(checkpoint_dirs(run)[-1] / "adapter" / "adapter_model.safetensors"), adapters[0])
+
+
+def test_hsdp_run_gives_the_one_process_run_and_resumes(runs, tmp_path):
+    """parallel.replicate = 2 (HSDP: the parameters sharded over each half of the job, replicated across the
+    halves) x cp = 2 on 4 ranks: the one-process metrics and weights; resumed from its step-1 checkpoint in the same
+    layout, bit for bit; and in another (2 ranks, FSDP over both), within float precision."""
+    root, one, _, _ = runs
+    shutil.copy(root / "rw.py", tmp_path / "rw.py")
+    hsdp = tmp_path / "hsdp"
+    _ok(train(4, _args(hsdp, "parallel.cp=2", "parallel.replicate=2")), "HSDP on 4 ranks")
+    _close(read_metrics(hsdp), read_metrics(one))
+    _close_weights(_weights(hsdp), _weights(one))
+    for name, world, sets in (("same", 4, ["parallel.cp=2", "parallel.replicate=2"]),
+                              ("two", 2, ["parallel.cp=1", "parallel.replicate=1"])):
+        run = tmp_path / f"resumed-{name}"
+        shutil.copytree(hsdp, run)
+        for c in checkpoint_dirs(run)[1:]:
+            shutil.rmtree(c)
+        _ok(train(world, ["--resume", str(run), *[x for s in sets for x in ("--set", s)]]), f"HSDP resumed, {name}")
+        if name == "same":
+            assert _stable(read_metrics(run)) == _stable(read_metrics(hsdp))
+            a, b = _weights(run), _weights(hsdp)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            _close(read_metrics(run), read_metrics(one))
+            _close_weights(_weights(run), _weights(one))
+
+
+def test_bf16_sharded_checkpoint_exports_bf16_and_resumes_from_its_masters(tmp_path):
+    """A bf16 run on 2 ranks (float32 master shards): the checkpoint's HF export (model/, for serving) is bf16, its
+    DCP state keeps the float32 masters, and a resume from step 1 reaches step 2's checkpoint bit for bit."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    run = tmp_path / "bf16"
+    args = _args(run, "parallel.cp=1", 'model.dtype="bfloat16"', "train.steps=2")
+    _ok(train(2, args), "bf16 on 2 ranks")
+    export = checkpoint_dirs(run)[-1] / "model"
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in _weights(run).values()} == {torch.bfloat16}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(checkpoint_dirs(resumed)[-1])
+    _ok(train(2, ["--resume", str(resumed)]), "bf16 resumed")
+    assert _stable(read_metrics(resumed)) == _stable(read_metrics(run))
+    a, b = _weights(resumed), _weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_bad_parallel_values_are_one_line_from_rank_zero(tmp_path):

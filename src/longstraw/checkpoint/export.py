@@ -79,13 +79,15 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def plan_export(named: list[tuple[str, torch.Tensor]], wmap, world: int, max_shard_bytes: int
-                ) -> tuple[list[Item], list[File]]:
+def plan_export(named: list[tuple[str, torch.Tensor]], wmap, world: int, max_shard_bytes: int,
+                dtypes: list[torch.dtype | None] | None = None) -> tuple[list[Item], list[File]]:
     """The export of parameters ``named`` (their global shapes) by ``world`` ranks: items in gather order (the
-    same on every rank) and the files (see the module doc)."""
+    same on every rank) and the files (see the module doc). ``dtypes[i]``: the dtype ``named[i]`` is written in
+    (None: its own)."""
     items = []
     for i, (name, t) in enumerate(named):
-        meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+        dt = dtypes[i] if dtypes is not None and dtypes[i] is not None else t.dtype
+        meta = torch.empty(tuple(t.shape), dtype=dt, device="meta")
         pairs = wmap.save_rows(name, meta, t.first) if isinstance(t, ExpertRows) else wmap.save_tensors([(name, meta)])
         outs = [Entry(n, o.dtype, tuple(o.shape)) for n, o in pairs]
         items.append(Item(i, outs))
@@ -199,6 +201,10 @@ class Computed:
     make: object = field(repr=False)
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def _whole(t) -> torch.Tensor:
     if isinstance(t, Computed):
         return t.make()
@@ -206,25 +212,28 @@ def _whole(t) -> torch.Tensor:
 
 
 def write_export(named: list[tuple[str, torch.Tensor]], wmap, items: list[Item], files: list[File], rank: int,
-                 directory: Path) -> BaseException | None:
+                 directory: Path, dtypes: list[torch.dtype | None] | None = None) -> BaseException | None:
     """Write this rank's files of the plan into ``directory``; every rank calls it (the gathers are collectives).
     Returns this rank's first write error (None if all went well); it never raises one mid-way, so the gathers stay
-    in step on every rank."""
+    in step on every rank. ``dtypes`` as :func:`plan_export` was given them: each tensor is cast as it is written
+    (one tensor's copy at a time)."""
     file_of = {t.name: f for f in files for t in f.tensors}
     open_streams: dict[str, SafetensorsStream] = {}
     err: BaseException | None = None
     for it in items:
         name, t = named[it.index]
+        dt = dtypes[it.index] if dtypes is not None else None
         if isinstance(t, ExpertRows):  # this rank's own experts, if it writes them: no collective, no gather
             if it.owner != rank or err is not None:
                 continue
-            full, pairs = None, wmap.save_rows(name, t.local.detach(), t.first)
+            full, pairs = None, wmap.save_rows(name, _cast(t.local.detach(), dt), t.first)
         else:
             full = _whole(t)
             if it.owner != rank or err is not None:
                 del full
                 continue
-            pairs = wmap.save_tensors([(name, full.detach())])
+            full = _cast(full.detach(), dt)
+            pairs = wmap.save_tensors([(name, full)])
         try:
             for hf_name, out in pairs:
                 f = file_of[hf_name]

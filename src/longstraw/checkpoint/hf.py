@@ -460,6 +460,17 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copytree(src / name, dst / name)
 
 
+def _export_dtypes(model: CausalLM, named: list, dtype: torch.dtype) -> list[torch.dtype | None]:
+    """Per entry of ``named`` (in-memory names; EP slices share their parameter's name): ``dtype`` for a floating
+    parameter, None (as held) for buffers and for what transformers keeps float32 in a float16 model."""
+    from longstraw.models.dsa import HeadWeights
+
+    buffers = {n for n, _ in model.named_buffers()}
+    fp32 = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, HeadWeights)} \
+        if dtype == torch.float16 else set()
+    return [None if n in buffers or n in fp32 or not t.dtype.is_floating_point else dtype for n, t in named]
+
+
 def _expert_slices(t: torch.Tensor, m) -> list:
     """The EP slices of a split expert parameter ``t`` (this rank's rows) of module ``m``, as export items: every
     rank lists all of them (the same plan everywhere), holding the tensor of its own."""
@@ -471,7 +482,7 @@ def _expert_slices(t: torch.Tensor, m) -> list:
 
 
 def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-               merge_lora: bool = False) -> None:
+               merge_lora: bool = False, dtype: str | torch.dtype | None = None) -> None:
     """Write ``model`` as an HF checkpoint directory (config.json + safetensors, sharded above max_shard_size),
     with the tokenizer files of the directory the model was loaded from (``model.source_dir``), if any.
 
@@ -479,6 +490,12 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     float32, written in the weight's dtype), a plain checkpoint any HF loader reads; by default the base weights are
     written as they are (with any ``modules_to_save`` modules as trained) and the adapters are left out
     (``longstraw.save_adapter`` writes them).
+
+    ``dtype`` (e.g. ``"bfloat16"``): the floating-point parameters are written in it, each cast as it is written
+    (a model trained with float32 master weights exported for serving in its compute dtype); what transformers keeps
+    in float32 whatever the model's dtype stays as it is held: persistent buffers (the router's
+    ``e_score_correction_bias``) and, in a float16 export, the DSA indexer's ``weights_proj``. ``config.json``
+    then names ``dtype``. Default: every tensor as it is held.
 
     Tensors are written one at a time as streams (:mod:`longstraw.checkpoint.export`): besides the model, one
     tensor's copy in host memory. On an FSDP-sharded model (``init_distributed(fsdp=True)``) this is a collective:
@@ -497,6 +514,10 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
 
     p = Path(path)
     limit = _parse_size(max_shard_size)
+    out_dtype = parse_dtype(dtype, "save_model dtype")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"save_model dtype={dtype!r} must be a floating-point dtype (float32, bfloat16, float16, "
+                         "float64)")
     family = family_for(model.spec.model_type)
     wmap = family.weights(model.hf_config)
     reshard(model)
@@ -515,7 +536,8 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
             raise ValueError("save_model(merge_lora=True): the model has no LoRA adapters to merge")
         named = [(n, Computed(*merged[n]) if n in merged else t) for n, t in named]
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if sharded else (0, 1)
-    items, files = plan_export(named, wmap, world, limit)
+    dtypes = _export_dtypes(model, named, out_dtype) if out_dtype is not None else None
+    items, files = plan_export(named, wmap, world, limit, dtypes)
     with together(main_only=True, collective=sharded) as mine:
         if mine:  # the weights this function writes, from an earlier save (other files, e.g. gradients, stay)
             p.mkdir(parents=True, exist_ok=True)
@@ -523,7 +545,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
                 if old.exists():
                     old.unlink()
     with torch.no_grad():
-        err = write_export(named, wmap, items, files, rank, p)
+        err = write_export(named, wmap, items, files, rank, p, dtypes)
     if sharded:
         agree(err)  # every rank learns whether any rank's files failed
     elif err is not None:
@@ -534,7 +556,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
                 _atomic_write_text(p / INDEX, index_json(files))
             cfg = dict(model.hf_config)
             cfg.pop("torch_dtype", None)
-            cfg["dtype"] = _dtype_name(named[0][1].dtype if named else torch.float32)
+            cfg["dtype"] = _dtype_name(out_dtype or (named[0][1].dtype if named else torch.float32))
             _atomic_write_text(p / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             source = getattr(model, "source_dir", None)
             if source is not None:

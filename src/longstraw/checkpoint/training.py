@@ -132,15 +132,16 @@ def _has_adapters(model) -> bool:
     return lora_settings(model) is not None
 
 
-def _save_weights(model, tmp: Path) -> Path:
-    """``tmp/model`` (the HF export) or, for a model with LoRA adapters, ``tmp/adapter`` (a PEFT adapter
-    directory; the frozen base is where the run started). A collective on a sharded model. Returns the directory."""
+def _save_weights(model, tmp: Path, dtype: torch.dtype | None = None) -> Path:
+    """``tmp/model`` (the HF export, its parameters in ``dtype`` if given) or, for a model with LoRA adapters,
+    ``tmp/adapter`` (a PEFT adapter directory; the frozen base is where the run started). A collective on a sharded
+    model. Returns the directory."""
     if _has_adapters(model):
         from longstraw.checkpoint.adapter import save_adapter
 
         save_adapter(model, tmp / ADAPTER_DIR)
         return tmp / ADAPTER_DIR
-    save_model(model, tmp / "model")
+    save_model(model, tmp / "model", dtype=dtype)
     return tmp / "model"
 
 
@@ -181,10 +182,14 @@ def _dcp_error(what: str, e: BaseException) -> ValueError:
 
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, *,
-                            keep_last: int = 2, extra_files: dict[str, Path] | None = None) -> Path:
+                            keep_last: int = 2, extra_files: dict[str, Path] | None = None,
+                            export_dtype: torch.dtype | None = None) -> Path:
     """Write checkpoint ``step`` of an FSDP-sharded ``model`` and its ``optimizer`` in the sharded format (module
     doc), atomically. A collective: every rank calls it with the same arguments; ``trainer_state`` is rank 0's to
-    write (give it the RNG states of all ranks). Returns the checkpoint's directory on every rank."""
+    write (give it the RNG states of all ranks). Returns the checkpoint's directory on every rank.
+
+    ``export_dtype``: the dtype of ``model/``, the HF export beside the DCP state (a run's compute dtype: the float32
+    master weights are in the DCP state, which is what a resume reads, so the export is for serving)."""
     from torch.distributed.checkpoint import FileSystemWriter, save
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -212,7 +217,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, tr
     except CheckpointException as e:
         raise JobError(str(_dcp_error(f"cannot write {tmp / SHARDED_DIR}", e))) from None
     del state
-    out = _save_weights(model, tmp)  # the HF export (or adapters), written by all ranks without a gather on one
+    out = _save_weights(model, tmp, export_dtype)  # the HF export (or adapters), by all ranks, no gather on one
     with together(main_only=True) as mine:
         if mine:
             for name, src in (extra_files or {}).items():

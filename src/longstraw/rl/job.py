@@ -62,6 +62,10 @@ def check_parallel(cfg, world: int, have_env: bool) -> None:
     if replicas % p.replicate:
         raise JobError(f"parallel.replicate={p.replicate} does not divide the {replicas} data-parallel replicas "
                        f"(world {world} / parallel.cp={p.cp}); allowed: {_divisors(replicas)}")
+    if p.replicate > 1 and world // p.replicate < 2:
+        ok = [d for d in range(1, replicas + 1) if replicas % d == 0 and world // d >= 2]
+        raise JobError(f"parallel.replicate={p.replicate} leaves {world // p.replicate} rank per shard group (world "
+                       f"{world} / replicate); HSDP shards over at least 2: allowed {', '.join(map(str, ok))}")
     if world % p.ep:
         raise JobError(f"parallel.ep={p.ep} does not divide the job's {world} ranks; allowed: {_divisors(world)}")
     if pps % replicas:

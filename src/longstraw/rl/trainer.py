@@ -658,7 +658,8 @@ class Trainer:
             try:
                 with self._writing(f"checkpoint {step_done}"):
                     return save_sharded_checkpoint(self.run_dir, step_done, self.model, self.opt, state,
-                                                   keep_last=self.cfg.train.keep_last, extra_files=extra)
+                                                   keep_last=self.cfg.train.keep_last, extra_files=extra,
+                                                   export_dtype=parse_dtype(self.cfg.model.dtype))
             except JobError as e:
                 raise JobError(str(self._write_error(f"checkpoint {step_done} ", OSError(0, str(e))))) from None
         state["optimizer"] = self.opt.state_dict()  # whole on every rank: rank 0's is the job's
