@@ -170,8 +170,10 @@ def _sharded_bwd(bwd, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         return comm.all_reduce(_partial_bwd(bwd, dout, q, k, v, out, lse, plan, scale).contiguous())
     t, tm = q.shape[2], step.max_len
     own = [_pad_time(x, tm) for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[..., 0]]
-    dq = reduced_by_piece(comm, own, lambda qj, doj, oj, lj: _partial_bwd(bwd, doj, qj, k, v, oj, lj, plan, scale))
-    return dq[:, :, :t]  # padded rows: dO = 0, they add nothing
+    dq = []
+    reduced_by_piece(comm, own, lambda qj, doj, oj, lj: _partial_bwd(bwd, doj, qj, k, v, oj, lj, plan, scale),
+                     lambda d: dq.append(d[:, :, :t]))  # padded rows: dO = 0, they add nothing
+    return dq[0]
 
 
 def piece_from(comm: Comm, j: int, mine: Tensor) -> Tensor:
@@ -235,18 +237,18 @@ def merged_by_piece(comm: Comm, mine: Sequence[Tensor], partial: Callable[..., t
     return mine_merged
 
 
-def reduced_by_piece(comm: Comm, mine: Sequence[Tensor], partial_bwd: Callable[..., Tensor]) -> Tensor:
+def reduced_by_piece(comm: Comm, mine: Sequence[Tensor], partial_bwd: Callable[..., Tensor],
+                     take: Callable[[Tensor], None]) -> None:
     """The backward of :func:`merged_by_piece`: for each owner ``j`` in order, rank ``j``'s ``mine`` (its piece's
     ``(q, dO, O, lse)``, ...) is broadcast, ``partial_bwd(*pieces) -> dq`` differentiates this rank's share's partial
-    (its key/value gradients go to this rank's sinks) and the ``dq`` partials are summed on ``j``. Returns this
-    rank's own piece's ``dq``, padded like ``mine``."""
-    dq = None
+    (its key/value gradients go to this rank's sinks) and the ``dq`` partials are summed on ``j``, which passes its
+    own piece's sum (padded like ``mine``) to ``take`` at once: a caller that adds it into its ``dq`` holds no second
+    one through the later rounds."""
     for j in range(comm.size):
         dqj = comm.reduce(partial_bwd(*(piece_from(comm, j, x) for x in mine)), dst=j)
         if j == comm.rank:
-            dq = dqj
+            take(dqj)
         dqj = None
-    return dq
 
 
 def _gather_step(k: Tensor, v: Tensor, step: StepPieces, comm: Comm) -> tuple[Tensor, Tensor]:

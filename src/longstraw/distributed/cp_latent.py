@@ -336,8 +336,9 @@ class _CPDecompressed(torch.autograd.Function):
             else:  # one piece at a time: its (q, dO, O, lse) from its owner, this share's dq partial reduced to it
                 tm = step.max_len
                 mine = [_pad_time(x, tm) for x in (q, dout, out)] + [_pad_time(lse[..., None], tm)[..., 0]]
-                dq += reduced_by_piece(comm, mine, lambda qj, doj, oj, lj: decompressed_partial_backward(
-                    bwd, doj, qj, sh_lat, w_uk, w_uv, oj, lj, scale, chunk, plan.sink, dw))[:, :, :t]  # padded: dO = 0
+                reduced_by_piece(comm, mine, lambda qj, doj, oj, lj: decompressed_partial_backward(
+                    bwd, doj, qj, sh_lat, w_uk, w_uv, oj, lj, scale, chunk, plan.sink, dw),
+                    lambda d: dq.add_(d[:, :, :t]))  # padded rows: dO = 0, they add nothing
         return (dq.to(q.dtype), None if dw is None else dw[0].to(w_uk.dtype),
                 None if dw is None else dw[1].to(w_uv.dtype), dk_own, dv_own, d_lat_own, None, None, None,
                 *([None] * len(lats)))
@@ -737,8 +738,9 @@ class _CPSparse(torch.autograd.Function):
             else:  # one piece at a time, as in forward: its (q, dO, O, lse) from its owner, its dq summed back to it
                 tm = step.max_len
                 mine = [_pad1(x, tm, v) for x, v in ((qt, 0), (packed, -1), (dt, 0), (out, 0), (lse, 0))]
-                dq += reduced_by_piece(comm, mine, lambda qj, pj, dtj, otj, lsej: partial_backward(
-                    qj, dtj, otj, lsej, (sh_lat,), (0,), *_localize(pj, plan), scale, sink))[:, :t]  # padded: none
+                reduced_by_piece(comm, mine, lambda qj, pj, dtj, otj, lsej: partial_backward(
+                    qj, dtj, otj, lsej, (sh_lat,), (0,), *_localize(pj, plan), scale, sink),
+                    lambda d: dq.add_(d[:, :t]))  # padded rows: no key selected, they add nothing
         grads = [None if g is None else g.to(lat.dtype) for g, lat in zip(grads, lats)]
         return (dq.to(q.dtype).transpose(1, 2), None, None, None, None, None, None, None, *grads)
 

@@ -243,6 +243,8 @@ def build(cfg: dict) -> CausalLM:
                     source = i
                 mixers.append(SparseMLAttention(hidden, heads, indexer=Indexer(**idx) if kind == "full" else None,
                                                 index_topk=topk, layer_index=i, source_index=source, **mla))
+                if kind != "full":  # its full layer's selection must outlive that layer's call
+                    mixers[source].keeps_selection = True
 
     layers = []
     for i in range(n):

@@ -305,7 +305,13 @@ class SparseMLAttention(MLAttention):
     ``indexer=None``: a shared layer reusing the selection of layer ``source_index`` (GLM-5).
 
     ``forward(x, ctx, prefix)`` returns ``(y, piece)``: ``piece = (lat, index_keys)`` for a full
-    layer, ``lat`` for a shared one; ``prefix`` is an :class:`IndexedPrefix` (full) or a latent segment list."""
+    layer, ``lat`` for a shared one; ``prefix`` is an :class:`IndexedPrefix` (full) or a latent segment list.
+
+    ``keeps_selection``: a later shared layer reads this full layer's selection, so the forward leaves it in
+    ``ctx.shared`` (until the call ends: a layer recomputed under checkpointing reads it again); the model's builder
+    sets it. A full layer that no layer shares (every layer of DeepSeek-V3.2 and of GLM-5's published config) keeps
+    nothing: a selection is ``T x index_topk`` positions and flags (72 MiB for a 4,096-token chunk), and keeping
+    every layer's through a call held 5.5 GiB at GLM-5's 78 layers."""
 
     state_type = IndexedLatentState
 
@@ -318,6 +324,7 @@ class SparseMLAttention(MLAttention):
             raise ValueError(f"DSA layer {layer_index} shares a selection but has no full indexer layer before it")
         self.indexer = indexer
         self.index_topk, self.layer_index, self.source_index = index_topk, layer_index, source_index
+        self.keeps_selection = False
 
     def new_state(self, capacity: int, exact: bool = False) -> LatentState:
         return IndexedLatentState(capacity) if self.indexer is not None else LatentState(capacity)
@@ -337,7 +344,8 @@ class SparseMLAttention(MLAttention):
             return self.output(o), piece
         if self.indexer is not None:
             sel = self.indexer.select(x, q_resid, ctx, pre.index_keys, own_keys)
-            ctx.shared[self.layer_index] = sel
+            if self.keeps_selection:
+                ctx.shared[self.layer_index] = sel
         else:
             if self.source_index not in ctx.shared:
                 raise ValueError(f"shared DSA layer {self.layer_index} needs the selection of layer "
