@@ -332,6 +332,55 @@ def test_mixed_dtype_weights_promote_like_hf():
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("ys_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                              (torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16)])
+def test_combine_slots_equals_the_plain_expression_in_blocks(monkeypatch, ys_dtype, w_dtype):
+    """The weighted combine in blocks (4 slot rows per block here) gives the plain expression's output and
+    gradients: bit for bit (the same products, cast and scatter-added in the same order; the weights' gradient
+    sums each product row the same way)."""
+    monkeypatch.setattr(moe, "COMBINE_ELEMS", 4 * 24)
+    g = torch.Generator().manual_seed(0)
+    s, h, n = 30, 24, 11
+    ys = torch.randn(s, h, generator=g).to(ys_dtype).requires_grad_(True)
+    w = torch.rand(s, generator=g).to(w_dtype).requires_grad_(True)
+    idx = torch.randint(0, n, (s,), generator=g)
+    out_dtype = ys_dtype
+    got = moe.combine_slots(ys, w, idx, n, out_dtype)
+    want = moe.combine_slots_reference(ys, w, idx, n, out_dtype)
+    assert got.dtype == want.dtype == out_dtype and torch.equal(got, want)
+    do = torch.randn(n, h, generator=g).to(out_dtype)
+    dg = torch.autograd.grad(got, [ys, w], do)
+    dr = torch.autograd.grad(want, [ys, w], do)
+    assert torch.equal(dg[0], dr[0]) and dg[0].dtype == ys_dtype
+    torch.testing.assert_close(dg[1], dr[1], rtol=1e-6 if w_dtype != torch.bfloat16 else 1e-2, atol=0)
+    assert dg[1].dtype == w_dtype
+    if ys_dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda a, b: moe.combine_slots(a, b, idx, n, torch.float64), (ys, w))
+
+
+def test_combine_slots_holds_no_whole_float32_product():
+    """On meta (the planner's tracked bytes), a bf16 combine with float32 weights over S x H slots holds at most a
+    block's float32 products beside the bf16 ``ys`` gradient, not the three S x H float32 tensors of the plain
+    expression's backward."""
+    from longstraw.planner import LiveBytes
+
+    s, h, n = 4096, 4096, 512
+
+    def peak(fn) -> int:
+        ys = torch.empty(s, h, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        w = torch.empty(s, device="meta", requires_grad=True)
+        idx = torch.zeros(s, dtype=torch.long, device="meta")
+        lb = LiveBytes()
+        with lb:
+            out = fn(ys, w, idx, n, torch.bfloat16)
+            out.backward(torch.empty_like(out))
+        return lb.peak
+
+    whole = s * h * 4
+    assert peak(moe.combine_slots_reference) >= 3 * whole
+    assert peak(moe.combine_slots) <= whole // 2 + 4 * moe.COMBINE_ELEMS * 4
+
+
 # --------------------------------------------------------------------------------------------------------------
 # user errors
 

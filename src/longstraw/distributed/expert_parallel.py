@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from longstraw.distributed.context import Comm, ParallelContext
 from longstraw.models.moe_block import Experts
 from longstraw.ops import meta
-from longstraw.ops.moe import experts_forward
+from longstraw.ops.moe import combine_slots, experts_forward
 
 __all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
            "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local"]
@@ -100,7 +100,6 @@ class ExpertParallelExperts(Experts):
             full_dn = dn.new_empty((self.num_experts, *dn.shape[1:]), device="meta")
             return experts_forward(x, expert_ids, weights, full_gu, full_dn, self.act)
         n, k = expert_ids.shape
-        hidden = x.shape[1]
         local, size = gu.shape[0], self.ep.size
         flat = expert_ids.reshape(-1)
         with torch.no_grad():
@@ -122,8 +121,7 @@ class ExpertParallelExperts(Experts):
         if yr.shape[0] == 0:  # nothing received: keep the received rows and the weights in the graph, so this
             yr = yr + 0 * (xr.sum() + gu.sum() + dn.sum())  # rank's backward runs the same collectives as the others
         ys = _AllToAll.apply(yr, self.ep.group, in_splits, out_splits)  # back in the order of x[token_idx]
-        ys = (ys * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-        return x.new_zeros(n, hidden).index_add(0, token_idx, ys)
+        return combine_slots(ys, weights.reshape(-1)[order], token_idx, n, x.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts {self.first}..{self.first + self.gate_up_proj.shape[0] - 1} of {self.num_experts} "

@@ -71,8 +71,9 @@ def experts_forward_shapes(x: Tensor, weights: Tensor, gate_up_proj: Tensor, dow
     xs = x[token_idx]
     gate, up = F.linear(xs, gate_up_proj[0]).chunk(2, dim=-1)
     ys = F.linear(act_fn(gate) * up, down_proj[0])
-    ys = (ys * weights.reshape(-1).unsqueeze(-1)).to(x.dtype)
-    return x.new_zeros(n, x.shape[1]).index_add(0, token_idx, ys)
+    from longstraw.ops.moe import combine_slots  # (ops.moe imports this module)
+
+    return combine_slots(ys, weights.reshape(-1), token_idx, n, x.dtype)
 
 
 def skip_delta_rule_block(inputs: tuple[Tensor | None, ...], t0: int, last_start: int) -> bool:

@@ -22,7 +22,8 @@ gradient through the gathered weights only.
 It sorts the ``N * k`` token slots by expert (a stable argsort of the flattened ids), gathers their inputs into one
 contiguous buffer, runs each expert on its slice (``torch.nn.functional.grouped_mm`` where the kernel supports the
 dtype and alignment, otherwise a Python loop over the experts that received tokens), multiplies by the routing
-weights and scatter-adds back with ``index_add``. Everything is plain autograd.
+weights and scatter-adds back with ``index_add`` (:func:`combine_slots`, block by block: the one op with its own
+backward). The rest is plain autograd.
 
 Dtypes (as HF, so bf16 models match HF bit-for-bit in spirit and float64 tests can be exact):
 
@@ -55,6 +56,8 @@ __all__ = [
     "sigmoid_grouped_route",
     "experts_forward",
     "experts_forward_reference",
+    "combine_slots",
+    "combine_slots_reference",
     "router_logits",
     "shared_expert_forward",
     "EXPERT_IMPLS",
@@ -253,8 +256,68 @@ def experts_forward(
             start += c
         ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
 
-    ys = (ys * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-    return x.new_zeros(n, x.shape[1]).index_add(0, token_idx, ys)
+    return combine_slots(ys, weights.reshape(-1)[order], token_idx, n, x.dtype)
+
+
+COMBINE_ELEMS = 1 << 22  # slot rows x hidden of one block of the weighted combine (its float32 products: 16 MiB)
+
+
+class _CombineSlots(torch.autograd.Function):
+    """:func:`combine_slots` with its products formed block by block, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, ys: Tensor, w: Tensor, token_idx: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+        s, h = ys.shape
+        rows = max(1, COMBINE_ELEMS // max(1, h))
+        cast = ys.new_empty((s, h), dtype=dtype)  # the products in ``dtype``, filled a block at a time
+        starts = range(0, s, rows)
+        for i, a in enumerate(starts):
+            if meta.skip_repeated_block(ys, i, (0, len(starts) - 1)):  # the planner's dry run (ops/meta.py)
+                continue
+            b = a + rows
+            cast[a:b] = ys[a:b] * w[a:b, None]  # formed in the promoted dtype, rounded to ``dtype`` on the copy
+        ctx.save_for_backward(ys, w, token_idx)
+        return ys.new_zeros((n, h), dtype=dtype).index_add_(0, token_idx, cast)  # one scatter-add, as before
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        ys, w, token_idx = ctx.saved_tensors
+        s, h = ys.shape
+        prod = torch.promote_types(ys.dtype, w.dtype)  # the dtype the products were formed in
+        rows = max(1, COMBINE_ELEMS // max(1, h))
+        dys = torch.empty_like(ys) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        starts = range(0, s, rows)
+        for i, a in enumerate(starts):
+            if meta.skip_repeated_block(ys, i, (0, len(starts) - 1)):
+                continue
+            b = a + rows
+            gb = g.index_select(0, token_idx[a:b]).to(prod)  # [rows, H]: each slot's token's output gradient
+            if dys is not None:
+                dys[a:b] = (gb * w[a:b, None]).to(ys.dtype)
+            if dw is not None:
+                dw[a:b] = (gb * ys[a:b]).sum(-1).to(w.dtype)
+        return dys, dw, None, None, None
+
+
+def combine_slots(ys: Tensor, w: Tensor, token_idx: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """The routed slots' outputs weighted and summed per token: ``ys [S, H]`` (slot outputs), ``w [S]`` (their
+    routing weights), ``token_idx [S]`` (each slot's token) -> ``[n, H]`` in ``dtype``, equal to
+    :func:`combine_slots_reference` (each product formed in the promoted dtype, cast to ``dtype``, scatter-added
+    in slot order).
+
+    Why its own op: written as that one expression, the products ``[S, H]`` exist whole in the promoted dtype (float32
+    for a bf16 model with float32 router weights), and autograd's backward makes three such tensors (the gradient
+    cast to float32 and both products' gradients): at GLM-5's size, 4,096 tokens x 8 slots x 6,144 hidden, 768 MiB
+    each, 2.3 GiB per MoE layer. Here the products go ``COMBINE_ELEMS`` at a time, forward and backward: the forward
+    holds them whole only in ``dtype`` (one scatter-add of them all, as the expression does: blocks of scatter-adds
+    would round bf16 sums in another order), the backward only the gradient of ``ys`` (``[S, H]`` in its dtype)."""
+    return _CombineSlots.apply(ys, w, token_idx, n, dtype)
+
+
+def combine_slots_reference(ys: Tensor, w: Tensor, token_idx: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """:func:`combine_slots` as the plain expression (plain autograd)."""
+    return ys.new_zeros((n, ys.shape[1]), dtype=dtype).index_add(0, token_idx, (ys * w[:, None]).to(dtype))
 
 
 def experts_forward_reference(
