@@ -7,10 +7,10 @@ would repeat identical work thousands of times; each replacement allocates the s
 lifetimes) as the real path, and a test holds every tracked byte equal with the shortcuts on and off
 (:data:`SHORTCUTS`):
 
-``experts_forward_shapes``
+``expert_slot_outputs``
     MoE routing is data (which expert gets how many tokens): the real dispatch needs the counts on the host.
     On meta all ``N * k`` token slots go through one expert's weights, which allocates what the real dispatch
-    allocates in total.
+    allocates in total; ``ops.moe.experts_forward`` then combines them as it combines real ones.
 ``skip_delta_rule_block``
     The torch gated delta rule processes a long input in blocks of chunks; without autograd each block frees its
     intermediates, so on meta the blocks between the first and the last only add their output (prefill dry runs of
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SHORTCUTS", "is_meta", "value", "experts_forward_shapes", "skip_delta_rule_block", "skip_repeated_block",
+__all__ = ["SHORTCUTS", "is_meta", "value", "expert_slot_outputs", "skip_delta_rule_block", "skip_repeated_block",
            "layout", "replicate"]
 
 SHORTCUTS = True  # tests switch this off to check that the shortcuts change no tracked byte
@@ -62,18 +62,16 @@ def value(t: Tensor) -> float:
     return float("nan") if is_meta(t) else float(t)
 
 
-def experts_forward_shapes(x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                           act_fn: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
-    """The routed experts on meta: the same tensors, shapes and dtypes as the real dispatch of
-    ``ops.moe.experts_forward`` (all ``N * k`` slots through expert 0), without data-dependent counts."""
+def expert_slot_outputs(x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                        act_fn: Callable[[Tensor], Tensor] = F.silu) -> tuple[Tensor, Tensor]:
+    """The routed experts' slot outputs on meta, ``(ys [N k, H], token_idx [N k])``: the same tensors, shapes and
+    dtypes as the real dispatch of ``ops.moe.experts_forward`` (all ``N * k`` slots through expert 0), without
+    data-dependent counts; the caller combines them (``ops.moe.combine_slots``) as the real path does."""
     n, k = weights.shape
     token_idx = torch.arange(n * k, device=x.device) // k
     xs = x[token_idx]
     gate, up = F.linear(xs, gate_up_proj[0]).chunk(2, dim=-1)
-    ys = F.linear(act_fn(gate) * up, down_proj[0])
-    from longstraw.ops.moe import combine_slots  # (ops.moe imports this module)
-
-    return combine_slots(ys, weights.reshape(-1), token_idx, n, x.dtype)
+    return F.linear(act_fn(gate) * up, down_proj[0]), token_idx
 
 
 def skip_delta_rule_block(inputs: tuple[Tensor | None, ...], t0: int, last_start: int) -> bool:

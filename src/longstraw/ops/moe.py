@@ -230,7 +230,8 @@ def experts_forward(
 
     n, k = expert_ids.shape
     if meta.is_meta(x):  # the memory planner's dry run: routing is data (ops/meta.py)
-        return meta.experts_forward_shapes(x, weights, gate_up_proj, down_proj, act_fn)
+        ys, token_idx = meta.expert_slot_outputs(x, weights, gate_up_proj, down_proj, act_fn)
+        return combine_slots(ys, weights.reshape(-1), token_idx, n, x.dtype)
     flat_ids = expert_ids.reshape(-1)
     with torch.no_grad():
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, token order within an expert
