@@ -92,6 +92,29 @@ def _close_weights(got: dict, want: dict, rel: float = 1e-8) -> None:
         assert err <= rel * want[k].abs().max().item(), (k, err)
 
 
+def _close_run(got: Path, want: Path) -> None:
+    """Run ``got`` equals run ``want`` within float precision: metrics and final weights."""
+    _close(read_metrics(got), read_metrics(want))
+    _close_weights(_weights(got), _weights(want))
+
+
+def _same_run(got: Path, want: Path) -> None:
+    """Run ``got`` equals run ``want`` bit for bit: metrics (but wall times and memory) and final weights."""
+    assert _stable(read_metrics(got)) == _stable(read_metrics(want))
+    a, b = _weights(got), _weights(want)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _resumed(src: Path, dst: Path, world: int, sets: list[str], what: str) -> Path:
+    """Run ``src`` copied to ``dst`` with only its first checkpoint kept, resumed there on ``world`` ranks (0: one
+    process) with ``--set`` for each of ``sets``; returns ``dst``."""
+    shutil.copytree(src, dst)
+    for c in checkpoint_dirs(dst)[1:]:
+        shutil.rmtree(c)
+    _ok(train(world, ["--resume", str(dst), *[x for s in sets for x in ("--set", s)]]), what)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, worker_id):
     """The one-process and the 4-rank run, made once per session even when the tests of this module land on
@@ -144,9 +167,7 @@ def test_killed_mid_checkpoint_then_resumed_on_four_ranks_continues_bit_for_bit(
     assert [c.name for c in checkpoint_dirs(run)] == ["step-00000001"]  # the last complete one survives
     assert list((run / "checkpoints").glob(".tmp-*"))  # the torn one stays a temp dir
     _ok(launch(4, ["-m", "longstraw", "train", "--resume", str(run)]), "resume on 4 ranks")
-    assert _stable(read_metrics(run)) == _stable(read_metrics(four))
-    a, b = _weights(run), _weights(four)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same_run(run, four)
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
@@ -155,14 +176,8 @@ def test_resume_from_a_four_rank_checkpoint_on_two_ranks_and_in_one_process(runs
     # 2 ranks: 2 replicas of one rank each, FSDP over 2; the same without FSDP (every rank holds the whole model,
     # the replicas' gradients averaged; its checkpoints in the one-process format); one process
     for name, world, extra in (("two", 2, []), ("two-whole", 2, ["parallel.fsdp=false"]), ("single", 0, [])):
-        run = tmp_path / f"from-four-{name}"
-        shutil.copytree(four, run)
-        for c in checkpoint_dirs(run)[1:]:
-            shutil.rmtree(c)
-        sets = [x for s in ["parallel.cp=1", *extra] for x in ("--set", s)]
-        _ok(train(world, ["--resume", str(run), *sets]), f"resume {name}")
-        _close(read_metrics(run), read_metrics(four))
-        _close_weights(_weights(run), _weights(four))
+        run = _resumed(four, tmp_path / f"from-four-{name}", world, ["parallel.cp=1", *extra], f"resume {name}")
+        _close_run(run, four)
 
 
 def test_host_optimizer_state_on_two_ranks_gives_the_one_process_run(runs, tmp_path):
@@ -171,8 +186,7 @@ def test_host_optimizer_state_on_two_ranks_gives_the_one_process_run(runs, tmp_p
     shutil.copy(root / "rw.py", tmp_path / "rw.py")
     run = tmp_path / "offload"
     _ok(train(2, _args(run, "parallel.cp=1", 'optim.offload="moments"')), "offload on 2 ranks")
-    _close(read_metrics(run), read_metrics(one))
-    _close_weights(_weights(run), _weights(one))
+    _close_run(run, one)
     assert (checkpoint_dirs(run)[-1] / "sharded" / ".metadata").exists()
 
 
@@ -210,22 +224,11 @@ def test_hsdp_run_gives_the_one_process_run_and_resumes(runs, tmp_path):
     shutil.copy(root / "rw.py", tmp_path / "rw.py")
     hsdp = tmp_path / "hsdp"
     _ok(train(4, _args(hsdp, "parallel.cp=2", "parallel.replicate=2")), "HSDP on 4 ranks")
-    _close(read_metrics(hsdp), read_metrics(one))
-    _close_weights(_weights(hsdp), _weights(one))
-    for name, world, sets in (("same", 4, ["parallel.cp=2", "parallel.replicate=2"]),
-                              ("two", 2, ["parallel.cp=1", "parallel.replicate=1"])):
-        run = tmp_path / f"resumed-{name}"
-        shutil.copytree(hsdp, run)
-        for c in checkpoint_dirs(run)[1:]:
-            shutil.rmtree(c)
-        _ok(train(world, ["--resume", str(run), *[x for s in sets for x in ("--set", s)]]), f"HSDP resumed, {name}")
-        if name == "same":
-            assert _stable(read_metrics(run)) == _stable(read_metrics(hsdp))
-            a, b = _weights(run), _weights(hsdp)
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        else:
-            _close(read_metrics(run), read_metrics(one))
-            _close_weights(_weights(run), _weights(one))
+    _close_run(hsdp, one)
+    same = _resumed(hsdp, tmp_path / "resumed-same", 4, ["parallel.cp=2", "parallel.replicate=2"], "HSDP resumed")
+    _same_run(same, hsdp)
+    two = _resumed(hsdp, tmp_path / "resumed-two", 2, ["parallel.cp=1", "parallel.replicate=1"], "HSDP on 2 ranks")
+    _close_run(two, one)
 
 
 def test_bf16_sharded_checkpoint_exports_bf16_and_resumes_from_its_masters(tmp_path):
@@ -238,13 +241,7 @@ def test_bf16_sharded_checkpoint_exports_bf16_and_resumes_from_its_masters(tmp_p
     export = checkpoint_dirs(run)[-1] / "model"
     assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
     assert {t.dtype for t in _weights(run).values()} == {torch.bfloat16}
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run, resumed)
-    shutil.rmtree(checkpoint_dirs(resumed)[-1])
-    _ok(train(2, ["--resume", str(resumed)]), "bf16 resumed")
-    assert _stable(read_metrics(resumed)) == _stable(read_metrics(run))
-    a, b = _weights(resumed), _weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same_run(_resumed(run, tmp_path / "resumed", 2, [], "bf16 resumed"), run)
 
 
 def test_bad_parallel_values_are_one_line_from_rank_zero(tmp_path):
@@ -294,12 +291,7 @@ def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layo
     _close_weights(_weights(tmp_path / "four"), _weights(tmp_path / "one"))
     for name, world, extra in (("two-ep2", 2, ["parallel.cp=1", "parallel.ep=2"]),
                                ("single", 0, ["parallel.cp=1", "parallel.ep=1"])):
-        run = tmp_path / f"from-four-{name}"
-        shutil.copytree(tmp_path / "four", run)
-        for c in checkpoint_dirs(run)[1:]:
-            shutil.rmtree(c)
-        sets = [x for s in extra for x in ("--set", s)]
-        _ok(train(world, ["--resume", str(run), *sets]), f"MoE resume {name}")
+        run = _resumed(tmp_path / "four", tmp_path / f"from-four-{name}", world, extra, f"MoE resume {name}")
         _close([{k: v for k, v in r.items() if not k.startswith("expert_")} for r in read_metrics(run)],
                [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])
         _close_weights(_weights(run), _weights(tmp_path / "one"))

@@ -40,8 +40,9 @@ def env_world_size() -> int:
         return 1
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def _divisors(n: int, also=lambda d: True) -> str:
+    """The divisors of ``n`` for which ``also(d)`` holds, as a comma-separated list."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and also(d))
 
 
 def check_parallel(cfg, world: int, have_env: bool) -> None:
@@ -63,9 +64,9 @@ def check_parallel(cfg, world: int, have_env: bool) -> None:
         raise JobError(f"parallel.replicate={p.replicate} does not divide the {replicas} data-parallel replicas "
                        f"(world {world} / parallel.cp={p.cp}); allowed: {_divisors(replicas)}")
     if p.replicate > 1 and world // p.replicate < 2:
-        ok = [d for d in range(1, replicas + 1) if replicas % d == 0 and world // d >= 2]
         raise JobError(f"parallel.replicate={p.replicate} leaves {world // p.replicate} rank per shard group (world "
-                       f"{world} / replicate); HSDP shards over at least 2: allowed {', '.join(map(str, ok))}")
+                       f"{world} / replicate); HSDP shards over at least 2: allowed "
+                       f"{_divisors(replicas, lambda d: world // d >= 2)}")
     if world % p.ep:
         raise JobError(f"parallel.ep={p.ep} does not divide the job's {world} ranks; allowed: {_divisors(world)}")
     if pps % replicas:
