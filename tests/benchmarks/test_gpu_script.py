@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
@@ -44,3 +45,39 @@ def test_gpu_check_smoke(tmp_path):
     c = res["sections"]["c"]
     assert c["backend"] == "gloo" and c["world"] == 2 and len(c["entries"]) == 4
     assert "planner vs measured" in proc.stdout and "summary:" in proc.stdout
+
+
+def test_naive_baseline_takes_transformers_torch_rule_where_fla_refuses(monkeypatch):
+    """On the H200 of 2026-12-04 fla's gated backward refused Triton 3.6, and transformers' Qwen3.5 (which calls fla
+    whenever it imports) raised in the naive baseline's backward: the check swaps in the torch function under
+    transformers' kernel wrapper for that step only, and says so; elsewhere nothing is swapped."""
+    import importlib
+    import inspect
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")
+    from longstraw.ops import deltanet as ops_dn
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_check = importlib.import_module("gpu_check")
+    hf = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    cfg = transformers.Qwen3_5TextConfig(vocab_size=32, hidden_size=32, intermediate_size=48,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                         linear_value_head_dim=16, num_hidden_layers=2,
+                                         layer_types=["linear_attention", "full_attention"])
+    model = hf.Qwen3_5ForCausalLM(cfg)
+    wrapped = hf.torch_chunk_gated_delta_rule
+    cuda = SimpleNamespace(type="cuda")
+    monkeypatch.setattr(ops_dn, "fla_available", lambda: True)
+    monkeypatch.setattr(ops_dn, "fla_backward_refusal", lambda: "fla refuses (test)")
+    with gpu_check._hf_delta_rule(model, cuda) as what:
+        assert hf.torch_chunk_gated_delta_rule is inspect.unwrap(wrapped) is not wrapped
+        assert "fla refuses (test)" in what
+        model(torch.randint(0, 32, (1, 5)), use_cache=False).logits.sum().backward()  # the swapped-in function runs the layer
+    assert hf.torch_chunk_gated_delta_rule is wrapped
+    with gpu_check._hf_delta_rule(model, SimpleNamespace(type="cpu")) as what:
+        assert what == "" and hf.torch_chunk_gated_delta_rule is wrapped
+    monkeypatch.setattr(ops_dn, "fla_backward_refusal", lambda: None)
+    with gpu_check._hf_delta_rule(model, cuda) as what:
+        assert what == "" and hf.torch_chunk_gated_delta_rule is wrapped

@@ -35,3 +35,24 @@ def test_dense_step_names_no_kernel():
                 "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
                 "max_position_embeddings": 64})
     assert st.delta_rule_kernel == ""
+
+
+def test_step_names_every_kernel_its_passes_took(monkeypatch):
+    """Where fla's backward refuses the GPU, forward-only passes (the prefill) take fla and passes that need a
+    gradient take the torch rule: the step names both. Emulated on the CPU by the layer's kernel rule (the
+    computation itself stays the torch rule here)."""
+    from longstraw.models import deltanet as model_dn
+
+    monkeypatch.setattr(model_dn, "delta_rule_kernel", lambda device, dtype, needs_grad=False:
+                        "torch" if needs_grad else "fla")
+    assert _step(tiny_config()).delta_rule_kernel == "fla+torch"
+    monkeypatch.setattr(model_dn, "delta_rule_kernel", lambda device, dtype, needs_grad=False: "torch")
+    assert _step(tiny_config()).delta_rule_kernel == "torch"  # a fresh model each step; and per call below
+    torch.manual_seed(0)
+    model = longstraw.build_model(tiny_config())
+    before = model_dn.delta_rule_calls(model)
+    assert before == {} and model_dn.kernels_since(model, before) == ""
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert model_dn.kernels_since(model, before) == "torch"
+    assert model_dn.kernels_since(model, model_dn.delta_rule_calls(model)) == ""

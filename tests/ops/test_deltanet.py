@@ -294,3 +294,72 @@ def test_kernel_choice_rule():
     with pytest.raises(ValueError, match="backend must be one of"):
         choose_kernel("triton", "cuda", bf16, True)
     assert delta_rule_kernel("cpu", bf16) == "torch"  # never imports fla for a CPU device
+
+
+def _fake_fla(monkeypatch, hopper: bool, triton_version: str, tilelang: bool | None):
+    """fla's flags, its TileLang backend (None: not importable) and triton as modules, for fla_backward_refusal."""
+    import sys
+    import types
+
+    from longstraw.ops import deltanet as ops_dn
+
+    v = tuple(int(x) for x in triton_version.split("."))
+    utils = types.SimpleNamespace(IS_NVIDIA_HOPPER=hopper, TRITON_ABOVE_3_4_0=v >= (3, 4, 0),
+                                  TRITON_ABOVE_3_7_1=v >= (3, 7, 1))
+    mods = {"fla": types.ModuleType("fla"), "fla.utils": types.ModuleType("fla.utils"),
+            "triton": types.ModuleType("triton")}
+    mods["fla.utils"].__dict__.update(vars(utils))
+    mods["triton"].__version__ = triton_version
+    if tilelang is not None:
+        mod = types.ModuleType("fla.ops.common.backends.tilelang")
+        mod.CommonTileLangBackend = types.SimpleNamespace(can_use=lambda: tilelang)
+        mods["fla.ops.common.backends.tilelang"] = mod
+    else:
+        mods["fla.ops.common.backends.tilelang"] = None  # import raises ImportError
+    for name, m in mods.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    ops_dn.fla_backward_refusal.cache_clear()
+    monkeypatch.setattr(ops_dn, "fla_available", lambda: True)
+    return ops_dn
+
+
+@pytest.mark.parametrize("hopper,version,tilelang,refuses", [
+    (True, "3.6.0", None, True),     # the H200 of 2026-12-04: torch 2.11's Triton 3.6, no tilelang
+    (True, "3.6.0", False, True),    # tilelang present but unusable (no nvcc)
+    (True, "3.6.0", True, False),    # fla dispatches the gated backward to TileLang
+    (True, "3.7.1", None, False),    # the fixed Triton
+    (True, "3.3.1", None, False),    # before the regression
+    (False, "3.6.0", None, False),   # not a Hopper GPU
+])
+def test_fla_backward_refusal_mirrors_flas_guard(monkeypatch, hopper, version, tilelang, refuses):
+    """fla-core 0.6 raises in its gated backward on Hopper with Triton 3.4-3.7.0 unless TileLang takes it: the
+    dispatcher reads the same flags, and a pass that needs a gradient takes the torch rule (forward-only calls keep
+    fla)."""
+    ops_dn = _fake_fla(monkeypatch, hopper, version, tilelang)
+    try:
+        why = ops_dn.fla_backward_refusal()
+        assert (why is not None) == refuses
+        if refuses:
+            assert f"Triton {version}" in why and "#640" in why
+        bf16 = torch.bfloat16
+        assert ops_dn.delta_rule_kernel("cuda", bf16) == "fla"
+        assert ops_dn.delta_rule_kernel("cuda", bf16, needs_grad=True) == ("torch" if refuses else "fla")
+        assert ops_dn.delta_rule_kernel("cuda", torch.float32, needs_grad=True) == "torch"
+    finally:
+        ops_dn.fla_backward_refusal.cache_clear()
+
+
+def test_fla_backward_refusal_without_the_flags(monkeypatch):
+    """An fla without the guard's flags (older or newer releases) has no refusal."""
+    import sys
+    import types
+
+    from longstraw.ops import deltanet as ops_dn
+
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.utils", types.ModuleType("fla.utils"))
+    ops_dn.fla_backward_refusal.cache_clear()
+    try:
+        assert ops_dn.fla_backward_refusal() is None
+    finally:
+        ops_dn.fla_backward_refusal.cache_clear()

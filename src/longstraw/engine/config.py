@@ -160,8 +160,8 @@ class GRPOStats:
     kept_steps: int = 0  # ... whole steps kept (not recomputed)
     kept_layers: int = 0  # ... top layers kept of one more step (0: none)
     step_graph_bytes: int = 0  # ... measured graph bytes of one whole prefill step (0: not measured)
-    delta_rule_kernel: str = ""  # Gated DeltaNet layers: the kernel their last forwards took ("fla", "torch",
-    # "fla+torch" if layers differed); "" for a model without them
+    delta_rule_kernel: str = ""  # Gated DeltaNet layers: the kernels this call's forwards took ("fla", "torch",
+    # "fla+torch": fla's backward refusing the GPU leaves the passes that need a gradient to torch); "" for none
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from longstraw.engine.prefill import prefill, prefill_keeping
 from longstraw.engine.prompt_backward import prompt_backward
 from longstraw.engine.replay import branch_batches, branch_logprobs, replay
 from longstraw.losses import loss_denominator
-from longstraw.models.deltanet import GatedDeltaNet
+from longstraw.models.deltanet import delta_rule_calls, kernels_since
 from longstraw.models.lora import active_dropout
 from longstraw.models.transformer import CausalLM
 from longstraw.profiling import PhaseMeter
@@ -79,6 +79,7 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         raise ValueError(f"loss_scale={loss_scale!r} must be a finite number > 0")
     device = _device(model)
     t_start = time.perf_counter()
+    calls_before = delta_rule_calls(model)
     meter = meter if meter is not None else PhaseMeter(device)
     prompt_ids = prompt_ids.to(device)
     responses = [r.to(device) for r in responses]
@@ -106,13 +107,12 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
             prompt_backward(model, state, checkpoint_layers=cfg.checkpoint_layers, report=report, kept=kept)
     n_tok = sum(lens)
     meter.seconds["total"] = time.perf_counter() - t_start
-    kernels = sorted({m.last_kernel for m in model.modules() if isinstance(m, GatedDeltaNet) and m.last_kernel})
     stats = GRPOStats(
         loss=res.loss, logprobs=res.logprobs, entropy=res.entropy, metrics={k: v / n_tok for k, v in
                                                                             res.stat_sums.items()},
         num_tokens=n_tok, prompt_len=int(prompt_ids.numel()), seconds=dict(meter.seconds),
         peak_memory=dict(meter.peak_bytes), prompt_state_bytes=state.nbytes(),
-        prompt_state_grad_bytes=state.grad_nbytes(), delta_rule_kernel="+".join(kernels),
+        prompt_state_grad_bytes=state.grad_nbytes(), delta_rule_kernel=kernels_since(model, calls_before),
         **(kept.summary(len(model.layers)) if kept is not None else {}),
     )
     if kept is not None and hasattr(meter, "info"):

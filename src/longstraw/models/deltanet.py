@@ -223,6 +223,25 @@ class RecurrentDecoder:
             self.conv, self.S = self.conv[rows], self.S[rows]
 
 
+def delta_rule_calls(model: nn.Module) -> dict[str, int]:
+    """Forwards per delta-rule kernel ("fla", "torch") that ``model``'s Gated DeltaNet layers have run so far: a
+    running count, read before and after a stretch of work (:func:`kernels_since`)."""
+    calls: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            for k, n in m.kernel_calls.items():
+                calls[k] = calls.get(k, 0) + n
+    return calls
+
+
+def kernels_since(model: nn.Module, before: dict[str, int]) -> str:
+    """The delta-rule kernels ``model``'s Gated DeltaNet layers took since ``before`` (a :func:`delta_rule_calls`
+    reading), "+"-joined in name order: "fla", "torch", or "fla+torch" (e.g. fla in the forward-only prefill and the
+    torch rule in passes that need a gradient, where fla's backward refuses the GPU); "" when none ran."""
+    now = delta_rule_calls(model)
+    return "+".join(sorted(k for k, n in now.items() if n > before.get(k, 0)))
+
+
 class GatedDeltaNet(nn.Module):
     """The Gated DeltaNet token mixer (see module docstring). Parameter names follow the HF checkpoints."""
 
@@ -257,9 +276,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())  # HF's init: A in [0.01, 16]
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        # the delta-rule kernel this layer's last forward took ("fla" / "torch"; "" before any): a diagnostic the
-        # engine reports in its step stats (GRPOStats.delta_rule_kernel), not state
-        self.last_kernel = ""
+        # forwards per delta-rule kernel ("fla" / "torch"), a running count: a diagnostic the engine and the trainer
+        # read before and after their work (delta_rule_calls / kernels_since) and report, not state
+        self.kernel_calls: dict[str, int] = {}
 
     def new_state(self, capacity: int, exact: bool = False) -> RecurrentState:
         return RecurrentState(capacity, exact)
@@ -302,7 +321,9 @@ class GatedDeltaNet(nn.Module):
         # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk.
         # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
         # run its matmuls, and so the state, in bf16)
-        self.last_kernel = delta_rule_kernel(q.device, q.dtype)  # the rule gated_delta_rule's "auto" applies
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, s0) if t is not None)
+        kernel = delta_rule_kernel(q.device, q.dtype, needs_grad)  # the rule gated_delta_rule's "auto" applies
+        self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
         with _autocast_off(x.device.type):
             o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                      use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))

@@ -295,11 +295,45 @@ def choose_kernel(backend: str, device_type: str, dtype: torch.dtype, fla_import
     return "torch"
 
 
-def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
-    """The kernel "auto" takes for inputs on ``device`` in ``dtype`` (imports fla only for a CUDA device)."""
+@functools.lru_cache(maxsize=1)
+def fla_backward_refusal() -> str | None:
+    """Why fla's gated delta-rule BACKWARD refuses to run on this machine, or None when it runs.
+
+    fla-core 0.6 raises in ``chunk_bwd_dqkwg`` (the gated backward) on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1
+    (wrong results there, fla issue #640) unless its TileLang backend takes the call (``tilelang`` installed, an
+    ``nvcc``). This mirrors fla's own guard (``fla/ops/common/chunk_o.py``), reading fla's flags, so the dispatcher
+    can route passes that need a gradient to the torch rule before fla raises in the middle of a backward (seen on
+    an H200 with torch 2.11 / Triton 3.6, 2026-12-04). An fla without those flags (older or newer) has no guard.
+    Call it only where fla imports and CUDA is meant (it imports fla)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:
+        return None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    try:
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+        if CommonTileLangBackend.can_use():
+            return None
+    except ImportError:
+        pass
+    import triton
+
+    return (f"fla's gated delta-rule backward refuses Triton {triton.__version__} on Hopper GPUs (fla issue #640: "
+            "Triton >= 3.7.1, or tilelang, needed)")
+
+
+def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad: bool = False) -> str:
+    """The kernel "auto" takes for inputs on ``device`` in ``dtype`` (imports fla only for a CUDA device); with
+    ``needs_grad`` (the call's output takes part in a backward), "torch" where fla's backward refuses
+    (:func:`fla_backward_refusal`)."""
     device_type = torch.device(device).type
     fla_ok = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fla_available()
-    return choose_kernel("auto", device_type, dtype, fla_ok)
+    kernel = choose_kernel("auto", device_type, dtype, fla_ok)
+    if kernel == "fla" and needs_grad and fla_backward_refusal() is not None:
+        return "torch"
+    return kernel
 
 
 _log = logging.getLogger(__name__)
@@ -312,10 +346,14 @@ def _log_kernel(kernel: str, device_type: str, dtype: torch.dtype) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_torch_on_cuda(dtype: torch.dtype, why: str) -> None:
+def _warn_torch_on_cuda(dtype: torch.dtype, why: str, fix: str) -> None:
     warnings.warn(f"Gated DeltaNet on CUDA ({dtype}) runs the torch chunked delta rule, not fla's kernel: {why}; "
-                  "expect a slower step and a branch graph several times fla's (pip install 'longstraw[gpu]' for "
-                  "fla; bf16/fp16 inputs)", stacklevel=3)
+                  f"expect a slower step and a branch graph several times fla's ({fix})", stacklevel=3)
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether a call on these inputs records a graph (its backward will run the kernel's backward)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def gated_delta_rule(
@@ -333,6 +371,8 @@ def gated_delta_rule(
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatcher. ``backend``: "auto" (fla for CUDA bf16/fp16 when it imports, else torch chunked), "torch", "fla".
+    A call that records a graph takes the torch rule where fla's backward refuses (:func:`fla_backward_refusal`;
+    "auto" warns once, "fla" raises): forward-only calls (prefill, decoding) still run fla.
 
     fla always uses chunks of 64; a different ``chunk_size`` is ignored there (with a warning).
     """
@@ -340,11 +380,23 @@ def gated_delta_rule(
     if backend in _BACKENDS and backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         fla_fn = _load_fla()
     kernel = choose_kernel(backend, q.device.type, q.dtype, fla_fn is not None)
+    refusal = None
+    if kernel == "fla" and _needs_grad(q, k, v, g, beta, initial_state):
+        refusal = fla_backward_refusal()
+        if refusal is not None and backend == "fla":
+            raise RuntimeError(f"backend='fla' cannot take a pass that needs a gradient here: {refusal}")
+        if refusal is not None:
+            kernel = "torch"
     if q.device.type != "meta":
         _log_kernel(kernel, q.device.type, q.dtype)
     if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
-        _warn_torch_on_cuda(q.dtype, "fla does not import" if q.dtype in (torch.bfloat16, torch.float16)
-                            else "fla takes bf16/fp16 inputs only")
+        if refusal is not None:  # forward-only calls still take fla
+            _warn_torch_on_cuda(q.dtype, f"in passes that need a gradient: {refusal}",
+                                "pip install 'triton>=3.7.1' or tilelang")
+        else:
+            _warn_torch_on_cuda(q.dtype, "fla does not import" if q.dtype in (torch.bfloat16, torch.float16)
+                                else "fla takes bf16/fp16 inputs only", "pip install 'longstraw[gpu]' for fla; "
+                                "bf16/fp16 inputs")
     if kernel == "torch":
         return chunk_gated_delta_rule(
             q,

@@ -54,7 +54,7 @@ from longstraw.checkpoint.training import ADAPTER_DIR, RunDirLock, check_writabl
     latest_checkpoint, load_full_optimizer_state, load_sharded_state, load_trainer_state, rng_state, save_checkpoint, \
     save_sharded_checkpoint, set_rng_state
 from longstraw.devices import resolve_device
-from longstraw.models.deltanet import GatedDeltaNet
+from longstraw.models.deltanet import delta_rule_calls, kernels_since
 from longstraw.models.lora import adapters_disabled
 from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
@@ -579,6 +579,7 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
+        calls_before = delta_rule_calls(self.model)
         meter = PhaseMeter(self.device)
         with meter.phase("rollout"), self.expert_load.recording():
             groups = [self._collect(step, k) for k in self.job.local_prompts(self.cfg.algorithm.prompts_per_step)]
@@ -618,8 +619,7 @@ class Trainer:
         }
         # the delta-rule kernel the Gated DeltaNet layers took (rollout and update): named once in the run's
         # output, then in every step's metrics (GRPOStats.delta_rule_kernel reports it per engine call)
-        kernel = "+".join(sorted({x.last_kernel for x in self.model.modules()
-                                  if isinstance(x, GatedDeltaNet) and x.last_kernel}))
+        kernel = kernels_since(self.model, calls_before)
         if kernel:
             m["delta_rule_kernel"] = kernel
             if not self._kernel_said:
