@@ -74,7 +74,7 @@ def test_naive_baseline_takes_transformers_torch_rule_where_fla_refuses(monkeypa
     with gpu_check._hf_delta_rule(model, cuda) as what:
         assert hf.torch_chunk_gated_delta_rule is inspect.unwrap(wrapped) is not wrapped
         assert "fla refuses (test)" in what
-        model(torch.randint(0, 32, (1, 5)), use_cache=False).logits.sum().backward()  # the swapped-in function runs the layer
+        model(torch.randint(0, 32, (1, 5)), use_cache=False).logits.sum().backward()  # the swapped-in rule runs
     assert hf.torch_chunk_gated_delta_rule is wrapped
     with gpu_check._hf_delta_rule(model, SimpleNamespace(type="cpu")) as what:
         assert what == "" and hf.torch_chunk_gated_delta_rule is wrapped

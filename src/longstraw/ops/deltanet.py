@@ -392,7 +392,8 @@ def gated_delta_rule(
     if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
         if refusal is not None:  # forward-only calls still take fla
             _warn_torch_on_cuda(q.dtype, f"in passes that need a gradient: {refusal}",
-                                "pip install 'triton>=3.7.1' or tilelang")
+                                "pip install 'triton>=3.7.1' or tilelang; until then GRPOConfig(checkpoint_layers="
+                                "True) holds one layer's graph at a time, or a smaller prefill_chunk")
         else:
             _warn_torch_on_cuda(q.dtype, "fla does not import" if q.dtype in (torch.bfloat16, torch.float16)
                                 else "fla takes bf16/fp16 inputs only", "pip install 'longstraw[gpu]' for fla; "
