@@ -151,22 +151,23 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
             finished = torch.zeros_like(ids, dtype=torch.bool)
             if stop_ids.numel():
                 finished |= (ids[:, None] == stop_ids[None]).any(-1)
-            ids_l, lp_l, live_l = ids.tolist(), lp.tolist(), live.tolist()
+            # whole tensors read once a step (on a GPU each read waits for the device), not row by row
+            ids_l, lp_l, live_l, fin_l = ids.tolist(), lp.tolist(), live.tolist(), finished.tolist()
             for row, b in enumerate(live_l):
                 out_ids[b].append(ids_l[row])
                 out_lp[b].append(lp_l[row])
-                if finished[row]:
+                if fin_l[row]:
                     reasons[b] = "stop"
                 elif sampling.stop_strings and _stop_string_hit(decode, out_ids[b], sampling.stop_strings, window):
-                    finished[row] = True
+                    fin_l[row] = True
                     reasons[b] = "stop"
             step += 1
             report(step, max_new)
-            if bool(finished.all()):
+            if all(fin_l):
                 done = True
                 continue
-            if bool(finished.any()):
-                keep = (~finished).nonzero()[:, 0]
+            if any(fin_l):
+                keep = torch.tensor([r for r, f in enumerate(fin_l) if not f], dtype=torch.long, device=device)
                 for d in decoders:
                     d.select(keep)
                 live, ids = live[keep], ids[keep]
