@@ -32,8 +32,9 @@ def test_gpu_check_smoke(tmp_path):
     b = res["sections"]["b"]
     assert b["prefill"]["tokens_per_s"] > 0 and b["rollout"]["decode_tokens_per_s"] > 0
     assert b["rollout"]["tokens"] == 8 * 32
-    steps = {(r["mode"], r["G"]): r for r in b["steps"]["runs"]}
-    assert set(steps) == {("detached", 2), ("detached", 8), ("exact", 2), ("exact", 8)}
+    steps = {(r["mode"], r["G"], r["checkpoint_layers"]): r for r in b["steps"]["runs"]}
+    assert set(steps) == {("detached", 2, False), ("detached", 8, False), ("exact", 2, False), ("exact", 8, False),
+                          ("exact", 8, True)}
     for r in steps.values():
         assert r["finite"] and r["peak_bytes"] > 0 and r["replay_tokens_per_s"] > 0 and r["planned_bytes"] > 0
         assert r["prompt_state_grad_bytes"] > 0 if r["mode"] == "exact" else r["prompt_state_grad_bytes"] == 0
@@ -44,7 +45,19 @@ def test_gpu_check_smoke(tmp_path):
         assert b["longest"][mode]["measured_max"] >= 512 and b["longest"][mode]["stopped_by"]
     c = res["sections"]["c"]
     assert c["backend"] == "gloo" and c["world"] == 2 and len(c["entries"]) == 4
-    assert "planner vs measured" in proc.stdout and "summary:" in proc.stdout
+    assert b["planner"]["steps"] == len(b["steps"]["runs"]) + sum(len(b["longest"][m]["runs"])
+                                                                  for m in ("detached", "exact"))
+    assert "planner / measured over" in proc.stdout and "summary:" in proc.stdout
+    # benchmarks/plan_vs_measured.py re-plans the run's measured steps from its JSON alone: the same predictions
+    again = subprocess.run([sys.executable, str(SCRIPT.parent / "plan_vs_measured.py"), str(out), "--json",
+                            str(tmp_path / "plans.json")], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    replanned = json.loads((tmp_path / "plans.json").read_text())
+    planned = {(r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"]): r["planned_bytes"]
+               for r in b["steps"]["runs"]}
+    assert all(planned[(r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"])] == r["planned_bytes"]
+               for r in replanned if (r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"]) in planned)
+    assert len(replanned) == b["planner"]["steps"] + 2  # and the two LongStraw rows of the comparison
 
 
 def test_naive_baseline_takes_transformers_torch_rule_where_fla_refuses(monkeypatch):
