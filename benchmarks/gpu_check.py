@@ -37,6 +37,10 @@ b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-
    with ``checkpoint_layers``; the memory planner's peak beside every measured step (``--no-planner`` turns it off:
    computed in CPU worker processes while the GPU measures, waited for at most PLAN_WAIT_S at the end; on the H200
    run of 2026-12-04, planned after the fact for the same steps, it was within 0.04% of every measured peak).
+d. The trainer on the device (``--d-s``, default 60 s; ``gpu_trainer.py``): ``longstraw train``'s Trainer on the
+   built-in tiny hybrid, exact mode, G=8: a 4-step run with checkpoints (its export loads in transformers), the
+   same run stopped at 2 steps and resumed to 4 (equality with the uninterrupted run reported; required on the
+   CPU only), and a LoRA run (PEFT adapter checkpoint). Runs before b, which takes what is left.
 c. Context parallelism and FSDP2 (``--c-s``, default 90 s): with more than one GPU, ``min(4, count)`` NCCL ranks
    (torch.multiprocessing) each run ``grpo_backward`` (exact) of one group with the prompt split over the ranks,
    without and with FSDP2, for a dense Llama and the Qwen3.5 hybrid, float32 and bfloat16; the gathered gradients
@@ -780,13 +784,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--smoke", action="store_true", help="every section at tiny size (on the CPU: c on 2 gloo ranks)")
-    ap.add_argument("--sections", default="a,b,c")
+    ap.add_argument("--sections", default="a,d,b,c", help="in this order; b takes what the others leave")
     ap.add_argument("--budget-s", type=float, default=None, help="the whole run: default 480 s (smoke: 1800 s, so "
                     "that a loaded CPU never cuts a section short and the suite's smoke test never depends on time)")
     ap.add_argument("--a-s", type=float, default=None, help="budget of section a: default 100 s, first calls compile "
                     "kernels (smoke: 900 s)")
     ap.add_argument("--c-s", type=float, default=None, help="budget of section c, b gets the rest: default 90 s "
                     "(smoke: 600 s)")
+    ap.add_argument("--d-s", type=float, default=None, help="budget of section d (the trainer): default 60 s "
+                    "(smoke: 600 s)")
+    ap.add_argument("--d-prompt", type=int, default=None, help="section d's prompt tokens: default 4096 (smoke 256)")
     ap.add_argument("--a-prompt", type=int, default=28, help="tokens (mistral's test window is 40)")
     ap.add_argument("--a-chunk", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=None, help="default 131072 (smoke 1024)")
@@ -806,7 +813,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="gpu_check.json")
     args = ap.parse_args(argv)
     for name, full, smoke in (("longest_s", 120.0, 20.0), ("budget_s", 480.0, 1800.0), ("a_s", 100.0, 900.0),
-                              ("c_s", 90.0, 600.0)):
+                              ("c_s", 90.0, 600.0), ("d_s", 60.0, 600.0)):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
     t_start = time.perf_counter()
@@ -857,8 +864,11 @@ def main(argv=None) -> int:
         now = time.perf_counter()
         if sec == "a":
             deadline = min(end, now + args.a_s)
-        elif sec == "b":  # what is left, keeping section c's budget when c runs after it
-            deadline = end - (args.c_s if "c" in wanted[wanted.index("b"):] and multi else 0)
+        elif sec == "b":  # what is left, keeping the budgets of sections that run after it
+            later = wanted[wanted.index("b"):]
+            deadline = end - (args.c_s if "c" in later and multi else 0) - (args.d_s if "d" in later else 0)
+        elif sec == "d":
+            deadline = min(end, now + args.d_s)
         else:
             deadline = min(end, now + args.c_s)
         say(f"section {sec} (budget {max(0.0, deadline - now):.0f} s):")
@@ -869,8 +879,12 @@ def main(argv=None) -> int:
                 section_b(args, dev, res, deadline, say, flush)
             elif sec == "c":
                 section_c(args, dev, res, deadline, say)
+            elif sec == "d":
+                from gpu_trainer import section_d
+
+                section_d(args, dev, res, deadline, say, flush)
             else:
-                raise ValueError(f"unknown section {sec!r}; allowed: a, b, c")
+                raise ValueError(f"unknown section {sec!r}; allowed: a, b, c, d")
         except Exception as e:
             res.update(_error(e))
             say(f"  section {sec} failed: {res['error']}")

@@ -1,6 +1,7 @@
 """The prepared GPU run (benchmarks/gpu_check.py) runs end to end with ``--smoke`` (every section at tiny size on
-the CPU; section c on 2 gloo ranks), so a lent GPU's minutes are not spent finding a bug in the script. Its figures
-on a CPU mean nothing and are not checked; its pass/fail entries are (CPU float32/bfloat16 against float64)."""
+the CPU; section c on 2 gloo ranks, d the trainer), so a lent GPU's minutes are not spent finding a bug in the
+script. Its figures on a CPU mean nothing and are not checked; its pass/fail entries are (CPU float32/bfloat16
+against float64)."""
 
 import json
 import subprocess
@@ -20,7 +21,7 @@ def test_gpu_check_smoke(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert set(res["sections"]) == {"a", "b", "c"}
+    assert set(res["sections"]) == {"a", "b", "c", "d"}
     for name, sec in res["sections"].items():
         assert sec["ok"], (name, {k: v for k, v in sec.items() if k in ("error", "traceback")})
     a = res["sections"]["a"]
@@ -43,6 +44,9 @@ def test_gpu_check_smoke(tmp_path):
     assert "naive_over_detached_peak" in b["compare"] and "prefix_over_detached_peak" in b["compare"]
     for mode in ("detached", "exact"):
         assert b["longest"][mode]["measured_max"] >= 512 and b["longest"][mode]["stopped_by"]
+    d = res["sections"]["d"]  # the trainer: 4 steps, resumed bit for bit on the CPU, LoRA
+    assert d["runs"]["full"]["steps"] == 4 and d["runs"]["resume"]["resume_equal"] is True
+    assert d["runs"]["full"]["loss"] != 0.0  # the shaped reward gives the random model's groups a signal
     c = res["sections"]["c"]
     assert c["backend"] == "gloo" and c["world"] == 2 and len(c["entries"]) == 4
     assert b["planner"]["steps"] == len(b["steps"]["runs"]) + sum(len(b["longest"][m]["runs"])
