@@ -24,6 +24,10 @@ a. Exactness on the device (``--a-s``, default 100 s). For every model family th
    all gradients together <= 1.9e-2 except glm_moe_dsa's 7.3e-2 (top-k near-ties flip in bf16); a wrong kernel call
    gives O(1)). On one H200 (2026-12-04, torch 2.11, routers drawn at random as below): all 22 pass, float32
    logits <= 1.6e-7 and every parameter <= 3.5e-6, bfloat16 logits <= 2.5e-2 and all gradients together <= 7.3e-2.
+   Decoding (the token-by-token rollout path, which logits and gradients do not take): two branches of
+   DECODE_TOKENS sampled tokens from the shared state; the decoder's log-probs against the float64 reference's
+   for the same tokens, max abs, pass at <= 1e-4 (float32) and DECODE_BF16 (bfloat16). Measured on the CPU
+   (2026-12-04, smoke): float32 <= 5e-7, bfloat16 <= 4.8e-2 (glm_moe_dsa; dense 6e-3); a broken step is O(1).
    Routers that transformers initialises to zero are drawn at random (every expert would tie, and CPU and CUDA
    ``topk`` break ties differently). ``--smoke`` runs bfloat16 for SMOKE_BF16 only (one family per architecture),
    float32 for all.
@@ -78,8 +82,11 @@ sys.path.insert(0, HERE)  # grpo_step.py (measure_method and the baselines)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 # a: pass when the logits' norm-relative error and the gradients' (float32: of EVERY parameter; bfloat16: of all
 # parameters together, the worst single one reported) are within these
-TOLERANCES = {"float32": {"logits": 1e-4, "grads": 1e-3, "grads_over": "every parameter"},
-              "bfloat16": {"logits": 5e-2, "grads": 1e-1, "grads_over": "all parameters together"}}
+DECODE_TOKENS = 6  # a: tokens decoded per branch by the decoding check
+DECODE_BF16 = 0.25  # a: bfloat16 decoding check's bound on |log-prob - float64 log-prob| (see section_a)
+TOLERANCES = {"float32": {"logits": 1e-4, "grads": 1e-3, "grads_over": "every parameter", "decode": 1e-4},
+              "bfloat16": {"logits": 5e-2, "grads": 1e-1, "grads_over": "all parameters together",
+                           "decode": DECODE_BF16}}
 PLAN_WAIT_S = 60.0  # b: how long the finished measurements wait for the planner's predictions (CPU workers)
 SMOKE_BF16 = ("llama", "qwen3_5_text", "glm_moe_dsa")  # --smoke: bfloat16 for one family per architecture only
 
@@ -152,6 +159,32 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
+class _Scorer:
+    """The float64 reference's log-probs of any responses to ``prompt`` (``longstraw.score`` on the CPU)."""
+
+    def __init__(self, model, prompt, chunk: int):
+        self.model, self.prompt, self.chunk = model, prompt, chunk
+
+    def __call__(self, responses):
+        import longstraw
+
+        return longstraw.score(self.model, self.prompt, responses, longstraw.GRPOConfig(prefill_chunk=self.chunk))
+
+
+def _decode_check(model, dev, prompt, ref_score: _Scorer, chunk: int) -> dict:
+    """Rollout decoding on ``dev`` (the token-by-token path, which the logits and gradients above do not take): two
+    branches of DECODE_TOKENS tokens sampled from the shared prompt state; the log-probs the decoder reported
+    against the float64 reference's for the same tokens. Max absolute difference (log-probs of a vocabulary of
+    ~60 are about -4; a broken decoding step is off by O(1))."""
+    import longstraw
+
+    ro = longstraw.generate(model, prompt.to(dev), 2, longstraw.SamplingConfig(max_new_tokens=DECODE_TOKENS, seed=0),
+                            prefill_chunk=chunk)
+    ref = ref_score([r.cpu() for r in ro.responses])
+    err = max(float((a.double().cpu() - b.double()).abs().max()) for a, b in zip(ro.logprobs, ref))
+    return {"max_abs": err, "tokens": sum(int(r.numel()) for r in ro.responses)}
+
+
 def _logits_and_grads(model, dev, prompt, responses, adv, chunk) -> dict:
     """Logits of the whole first sequence and the gradients of one group in each mode, on ``dev``."""
     import torch
@@ -210,6 +243,7 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                         p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
             prompt, responses, adv = _group(cfg["vocab_size"], args.a_prompt, [4, 7], seed=2)
             ref = _logits_and_grads(ref_model, torch.device("cpu"), prompt, responses, adv, args.a_chunk)
+            ref_score = _Scorer(ref_model, prompt, args.a_chunk)
         except Exception as e:
             entries.append({"family": fam, "stage": "float64 reference", **_error(e)})
             continue
@@ -235,6 +269,8 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                                    "missing": missing}
                     held = per[worst][0] if dtype_name == "float32" else total
                     ok = ok and held <= tol["grads"] and not missing
+                entry["decode"] = _decode_check(model, dev, prompt, ref_score, args.a_chunk)
+                ok = ok and entry["decode"]["max_abs"] <= tol["decode"]
                 entry["delta_rule_kernel"] = got["exact_kernel"]
                 entry["ok"] = bool(ok)
                 del model
@@ -245,7 +281,8 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
             say(f"  a {fam:16s} {dtype_name:8s} " + (
                 f"logits {entry['logits']['norm']:.1e}, grads (all / worst param) exact "
                 f"{entry['exact']['all_params_norm']:.1e} / {entry['exact']['norm']:.1e}, detached "
-                f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e} -> "
+                f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e}, decode "
+                f"{entry['decode']['max_abs']:.1e} -> "
                 f"{'pass' if entry['ok'] else 'FAIL'}" if "logits" in entry
                 and "exact" in entry else f"error {entry.get('error')}"))
             if dev.type == "cuda":

@@ -98,3 +98,28 @@ def test_naive_baseline_takes_transformers_torch_rule_where_fla_refuses(monkeypa
     monkeypatch.setattr(ops_dn, "fla_backward_refusal", lambda: None)
     with gpu_check._hf_delta_rule(model, cuda) as what:
         assert what == "" and hf.torch_chunk_gated_delta_rule is wrapped
+
+
+def test_decode_check_sees_a_wrong_decoder():
+    """Section a's decoding check: the same weights agree to float32 rounding; other weights (a decoder computing
+    something else) are far outside the float32 bound."""
+    import copy
+    import importlib
+
+    import longstraw
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_check = importlib.import_module("gpu_check")
+    cfg = gpu_check.family_config("llama")
+    torch.manual_seed(0)
+    ref = longstraw.build_model(cfg).double()
+    prompt = torch.randint(0, cfg["vocab_size"], (20,), generator=torch.Generator().manual_seed(3))
+    scorer = gpu_check._Scorer(ref, prompt, 8)
+    same = gpu_check._decode_check(copy.deepcopy(ref).float(), torch.device("cpu"), prompt, scorer, 8)
+    assert same["max_abs"] <= gpu_check.TOLERANCES["float32"]["decode"]
+    assert same["tokens"] == 2 * gpu_check.DECODE_TOKENS
+    other = copy.deepcopy(ref).float()
+    with torch.no_grad():
+        other.layers[-1].ffn.down_proj.weight.mul_(1.5)
+    wrong = gpu_check._decode_check(other, torch.device("cpu"), prompt, scorer, 8)
+    assert wrong["max_abs"] > 100 * gpu_check.TOLERANCES["float32"]["decode"]
