@@ -217,8 +217,10 @@ def test_the_delta_rule_kernel_is_named_once_and_in_every_step(tmp_path):
     cfg = _cfg(tmp_path / "run", "model.builtin=\"tiny-hybrid\"", "train.steps=2", "train.save_every=0")
     Trainer(cfg, resume=False, echo=said.append).train()
     rows = read_metrics(tmp_path / "run")
-    assert [r["delta_rule_kernel"] for r in rows] == ["torch", "torch"]  # CPU: the torch chunked rule
-    assert [s for s in said if "delta-rule kernel" in s] == ["Gated DeltaNet layers run the torch delta-rule kernel"]
+    # CPU: the torch chunked rule, and the recurrence's single step for each decoded token of the rollouts
+    assert [r["delta_rule_kernel"] for r in rows] == ["recurrent+torch", "recurrent+torch"]
+    assert [s for s in said if "delta-rule kernel" in s] == [
+        "Gated DeltaNet layers run the delta-rule kernels: recurrent, torch"]
 
 
 def test_graph_budget_use_is_in_the_metrics(tmp_path):

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from longstraw.models.norms import GatedRMSNorm
 from longstraw.ops.conv import causal_conv1d
-from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule
+from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule, recurrent_gated_delta_rule
 from longstraw.state import grad_dtype_for
 
 LAYOUTS = ("qwen3_next", "qwen3_5")
@@ -322,11 +322,17 @@ class GatedDeltaNet(nn.Module):
         # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
         # run its matmuls, and so the state, in bf16)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, s0) if t is not None)
-        kernel = delta_rule_kernel(q.device, q.dtype, needs_grad)  # the rule gated_delta_rule's "auto" applies
+        # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
+        # rule gated_delta_rule's "auto" picks (fla or torch)
+        kernel = "recurrent" if t == 1 and not needs_grad else delta_rule_kernel(q.device, q.dtype, needs_grad)
         self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
         with _autocast_off(x.device.type):
-            o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                     use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))
+            if kernel == "recurrent":
+                o, s1 = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                                   use_qk_l2norm=True)
+            else:
+                o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                         use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))
         o = self.norm(o, z)  # [B, T, Hv, Dv]
         y = self.out_proj(o.reshape(b, t, self.value_dim))
         if prefix is not None:

@@ -623,7 +623,7 @@ class Trainer:
         if kernel:
             m["delta_rule_kernel"] = kernel
             if not self._kernel_said:
-                self.echo(f"Gated DeltaNet layers run the {kernel} delta-rule kernel")
+                self.echo(f"Gated DeltaNet layers run the delta-rule kernels: {kernel.replace('+', ', ')}")
                 self._kernel_said = True
         if expert_tokens is not None:
             m.update(imbalance(expert_tokens))
