@@ -363,3 +363,22 @@ def test_fla_backward_refusal_without_the_flags(monkeypatch):
         assert ops_dn.fla_backward_refusal() is None
     finally:
         ops_dn.fla_backward_refusal.cache_clear()
+
+
+def test_backend_from_the_environment(monkeypatch):
+    """LONGSTRAW_DELTA_RULE picks the chunked rule's backend of the models' calls ("torch" rules fla out on a GPU
+    where it misbehaves); anything else is one error naming the variable and the allowed values."""
+    ops_dn = _fake_fla(monkeypatch, False, "3.7.1", None)  # an importable fla whose backward runs
+    bf16 = torch.bfloat16
+    monkeypatch.delenv("LONGSTRAW_DELTA_RULE", raising=False)
+    assert ops_dn.default_backend() == "auto" and ops_dn.delta_rule_kernel("cuda", bf16) == "fla"
+    monkeypatch.setenv("LONGSTRAW_DELTA_RULE", "torch")
+    assert ops_dn.default_backend() == "torch" and ops_dn.delta_rule_kernel("cuda", bf16) == "torch"
+    monkeypatch.setenv("LONGSTRAW_DELTA_RULE", " FLA ")
+    assert ops_dn.delta_rule_kernel("cuda", bf16) == "fla"
+    with pytest.raises(ValueError, match="backend='fla' needs CUDA bf16/fp16"):
+        ops_dn.delta_rule_kernel("cpu", bf16)
+    monkeypatch.setenv("LONGSTRAW_DELTA_RULE", "triton")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DELTA_RULE='triton' is not a delta-rule backend; allowed: "
+                                         r"auto, torch, fla"):
+        ops_dn.default_backend()

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 
 import torch
@@ -63,10 +64,22 @@ from torch import Tensor
 from longstraw.ops import meta
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
-           "choose_kernel", "delta_rule_kernel"]
+           "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV"]
 
 _L2NORM_EPS = 1e-6
 _BACKENDS = ("auto", "torch", "fla")
+BACKEND_ENV = "LONGSTRAW_DELTA_RULE"  # the chunked rule's backend when a call names none (the models' calls)
+
+
+def default_backend() -> str:
+    """The backend :func:`gated_delta_rule` and :func:`delta_rule_kernel` take when none is given: the environment
+    variable ``LONGSTRAW_DELTA_RULE`` ("auto", "torch" or "fla"; e.g. "torch" to rule fla out where it misbehaves),
+    else "auto". ValueError naming the variable for any other value."""
+    value = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not a delta-rule backend; allowed: "
+                         f"{', '.join(_BACKENDS)}")
+    return value
 
 
 def l2norm(x: Tensor, eps: float = _L2NORM_EPS) -> Tensor:
@@ -324,14 +337,17 @@ def fla_backward_refusal() -> str | None:
             "Triton >= 3.7.1, or tilelang, needed)")
 
 
-def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad: bool = False) -> str:
-    """The kernel "auto" takes for inputs on ``device`` in ``dtype`` (imports fla only for a CUDA device); with
-    ``needs_grad`` (the call's output takes part in a backward), "torch" where fla's backward refuses
-    (:func:`fla_backward_refusal`)."""
+def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad: bool = False,
+                      backend: str | None = None) -> str:
+    """The kernel ``backend`` (default :func:`default_backend`) takes for inputs on ``device`` in ``dtype``
+    (imports fla only for a CUDA device); "auto" with ``needs_grad`` (the call's output takes part in a backward):
+    "torch" where fla's backward refuses (:func:`fla_backward_refusal`)."""
+    backend = default_backend() if backend is None else backend
     device_type = torch.device(device).type
-    fla_ok = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fla_available()
-    kernel = choose_kernel("auto", device_type, dtype, fla_ok)
-    if kernel == "fla" and needs_grad and fla_backward_refusal() is not None:
+    fla_ok = (backend != "torch" and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+              and fla_available())
+    kernel = choose_kernel(backend, device_type, dtype, fla_ok)
+    if kernel == "fla" and backend == "auto" and needs_grad and fla_backward_refusal() is not None:
         return "torch"
     return kernel
 
@@ -368,14 +384,16 @@ def gated_delta_rule(
     output_final_state: bool = True,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
-    backend: str = "auto",
+    backend: str | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Dispatcher. ``backend``: "auto" (fla for CUDA bf16/fp16 when it imports, else torch chunked), "torch", "fla".
+    """Dispatcher. ``backend``: "auto" (fla for CUDA bf16/fp16 when it imports, else torch chunked), "torch", "fla";
+    None: :func:`default_backend` (``LONGSTRAW_DELTA_RULE``, else "auto").
     A call that records a graph takes the torch rule where fla's backward refuses (:func:`fla_backward_refusal`;
     "auto" warns once, "fla" raises): forward-only calls (prefill, decoding) still run fla.
 
     fla always uses chunks of 64; a different ``chunk_size`` is ignored there (with a warning).
     """
+    backend = default_backend() if backend is None else backend
     fla_fn = None
     if backend in _BACKENDS and backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         fla_fn = _load_fla()
