@@ -38,7 +38,9 @@ b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-
    sequences), the shared-prefix step (``grpo_step._prefix_step``: prompt graph kept, one backward) and LongStraw at
    the same prompt ``--compare-len`` through ``grpo_step.measure_method``: peaks and seconds, and their ratios to
    LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each; one exact step
-   with ``checkpoint_layers``; the memory planner's peak beside every measured step (``--no-planner`` turns it off:
+   with ``checkpoint_layers``; the torch chunked delta rule alone (fwd + bwd of one prefill chunk of this model's
+   DeltaNet shape) at three ``block_tokens`` (its GPU time is launches: data for choosing a GPU default); the
+   memory planner's peak beside every measured step (``--no-planner`` turns it off:
    computed in CPU worker processes while the GPU measures, waited for at most PLAN_WAIT_S at the end; on the H200
    run of 2026-12-04, planned after the fact for the same steps, it was within 0.04% of every measured peak).
 d. The trainer on the device (``--d-s``, default 60 s; ``gpu_trainer.py``): ``longstraw train``'s Trainer on the
@@ -683,9 +685,53 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
         if both:
             say(f"  b planner / measured over {len(both)} steps: {min(ratios):.3f}x to {max(ratios):.3f}x")
 
+    def do_rule_blocks():
+        """The torch chunked delta rule (what passes that need a gradient run where fla's backward is refused) at
+        one prefill chunk of this model's DeltaNet shape, forward + backward, for several ``block_tokens``: on a GPU
+        its time is kernel launches more than arithmetic (the default block is sized for the CPU's memory)."""
+        from longstraw.ops.deltanet import chunk_gated_delta_rule
+
+        hv, hk, dk, dv = (cfg[k] for k in ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
+                                            "linear_value_head_dim"))
+        t = chunk
+        g2 = torch.Generator(device=dev).manual_seed(5)
+
+        def rand(*shape):
+            return torch.randn(*shape, device=dev, dtype=dtype, generator=g2)
+
+        rows = res.setdefault("rule_blocks", {}).setdefault("runs", [])
+        for blk in (None, 1024, 4096):
+            xs = [rand(1, t, hk, dk), rand(1, t, hk, dk), rand(1, t, hv, dv),  # q, k, v
+                  -torch.rand(1, t, hv, device=dev, generator=g2) * 0.1,  # g (log decay)
+                  torch.rand(1, t, hv, device=dev, dtype=dtype, generator=g2),  # beta
+                  torch.zeros(1, hv, dk, dv, device=dev)]  # initial state
+            for x in xs:
+                x.requires_grad_(True)
+
+            def once(xs=xs, blk=blk):
+                o, s1 = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], block_tokens=blk)
+                (o.float().square().mean() + s1.square().mean()).backward()
+
+            once()  # warm-up
+            sync()
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            t0 = time.perf_counter()
+            once()
+            sync()
+            secs = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+            rows.append({"tokens": t, "block_tokens": blk, "seconds": secs, "peak_bytes": peak})
+            say(f"  b torch delta rule, {t:,} tokens x {hv} heads fwd+bwd, block_tokens={blk}: {secs:.3f} s"
+                + (f", peak {peak / 2**30:.2f} GiB" if peak is not None else ""))
+            del xs, once
+            free()
+
     part("prefill", do_prefill)
     part("rollout", do_rollout)
     part("steps", do_steps)
+    part("rule_blocks", do_rule_blocks)
     part("compare", do_compare)
     part("longest", do_longest)
     part("planner", do_planner)

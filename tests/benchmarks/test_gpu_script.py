@@ -42,6 +42,8 @@ def test_gpu_check_smoke(tmp_path):
     for method in ("naive", "prefix", "detached", "exact"):
         assert b["compare"]["methods"][method]["peak_bytes"] > 0, b["compare"]["methods"][method]
     assert "naive_over_detached_peak" in b["compare"] and "prefix_over_detached_peak" in b["compare"]
+    assert [r["block_tokens"] for r in b["rule_blocks"]["runs"]] == [None, 1024, 4096]
+    assert all(r["seconds"] > 0 for r in b["rule_blocks"]["runs"])
     for mode in ("detached", "exact"):
         assert b["longest"][mode]["measured_max"] >= 512 and b["longest"][mode]["stopped_by"]
     d = res["sections"]["d"]  # the trainer: 4 steps, resumed bit for bit on the CPU, LoRA
