@@ -367,30 +367,29 @@ def _plan_worker_init() -> None:
 
 class _Plans:
     """The planner's predictions beside the measured steps, computed in worker processes on the CPU (its dry run
-    needs no GPU) while the GPU measures, so that they cost no device time; collected at the end of section b."""
+    needs no GPU) while the GPU measures, so that they cost no device time; collected at the end of section b.
+    Workers still planning then are terminated (a plan left running must not keep the device's run alive)."""
 
     def __init__(self, workers: int):
         import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
 
         self.pool = None
         if workers > 0:
-            self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_plan_worker_init)
+            self.pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_plan_worker_init)
         self.jobs: list = []
 
     def submit(self, rec: dict, key: str, **kw) -> None:
         if self.pool is not None:
-            self.jobs.append((rec, key, self.pool.submit(_plan_step, **kw)))
+            self.jobs.append((rec, key, self.pool.apply_async(_plan_step, kwds=kw)))
 
     def collect(self, deadline: float) -> None:
         """Write each prediction into its record under ``key`` (or ``key + "_error"``) until ``deadline``."""
-        from concurrent.futures import TimeoutError as FutureTimeout
+        import multiprocessing
 
-        for rec, key, fut in self.jobs:
+        for rec, key, job in self.jobs:
             try:
-                rec[key] = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
-            except FutureTimeout:
+                rec[key] = job.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except multiprocessing.TimeoutError:
                 rec[f"{key}_error"] = "not done within the section budget"
             except Exception as e:  # the planner failing must not lose the measurement
                 rec[f"{key}_error"] = repr(e)[:300]
@@ -398,7 +397,8 @@ class _Plans:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.terminate()
+            self.pool.join()
 
 
 def section_b(args, dev, res: dict, deadline: float, say, flush) -> None:
