@@ -161,28 +161,16 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-class _Scorer:
-    """The float64 reference's log-probs of any responses to ``prompt`` (``longstraw.score`` on the CPU)."""
-
-    def __init__(self, model, prompt, chunk: int):
-        self.model, self.prompt, self.chunk = model, prompt, chunk
-
-    def __call__(self, responses):
-        import longstraw
-
-        return longstraw.score(self.model, self.prompt, responses, longstraw.GRPOConfig(prefill_chunk=self.chunk))
-
-
-def _decode_check(model, dev, prompt, ref_score: _Scorer, chunk: int) -> dict:
+def _decode_check(model, dev, prompt, ref_model, chunk: int) -> dict:
     """Rollout decoding on ``dev`` (the token-by-token path, which the logits and gradients above do not take): two
     branches of DECODE_TOKENS tokens sampled from the shared prompt state; the log-probs the decoder reported
-    against the float64 reference's for the same tokens. Max absolute difference (log-probs of a vocabulary of
-    ~60 are about -4; a broken decoding step is off by O(1))."""
+    against the float64 reference's (``ref_model`` on the CPU) for the same tokens. Max absolute difference
+    (log-probs of a vocabulary of ~60 are about -4; a broken decoding step is off by O(1))."""
     import longstraw
 
     ro = longstraw.generate(model, prompt.to(dev), 2, longstraw.SamplingConfig(max_new_tokens=DECODE_TOKENS, seed=0),
                             prefill_chunk=chunk)
-    ref = ref_score([r.cpu() for r in ro.responses])
+    ref = longstraw.score(ref_model, prompt, [r.cpu() for r in ro.responses], longstraw.GRPOConfig(prefill_chunk=chunk))
     err = max(float((a.double().cpu() - b.double()).abs().max()) for a, b in zip(ro.logprobs, ref))
     return {"max_abs": err, "tokens": sum(int(r.numel()) for r in ro.responses)}
 
@@ -245,7 +233,6 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                         p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
             prompt, responses, adv = _group(cfg["vocab_size"], args.a_prompt, [4, 7], seed=2)
             ref = _logits_and_grads(ref_model, torch.device("cpu"), prompt, responses, adv, args.a_chunk)
-            ref_score = _Scorer(ref_model, prompt, args.a_chunk)
         except Exception as e:
             entries.append({"family": fam, "stage": "float64 reference", **_error(e)})
             continue
@@ -271,7 +258,7 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                                    "missing": missing}
                     held = per[worst][0] if dtype_name == "float32" else total
                     ok = ok and held <= tol["grads"] and not missing
-                entry["decode"] = _decode_check(model, dev, prompt, ref_score, args.a_chunk)
+                entry["decode"] = _decode_check(model, dev, prompt, ref_model, args.a_chunk)
                 ok = ok and entry["decode"]["max_abs"] <= tol["decode"]
                 entry["delta_rule_kernel"] = got["exact_kernel"]
                 entry["ok"] = bool(ok)

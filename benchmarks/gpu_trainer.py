@@ -20,13 +20,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-import traceback
 
 VOLATILE = {"rollout_s", "train_s", "step_s", "peak_memory_bytes", "train_peak_bytes", "peak_above_start_bytes"}
-
-
-def _error(e: BaseException) -> dict:
-    return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-4000:]}
 
 
 def _sets(dev, dtype: str, prompt: int, out: str, steps: int, *extra: str) -> list[str]:
@@ -55,6 +50,8 @@ def section_d(args, dev, res: dict, deadline: float, say, flush) -> None:
     from longstraw.rl.config import RunConfig, apply_overrides
     from longstraw.rl.runlog import read_metrics
     from longstraw.rl.trainer import Trainer
+
+    from gpu_check import _error  # one record of a failure for every section
 
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     prompt = args.d_prompt or (256 if args.smoke else 4096)

@@ -116,12 +116,11 @@ def test_decode_check_sees_a_wrong_decoder():
     torch.manual_seed(0)
     ref = longstraw.build_model(cfg).double()
     prompt = torch.randint(0, cfg["vocab_size"], (20,), generator=torch.Generator().manual_seed(3))
-    scorer = gpu_check._Scorer(ref, prompt, 8)
-    same = gpu_check._decode_check(copy.deepcopy(ref).float(), torch.device("cpu"), prompt, scorer, 8)
+    same = gpu_check._decode_check(copy.deepcopy(ref).float(), torch.device("cpu"), prompt, ref, 8)
     assert same["max_abs"] <= gpu_check.TOLERANCES["float32"]["decode"]
     assert same["tokens"] == 2 * gpu_check.DECODE_TOKENS
     other = copy.deepcopy(ref).float()
     with torch.no_grad():
         other.layers[-1].ffn.down_proj.weight.mul_(1.5)
-    wrong = gpu_check._decode_check(other, torch.device("cpu"), prompt, scorer, 8)
+    wrong = gpu_check._decode_check(other, torch.device("cpu"), prompt, ref, 8)
     assert wrong["max_abs"] > 100 * gpu_check.TOLERANCES["float32"]["decode"]

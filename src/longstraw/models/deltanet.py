@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from longstraw.models.norms import GatedRMSNorm
 from longstraw.ops.conv import causal_conv1d
-from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule, recurrent_gated_delta_rule
+from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule, needs_grad, recurrent_gated_delta_rule
 from longstraw.state import grad_dtype_for
 
 LAYOUTS = ("qwen3_next", "qwen3_5")
@@ -321,10 +321,10 @@ class GatedDeltaNet(nn.Module):
         # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk.
         # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
         # run its matmuls, and so the state, in bf16)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, s0) if t is not None)
+        grad = needs_grad(q, k, v, g, beta, s0)
         # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
         # rule gated_delta_rule's "auto" picks (fla or torch)
-        kernel = "recurrent" if t == 1 and not needs_grad else delta_rule_kernel(q.device, q.dtype, needs_grad)
+        kernel = "recurrent" if t == 1 and not grad else delta_rule_kernel(q.device, q.dtype, grad)
         self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
         with _autocast_off(x.device.type):
             if kernel == "recurrent":

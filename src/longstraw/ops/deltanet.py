@@ -64,7 +64,8 @@ from torch import Tensor
 from longstraw.ops import meta
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
-           "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV"]
+           "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV",
+           "needs_grad"]
 
 _L2NORM_EPS = 1e-6
 _BACKENDS = ("auto", "torch", "fla")
@@ -337,19 +338,26 @@ def fla_backward_refusal() -> str | None:
             "Triton >= 3.7.1, or tilelang, needed)")
 
 
+def _dispatch(backend: str, device_type: str, dtype: torch.dtype, needs_grad: bool) -> tuple[str, str | None]:
+    """``(kernel, refusal)``: the kernel ``backend`` takes (:func:`choose_kernel`, imports fla only for CUDA half
+    inputs), and for a call that records a graph where fla's backward refuses (:func:`fla_backward_refusal`) the
+    reason, "auto" then taking "torch" and "fla" raising RuntimeError."""
+    fla_ok = (backend in ("auto", "fla") and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+              and fla_available())
+    kernel = choose_kernel(backend, device_type, dtype, fla_ok)
+    refusal = fla_backward_refusal() if kernel == "fla" and needs_grad else None
+    if refusal is not None and backend == "fla":
+        raise RuntimeError(f"backend='fla' cannot take a pass that needs a gradient here: {refusal}")
+    return ("torch" if refusal is not None else kernel), refusal
+
+
 def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad: bool = False,
                       backend: str | None = None) -> str:
     """The kernel ``backend`` (default :func:`default_backend`) takes for inputs on ``device`` in ``dtype``
     (imports fla only for a CUDA device); "auto" with ``needs_grad`` (the call's output takes part in a backward):
-    "torch" where fla's backward refuses (:func:`fla_backward_refusal`)."""
+    "torch" where fla's backward refuses (:func:`fla_backward_refusal`; "fla" raises there)."""
     backend = default_backend() if backend is None else backend
-    device_type = torch.device(device).type
-    fla_ok = (backend != "torch" and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-              and fla_available())
-    kernel = choose_kernel(backend, device_type, dtype, fla_ok)
-    if kernel == "fla" and backend == "auto" and needs_grad and fla_backward_refusal() is not None:
-        return "torch"
-    return kernel
+    return _dispatch(backend, torch.device(device).type, dtype, needs_grad)[0]
 
 
 _log = logging.getLogger(__name__)
@@ -367,7 +375,7 @@ def _warn_torch_on_cuda(dtype: torch.dtype, why: str, fix: str) -> None:
                   f"expect a slower step and a branch graph several times fla's ({fix})", stacklevel=3)
 
 
-def _needs_grad(*tensors: Tensor | None) -> bool:
+def needs_grad(*tensors: Tensor | None) -> bool:
     """Whether a call on these inputs records a graph (its backward will run the kernel's backward)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -394,17 +402,7 @@ def gated_delta_rule(
     fla always uses chunks of 64; a different ``chunk_size`` is ignored there (with a warning).
     """
     backend = default_backend() if backend is None else backend
-    fla_fn = None
-    if backend in _BACKENDS and backend != "torch" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        fla_fn = _load_fla()
-    kernel = choose_kernel(backend, q.device.type, q.dtype, fla_fn is not None)
-    refusal = None
-    if kernel == "fla" and _needs_grad(q, k, v, g, beta, initial_state):
-        refusal = fla_backward_refusal()
-        if refusal is not None and backend == "fla":
-            raise RuntimeError(f"backend='fla' cannot take a pass that needs a gradient here: {refusal}")
-        if refusal is not None:
-            kernel = "torch"
+    kernel, refusal = _dispatch(backend, q.device.type, q.dtype, needs_grad(q, k, v, g, beta, initial_state))
     if q.device.type != "meta":
         _log_kernel(kernel, q.device.type, q.dtype)
     if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
@@ -440,7 +438,7 @@ def gated_delta_rule(
     v = v.to(q.dtype)
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32)
-    o, final = fla_fn(
+    o, final = _load_fla()(
         q,
         k,
         v,
