@@ -175,8 +175,14 @@ def _decode_check(model, dev, prompt, ref_model, chunk: int) -> dict:
     return {"max_abs": err, "tokens": sum(int(r.numel()) for r in ro.responses)}
 
 
-def _logits_and_grads(model, dev, prompt, responses, adv, chunk) -> dict:
-    """Logits of the whole first sequence and the gradients of one group in each mode, on ``dev``."""
+MODES = ("exact", "detached")
+DEVICE_MODES = MODES + ("exact_offload",)  # exact with the state gradient in host memory: held to exact's reference
+
+
+def _logits_and_grads(model, dev, prompt, responses, adv, chunk, modes=MODES) -> dict:
+    """Logits of the whole first sequence and the gradients of one group in each of ``modes``, on ``dev``
+    (``exact_offload``: ``GRPOConfig(offload_state_grad=True)``, on a GPU the sinks in host memory; its
+    ``exact_offload_host_bytes`` says how many bytes were)."""
     import torch
 
     import longstraw
@@ -185,13 +191,15 @@ def _logits_and_grads(model, dev, prompt, responses, adv, chunk) -> dict:
     with torch.no_grad():
         ids = torch.cat([prompt, responses[0]])[None].to(dev)
         out["logits"] = model(ids).double().cpu()
-    for mode in ("exact", "detached"):
+    for mode in modes:
         for p in model.parameters():
             p.grad = None
-        cfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, clip_ratio_c=None)
+        cfg = longstraw.GRPOConfig(prompt_grad=mode.split("_")[0], prefill_chunk=chunk, clip_ratio_c=None,
+                                   offload_state_grad=mode == "exact_offload")
         st = longstraw.grpo_backward(model, prompt.to(dev), [r.to(dev) for r in responses], adv.to(dev), cfg)
         out[mode] = _grads(model)
         out[f"{mode}_kernel"] = st.delta_rule_kernel
+        out[f"{mode}_host_bytes"] = st.prompt_state_grad_host_bytes
     for p in model.parameters():
         p.grad = None
     return out
@@ -242,22 +250,26 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
             entry = {"family": fam, "dtype": dtype_name}
             try:
                 model = copy.deepcopy(ref_model).to(device=dev, dtype=getattr(torch, dtype_name))
-                got = _logits_and_grads(model, dev, prompt, responses, adv, args.a_chunk)
+                got = _logits_and_grads(model, dev, prompt, responses, adv, args.a_chunk, DEVICE_MODES)
                 tol = TOLERANCES[dtype_name]
                 entry["logits"] = dict(zip(("norm", "max"), _rel(got["logits"], ref["logits"])))
                 ok = entry["logits"]["norm"] <= tol["logits"]
-                for mode in ("exact", "detached"):
-                    missing = sorted(set(ref[mode]) ^ set(got[mode]))
-                    per = {n: _rel(got[mode][n], ref[mode][n]) for n in ref[mode] if n in got[mode]}
+                for mode in DEVICE_MODES:
+                    want = ref[mode.split("_")[0]]
+                    missing = sorted(set(want) ^ set(got[mode]))
+                    per = {n: _rel(got[mode][n], want[n]) for n in want if n in got[mode]}
                     worst = max(per, key=lambda n: per[n][0])
-                    names = [n for n in ref[mode] if n in got[mode]]
+                    names = [n for n in want if n in got[mode]]
                     total = _rel(torch.cat([got[mode][n].flatten() for n in names]),
-                                 torch.cat([ref[mode][n].flatten() for n in names]))[0]
+                                 torch.cat([want[n].flatten() for n in names]))[0]
                     entry[mode] = {"norm": per[worst][0], "all_params_norm": total,
                                    "max": max(v[1] for v in per.values()), "worst_param": worst, "params": len(per),
                                    "missing": missing}
                     held = per[worst][0] if dtype_name == "float32" else total
                     ok = ok and held <= tol["grads"] and not missing
+                # on a GPU the offloaded run must really have held its state gradient in host memory
+                entry["exact_offload"]["host_bytes"] = got["exact_offload_host_bytes"]
+                ok = ok and (dev.type == "cpu" or got["exact_offload_host_bytes"] > 0)
                 entry["decode"] = _decode_check(model, dev, prompt, ref_model, args.a_chunk)
                 ok = ok and entry["decode"]["max_abs"] <= tol["decode"]
                 entry["delta_rule_kernel"] = got["exact_kernel"]
@@ -270,7 +282,9 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
             say(f"  a {fam:16s} {dtype_name:8s} " + (
                 f"logits {entry['logits']['norm']:.1e}, grads (all / worst param) exact "
                 f"{entry['exact']['all_params_norm']:.1e} / {entry['exact']['norm']:.1e}, detached "
-                f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e}, decode "
+                f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e}, exact offloaded "
+                f"{entry['exact_offload']['all_params_norm']:.1e} / {entry['exact_offload']['norm']:.1e} "
+                f"({entry['exact_offload']['host_bytes']:,} B in host memory), decode "
                 f"{entry['decode']['max_abs']:.1e} -> "
                 f"{'pass' if entry['ok'] else 'FAIL'}" if "logits" in entry
                 and "exact" in entry else f"error {entry.get('error')}"))
@@ -331,14 +345,17 @@ def _hf_delta_rule(model, dev):
 
 
 def _plan_step(hf_config: dict, mode: str, prompt_len: int, response_len: int, group: int, chunk: int,
-               dtype_name: str, checkpoint_layers: bool = False, gpu_mem: int | None = None) -> int:
+               dtype_name: str, checkpoint_layers: bool = False, gpu_mem: int | None = None,
+               offload: bool = False) -> int:
     """The planner's peak for one measured step, as section b measures it: above the weights (no optimiser), the
     model held in ``dtype_name`` alone (no float32 masters: ``master_dtype`` = the compute dtype). With ``gpu_mem``:
-    the longest prompt that fits it instead. Runs in a worker process (meta device, CPU only)."""
+    the longest prompt that fits it instead. ``offload``: the state gradient in host memory (the device's peak).
+    Runs in a worker process (meta device, CPU only)."""
     import longstraw
     from longstraw.planner import plan
 
-    cfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, checkpoint_layers=checkpoint_layers)
+    cfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, checkpoint_layers=checkpoint_layers,
+                               offload_state_grad=offload)
     pl = plan(hf_config, prompt_len=prompt_len, response_len=response_len, group=group, dtype=dtype_name,
               master_dtype=dtype_name, cfg=cfg, gpu_mem=gpu_mem)
     if gpu_mem is not None:
@@ -514,8 +531,9 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             f"{n_tok / dec:,.0f} tokens/s")
 
     # ---- GRPO steps
-    def step(mode, p, g, ckpt=False) -> dict:
-        gcfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, clip_ratio_c=None, checkpoint_layers=ckpt)
+    def step(mode, p, g, ckpt=False, offload=False) -> dict:
+        gcfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, clip_ratio_c=None, checkpoint_layers=ckpt,
+                                    offload_state_grad=offload)
         prompt, responses = ids(p), [ids(rlen) for _ in range(g)]
         adv = torch.randn(g, generator=gen)
         box = {}
@@ -523,7 +541,8 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
         def run():
             box["stats"] = longstraw.grpo_backward(model, prompt, responses, adv, gcfg)
 
-        rec = {"mode": mode, "prompt_len": p, "G": g, "response_len": rlen, "checkpoint_layers": ckpt}
+        rec = {"mode": mode, "prompt_len": p, "G": g, "response_len": rlen, "checkpoint_layers": ckpt,
+               "offload_state_grad": offload}
         try:
             peak, secs = measure_step(run, params, dev)
         except oom as e:
@@ -535,15 +554,15 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             rec.update(peak_bytes=peak, seconds=secs, phase_seconds=st.seconds,
                        replay_tokens_per_s=g * rlen / st.seconds["replay"] if st.seconds.get("replay") else None,
                        prompt_state_bytes=st.prompt_state_bytes, prompt_state_grad_bytes=st.prompt_state_grad_bytes,
-                       delta_rule_kernel=st.delta_rule_kernel,
+                       prompt_state_grad_host_bytes=st.prompt_state_grad_host_bytes, delta_rule_kernel=st.delta_rule_kernel,
                        finite=all(bool(torch.isfinite(q.grad).all()) for q in params if q.grad is not None))
             plans.submit(rec, "planned_bytes", hf_config=cfg, mode=mode, prompt_len=p, response_len=rlen, group=g,
-                         chunk=chunk, dtype_name=dtype_name, checkpoint_layers=ckpt)
+                         chunk=chunk, dtype_name=dtype_name, checkpoint_layers=ckpt, offload=offload)
         for q in params:
             q.grad = None
         box.clear()
         free()
-        tag = f"{mode}{'+ckpt' if ckpt else ''}"
+        tag = f"{mode}{'+ckpt' if ckpt else ''}{'+offload' if offload else ''}"
         if "peak_bytes" in rec:
             say(f"  b {tag:13s} P={p:>9,} G={g}: peak {rec['peak_bytes'] / 2**30:7.2f} GiB, "
                 f"{rec['seconds']:7.2f} s, "
@@ -564,8 +583,12 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
         # exact with checkpointed layers: one layer's graph at a time in replay and the reverse pass
         runs.append(step("exact", step_len, gmax, ckpt=True))
         flush()
+        # exact with the state gradient in host memory: the device peak it saves, the time its copies cost
+        runs.append(step("exact", step_len, gmax, offload=True))
+        flush()
         for mode in ("detached", "exact"):
-            same = [r for r in runs if r["mode"] == mode and not r["checkpoint_layers"]]
+            same = [r for r in runs if r["mode"] == mode and not r["checkpoint_layers"]
+                    and not r["offload_state_grad"]]
             a = next((r.get("peak_bytes") for r in same if r["G"] == min(groups)), None)
             b = next((r.get("peak_bytes") for r in same if r["G"] == gmax), None)
             if a and b:

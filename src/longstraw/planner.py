@@ -372,6 +372,8 @@ class Plan:
             out["graph_budget"] = dict(self.settings["graph_budget"])
         if "lora" in self.settings:  # a LoRA plan: what was adapted, and how ``weights`` splits
             out["lora"] = dict(self.settings["lora"])
+        if "host" in self.settings:  # offloads: host memory per device and the state gradient's traffic
+            out["host"] = dict(self.settings["host"])
         return out
 
 
@@ -419,8 +421,9 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         with meter.lb:
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
             if cfg.exact:
-                state.enable_grad()  # as grpo_backward does before the replay
-            out = {"prompt_state": state.nbytes(), "grad_at_replay": state.grad_nbytes()}
+                state.enable_grad(offload=cfg.offload_state_grad)  # as grpo_backward does before the replay
+            out = {"prompt_state": state.nbytes(), "grad_at_replay": state.grad_nbytes(),
+                   "grad_host": state.grad_host_nbytes()}
             state.release_grad()
             del state
         return out
@@ -444,7 +447,7 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
     for p in model.parameters():
         p.grad = None
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
-            "grad_at_replay": marks.get("replay", 0),
+            "grad_at_replay": marks.get("replay", 0), "grad_host": stats.prompt_state_grad_host_bytes,
             "prefill": meter.transient("prompt_state"),
             "recompute": meter.above_start("prompt_backward") if cfg.exact else 0,
             "replay": meter.above_start("replay"),
@@ -456,8 +459,8 @@ def _finish(raw: dict[str, int]) -> dict[str, int]:
     if "logits" not in raw:  # a state-only run
         return dict(raw)
     logits = raw["logits"]
-    return {"grad_at_replay": raw["grad_at_replay"], "prompt_state": raw["prompt_state"], "prompt_state_grad": raw["prompt_state_grad"],
-            "prefill_chunk": max(raw["prefill"], raw["recompute"]),
+    return {"grad_at_replay": raw["grad_at_replay"], "grad_host": raw["grad_host"], "prompt_state": raw["prompt_state"],
+            "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": max(raw["prefill"], raw["recompute"]),
             "branch_graph": max(0, raw["replay"] - logits), "logits": min(logits, raw["replay"])}
 
 
@@ -466,7 +469,7 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_on
     """Run the engine's GRPO step (``prefill`` then ``grpo_backward``) on the meta ``model`` under ``cfg`` (a
     ``GRPOConfig``) and return the tracked bytes per phase (module docstring: one branch batch, the peak steps)."""
     out = _finish(_dry_run_raw(model, prompt_len, response_len, group, cfg, state_only))
-    return out if state_only else {k: v for k, v in out.items() if k != "grad_at_replay"}
+    return out if state_only else {k: v for k, v in out.items() if k not in ("grad_at_replay", "grad_host")}
 
 
 _INDEX_ATTRS = frozenset({"layer_index", "source_index", "layer_idx"})
@@ -659,6 +662,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     fixed["weights"] += ex_n * mb + ex_frozen * cb
     fixed["grads"] += ex_n * mb
     fixed["optimizer"] += 0 if optimizer_offload else optimizer_states * ex_n * mb
+    n_dense = n  # the trained parameters outside the experts (FSDP-sharded)
     if ep > 1:  # the split of ``weights`` (LoRA lines) and the counts below include the experts
         split["frozen_params"] += ex_frozen * ep
         split["frozen_weight_bytes"] += ex_frozen * cb
@@ -666,6 +670,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         split["saved_weight_bytes"] += ex_n * mb
         n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
     split.update(expert_params_per_device=ex_n + ex_frozen)
+    split["optimizer_host_bytes"] = optimizer_states * (n_dense * mb // shard + ex_n * mb) if optimizer_offload else 0
     if fsdp:  # module docstring; gradients: unsharded in the compute dtype, and a float32 copy for the reduction
         if model.spec.tie_word_embeddings:  # one embedding + head unit, gathered while the layers run, its gradient
             # held from the head's backward to the embedding's, beside the layers'
@@ -830,7 +835,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     def at(p: int, state_only: bool = False) -> dict[str, int]:
         if (p, state_only) not in cache:
             d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
-            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay"):
+            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host"):
                 if k in d:
                     d[k] //= cp
             if "prefill_chunk" in d:
@@ -863,15 +868,22 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         out["prompt_state"] = int(b1["prompt_state"] + (b2["prompt_state"] - b1["prompt_state"]) * (p - t) / t)
         g1, g2 = b1["grad_at_replay"], b2["grad_at_replay"]
         out["prompt_state_grad"] = int(g1 + (g2 - g1) * (p - t) / t) + b2["prompt_state_grad"] - g2
-        return out
+        h1, h2 = b1["grad_host"], b2["grad_host"]  # the offloaded buffers: a part of the line's (allocated first)
+        out["grad_host"] = int(h1 + (h2 - h1) * (p - t) / t)
+        return device_share(out)
+
+    def device_share(b: dict[str, int]) -> dict[str, int]:
+        """``b`` with ``prompt_state_grad`` the device's share (offload_state_grad: the rest in host memory)."""
+        return {**b, "prompt_state_grad": b["prompt_state_grad"] - b["grad_host"]}
 
     def linear(p: int) -> dict[str, int]:
-        out = dict(at(p) if p <= 2 * t else line(p))
+        out = device_share(at(p)) if p <= 2 * t else line(p)
         out["kept_graphs"] = min(fixed_budget, kept_graph_plan(model, p, chunk, out["prefill_chunk"],
                                                                fixed_budget)["kept_bytes"]) if fixed_budget else 0
         return out
 
-    breakdown = {k: v for k, v in linear(prompt_len).items() if k != "grad_at_replay"}
+    at_len = linear(prompt_len)
+    breakdown = {k: v for k, v in at_len.items() if k not in ("grad_at_replay", "grad_host")}
     peak = peak_of(breakdown)
     if cfg.exact and requested == "auto":
         usable_ = None if gpu_mem is None else int(gpu_mem) - reserve
@@ -893,6 +905,14 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
                     checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer, ep=ep,
                     assumptions=assumptions)
+    host = _host_plan(at_len["grad_host"], split.pop("optimizer_host_bytes"), cfg, prompt_len, group, cp)
+    if host is not None:
+        settings["host"] = host
+        if host["prompt_state_grad_bytes"]:
+            assumptions["prompt_state_grad"] = (
+                f"float32, {format_bytes(host['prompt_state_grad_bytes'])} of it in host memory (offload_state_grad:"
+                f" the attention K/V and MLA latent buffers; {format_bytes(breakdown['prompt_state_grad'])} of "
+                "recurrent-state gradients stay on the device)")
     if lora_settings is not None:
         t = lora_settings.target_modules
         settings["lora"] = {"rank": lora_settings.r, "alpha": lora_settings.lora_alpha,
@@ -904,6 +924,26 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if gp is not None:
         settings["graph_budget"] = gp
     return Plan(int(peak), breakdown, max_len, settings, usable)
+
+
+def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group: int, cp: int) -> dict | None:
+    """Host memory per device (per GPU process) of the offloaded state gradient and optimiser moments, and the
+    state gradient's device <-> host traffic per GRPO step (None: nothing offloaded). Traffic: every branch batch's
+    backward adds the whole gradient in host memory (device -> host); each reverse-pass step adds the gradient of
+    the prefix before it (on average half the state: ``(steps - 1) / 2`` gradients over the walk) and reads its own
+    slice back (host -> device: one gradient over the walk). DSA layers on their sparse path add the selected rows
+    only: there it is an upper bound."""
+    if not grad_host and not optimizer_host:
+        return None
+    steps = -(-(prompt_len - 1) // (cp * cfg.prefill_chunk))
+    batches = -(-group // cfg.branch_batch)
+    replay = batches * grad_host
+    reverse_d2h = grad_host * max(0, steps - 1) // 2
+    return {"prompt_state_grad_bytes": int(grad_host), "optimizer_bytes": int(optimizer_host),
+            "total_bytes": int(grad_host + optimizer_host),
+            "state_grad_traffic_bytes": {"replay_device_to_host": int(replay),
+                                         "reverse_device_to_host": int(reverse_d2h),
+                                         "reverse_host_to_device": int(grad_host)}}
 
 
 def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:
@@ -1105,6 +1145,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-dtype", default="auto",
                    help="dtype of the parameters the optimiser updates: auto (float32 for a bf16/fp16 model)")
     p.add_argument("--optimizer-offload", action="store_true", help="AdamW's moments in host memory")
+    p.add_argument("--offload-state-grad", action="store_true",
+                   help="exact mode: the prompt state's float32 gradient (attention K/V, MLA latents) in host memory "
+                        "(GRPOConfig.offload_state_grad); the plan gives the host bytes and the traffic per step")
     p.add_argument("--lora-rank", default=None, metavar="R",
                    help="plan a LoRA run: adapters of rank R, the base frozen (weights only, in --dtype)")
     p.add_argument("--lora-alpha", default=None, metavar="A",
@@ -1132,7 +1175,9 @@ def explain(res: Plan) -> dict[str, str]:
                     if "FSDP" in a["parameters"] else "autocast's compute-dtype copy of one layer"
                     if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
         "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",
-        "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)",
+        "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)"
+                             + (" on the device; the rest in host memory (offload_state_grad)"
+                                if st.get("host", {}).get("prompt_state_grad_bytes") else ""),
         "prefill_chunk": f"one prefill chunk of {st['prefill_chunk']:,} tokens (exact: its recomputed graph)"
                          + (f"; MLA: {a['mla_attention']}" if "mla_attention" in a else ""),
         "branch_graph": f"one batch of {st['branch_batch']} branch(es) of {st['response_len']:,} tokens",
@@ -1233,8 +1278,11 @@ def plan_from_args(args) -> int:
     cfg = read_config(args.model)
     prompt_len = parse_tokens(args.prompt_len, "--prompt-len")
     response_len = parse_tokens(args.response_len, "--response-len")
+    if args.offload_state_grad and args.prompt_grad != "exact":
+        raise ValueError("--offload-state-grad moves the exact mode's state gradient to host memory: it needs "
+                         "--prompt-grad exact")
     gcfg = GRPOConfig(prompt_grad=args.prompt_grad, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch,
-                      checkpoint_layers=args.checkpoint_layers)
+                      checkpoint_layers=args.checkpoint_layers, offload_state_grad=args.offload_state_grad)
     gpu_mem = parse_gpu_mem(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
     reserve = 0
     if gpu_mem is not None:
@@ -1278,6 +1326,16 @@ def plan_from_args(args) -> int:
     print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + gathered + "
           "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits) + kept_graphs"
           + (" + all_to_all" if "all_to_all" in res.breakdown else ""))
+    host = res.settings.get("host")
+    if host is not None:
+        tr = host["state_grad_traffic_bytes"]
+        parts = [f"{label} {format_bytes(host[k])}" for k, label in (("prompt_state_grad_bytes", "state gradient"),
+                                                                      ("optimizer_bytes", "AdamW moments")) if host[k]]
+        print(f"host memory per device: {format_bytes(host['total_bytes'])} ({', '.join(parts)})"
+              + (f"; state gradient traffic per step: {format_bytes(tr['replay_device_to_host'])} device->host in "
+                 f"the replay, {format_bytes(tr['reverse_device_to_host'])} device->host and "
+                 f"{format_bytes(tr['reverse_host_to_device'])} host->device in the reverse pass"
+                 if host["prompt_state_grad_bytes"] else ""))
     gb = res.settings.get("graph_budget")
     if gb is not None:
         print(f"graph budget {format_bytes(gb['budget'])}: keeps {format_bytes(gb['kept_bytes'])} of prompt-step "

@@ -12,8 +12,11 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
 ``backward_roots(piece, start, end)``
     for the exact reverse pass: pairs ``(tensor, grad)`` that back-propagate the gradient collected for chunk
     ``[start, end)`` through that chunk's recomputed state ``piece``;
-``nbytes()`` / ``grad_nbytes()``
-    memory of the stored state and of its gradient buffers;
+``enable_grad(dtype, offload)`` / ``release_grad()``
+    allocate (exact mode) and free the gradient buffers; ``offload``: the large ones (attention K/V, MLA latents)
+    in host memory while the state is on an accelerator (``GRPOConfig.offload_state_grad``, ``ops/sinks.py``);
+``nbytes()`` / ``grad_nbytes()`` / ``grad_host_nbytes()``
+    memory of the stored state, of its gradient buffers, and of those among them held in host memory;
 ``decoder(batch, max_new)``
     per-branch state for decoding ``batch`` branches together over the shared prompt state (rollouts): its
     ``prefix(step)`` is what the mixer consumes at decode step ``step`` and ``append(piece, step)`` stores the new
@@ -42,6 +45,7 @@ import torch
 from torch import Tensor
 
 from longstraw.ops.attention import KVSegment
+from longstraw.ops.sinks import new_sink, offloads, read
 
 
 class LayerState(Protocol):
@@ -51,13 +55,15 @@ class LayerState(Protocol):
 
     def backward_roots(self, piece: Any, start: int, end: int) -> list[tuple[Tensor, Tensor]]: ...
 
-    def enable_grad(self, dtype: torch.dtype | None) -> None: ...
+    def enable_grad(self, dtype: torch.dtype | None, offload: bool = False) -> None: ...
 
     def release_grad(self) -> None: ...
 
     def nbytes(self) -> int: ...
 
     def grad_nbytes(self) -> int: ...
+
+    def grad_host_nbytes(self) -> int: ...
 
     def decoder(self, batch: int, max_new: int) -> Any: ...
 
@@ -72,7 +78,8 @@ class KVState:
     """Full attention: post-RoPE ``k [1, Hkv, P, Dk]`` and ``v [1, Hkv, P, Dv]`` of the prompt positions.
 
     Buffers are allocated at the first ``write`` for ``capacity`` positions. ``k_grad`` / ``v_grad`` (exact mode)
-    have the same shapes and receive the gradient of every later token's attention in place.
+    have the same shapes and receive the gradient of every later token's attention in place (in host memory when
+    offloaded: ``enable_grad(offload=True)``).
     """
 
     capacity: int
@@ -81,6 +88,7 @@ class KVState:
     k_grad: Tensor | None = None
     v_grad: Tensor | None = None
     length: int = 0
+    grad_offload: bool = False
 
     def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
         k, v = piece
@@ -93,12 +101,13 @@ class KVState:
         self.v[:, :, start:end] = v
         self.length = max(self.length, end)
 
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
         if self.k is None:
             return
         dt = dtype or grad_dtype_for(self.k.dtype)
-        self.k_grad = torch.zeros(self.k.shape, dtype=dt, device=self.k.device)
-        self.v_grad = torch.zeros(self.v.shape, dtype=dt, device=self.v.device)
+        self.grad_offload = offload
+        self.k_grad = new_sink(self.k, dt, offload)
+        self.v_grad = new_sink(self.v, dt, offload)
 
     def release_grad(self) -> None:
         self.k_grad = self.v_grad = None
@@ -114,8 +123,8 @@ class KVState:
     def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
         k, v = piece
         return [
-            (k, self.k_grad[:, :, start:end].to(k.dtype)),
-            (v, self.v_grad[:, :, start:end].to(v.dtype)),
+            (k, read(self.k_grad[:, :, start:end], k)),
+            (v, read(self.v_grad[:, :, start:end], v)),
         ]
 
     def nbytes(self) -> int:
@@ -123,6 +132,9 @@ class KVState:
 
     def grad_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_grad, self.v_grad) if t is not None)
+
+    def grad_host_nbytes(self) -> int:
+        return self.grad_nbytes() if self.k is not None and offloads(self.k, self.grad_offload) else 0
 
     def decoder(self, batch: int, max_new: int) -> "KVDecoder":
         return KVDecoder(self, batch, max_new)
@@ -222,9 +234,11 @@ class PromptState:
         n = self.length if length is None else length
         return [ls.prefix(n, grad) for ls in self.layers]
 
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
+        """Allocate every layer's gradient buffers (exact mode); ``offload``: the large ones in host memory while
+        the state is on an accelerator (``ops/sinks.py``; a recurrent layer's state gradient stays where it is)."""
         for ls in self.layers:
-            ls.enable_grad(dtype)
+            ls.enable_grad(dtype, offload)
 
     def release_grad(self) -> None:
         for ls in self.layers:
@@ -235,6 +249,10 @@ class PromptState:
 
     def grad_nbytes(self) -> int:
         return sum(ls.grad_nbytes() for ls in self.layers)
+
+    def grad_host_nbytes(self) -> int:
+        """Bytes of the gradient buffers held in host memory (offloaded; counted in ``grad_nbytes`` too)."""
+        return sum(ls.grad_host_nbytes() for ls in self.layers)
 
     def bytes_per_position(self) -> list[float]:
         """Stored bytes per prompt position for each layer (O(1) layers report their total / length)."""

@@ -28,17 +28,19 @@ def test_gpu_check_smoke(tmp_path):
     fams = {e["family"] for e in a["entries"]}
     assert len(fams) == 11 and all(e["ok"] for e in a["entries"])
     assert {e["dtype"] for e in a["entries"]} == {"float32", "bfloat16"}
+    assert all(e["exact_offload"]["params"] == e["exact"]["params"] for e in a["entries"])  # held to exact's ref
     kernels = {e["family"]: e["delta_rule_kernel"] for e in a["entries"]}
     assert kernels["qwen3_5_text"] == "torch" and kernels["llama"] == ""  # CPU: the torch delta rule, named
     b = res["sections"]["b"]
     assert b["prefill"]["tokens_per_s"] > 0 and b["rollout"]["decode_tokens_per_s"] > 0
     assert b["rollout"]["tokens"] == 8 * 32
-    steps = {(r["mode"], r["G"], r["checkpoint_layers"]): r for r in b["steps"]["runs"]}
-    assert set(steps) == {("detached", 2, False), ("detached", 8, False), ("exact", 2, False), ("exact", 8, False),
-                          ("exact", 8, True)}
+    steps = {(r["mode"], r["G"], r["checkpoint_layers"], r["offload_state_grad"]): r for r in b["steps"]["runs"]}
+    assert set(steps) == {("detached", 2, False, False), ("detached", 8, False, False), ("exact", 2, False, False),
+                          ("exact", 8, False, False), ("exact", 8, True, False), ("exact", 8, False, True)}
     for r in steps.values():
         assert r["finite"] and r["peak_bytes"] > 0 and r["replay_tokens_per_s"] > 0 and r["planned_bytes"] > 0
         assert r["prompt_state_grad_bytes"] > 0 if r["mode"] == "exact" else r["prompt_state_grad_bytes"] == 0
+        assert r["prompt_state_grad_host_bytes"] == 0  # a CPU state is in host memory: nothing apart
     for method in ("naive", "prefix", "detached", "exact"):
         assert b["compare"]["methods"][method]["peak_bytes"] > 0, b["compare"]["methods"][method]
     assert "naive_over_detached_peak" in b["compare"] and "prefix_over_detached_peak" in b["compare"]
@@ -59,10 +61,10 @@ def test_gpu_check_smoke(tmp_path):
                             str(tmp_path / "plans.json")], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     replanned = json.loads((tmp_path / "plans.json").read_text())
-    planned = {(r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"]): r["planned_bytes"]
-               for r in b["steps"]["runs"]}
-    assert all(planned[(r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"])] == r["planned_bytes"]
-               for r in replanned if (r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"]) in planned)
+    key = lambda r: (r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"], r.get("offload_state_grad"))  # noqa: E731
+    planned = {key(r): r["planned_bytes"] for r in b["steps"]["runs"]}
+    assert all(planned[key(r)] == r["planned_bytes"] for r in replanned if key(r) in planned)
+    assert sum(key(r) in planned for r in replanned) == len(b["steps"]["runs"])
     assert len(replanned) == b["planner"]["steps"] + 2  # and the two LongStraw rows of the comparison
 
 

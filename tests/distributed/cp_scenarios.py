@@ -56,21 +56,26 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
-                    checkpoint_layers=False, mla_mode=None, dtype=None):
+                    checkpoint_layers=False, mla_mode=None, dtype=None, offload=False):
     """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
     ``mla_mode``: force an MLA form (in one process and under CP alike; see :func:`_mla_mode`). Every rank passes
-    the same groups: with the mean over data-parallel replicas, the gradients are the single process's."""
+    the same groups: with the mean over data-parallel replicas, the gradients are the single process's.
+    ``offload``: the state gradient offloaded (``offload_state_grad``), every sink access checked to go through
+    ``ops/sinks.py`` (``tests/sink_guard.py``)."""
     model = _load(paths[family], fsdp, dtype)
     _mla_mode(model, mla_mode)
     groups = [group(5, 23, [4, 1, 6]), group(6, 18, [3, 5])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=chunk, branch_batch=branch_batch,
-                               checkpoint_layers=checkpoint_layers, kl_coef=0.05, entropy_coef=0.01)
+                               checkpoint_layers=checkpoint_layers, kl_coef=0.05, entropy_coef=0.01,
+                               offload_state_grad=offload)
     out = {"loss": [], "logprobs": [], "state_bytes": [], "state_grad_bytes": []}
     for i, (prompt, responses, adv) in enumerate(groups):
         old, ref = _old_ref(model, prompt, responses, cfg, seed=40 + i)
-        st = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref,
-                                     loss_scale=d)
+        with _sink_guard(offload) as touched:
+            st = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref,
+                                         loss_scale=d)
+        assert touched, "no gradient reached an offloaded sink"
         out["loss"].append(st.loss)
         out["logprobs"].append([lp.cpu() for lp in st.logprobs])
         out["state_bytes"].append(st.prompt_state_bytes)
@@ -87,6 +92,17 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     if dtype is not None:
         out["grads"] = {n: g.double() for n, g in out["grads"].items()}
     return out
+
+
+def _sink_guard(on: bool):
+    """``tests/sink_guard.py``'s check when ``on`` (yields the ops that reached the sinks); else a no-op."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext(["unguarded"])
+    from sink_guard import guarded_sinks
+
+    return guarded_sinks()
 
 
 def _ring_selection(run):
@@ -333,6 +349,7 @@ SCENARIOS = {
                                                   checkpoint_layers=True),
     "qwen3_exact_fsdp": lambda p: grpo_two_groups(p, family="qwen3", chunk=5, fsdp=True),
     "hybrid_exact": lambda p: grpo_two_groups(p, family="hybrid", chunk=3),
+    "hybrid_exact_offload": lambda p: grpo_two_groups(p, family="hybrid", chunk=3, offload=True),
     "hybrid_detached": lambda p: grpo_two_groups(p, family="hybrid", prompt_grad="detached", chunk=4),
     "hybrid_exact_fsdp_ckpt": lambda p: grpo_two_groups(p, family="hybrid", chunk=5, fsdp=True, branch_batch=2,
                                                         checkpoint_layers=True),
@@ -364,6 +381,7 @@ SCENARIOS = {
     "v3_generate": lambda p: generate(p, family="deepseek_v3"),
     "v3_state_bytes": lambda p: state_bytes(p, family="deepseek_v3"),
     "dsa_exact": lambda p: grpo_two_groups(p, family="glm_moe_dsa"),
+    "dsa_exact_offload": lambda p: grpo_two_groups(p, family="glm_moe_dsa", offload=True),
     "dsa_detached": lambda p: grpo_two_groups(p, family="glm_moe_dsa", prompt_grad="detached", chunk=4),
     "dsa_exact_fsdp_ckpt": lambda p: grpo_two_groups(p, family="glm_moe_dsa", chunk=2, fsdp=True, branch_batch=2,
                                                      checkpoint_layers=True),
@@ -387,6 +405,8 @@ SCENARIOS = {
     "v3_absorbed_score": lambda p: score(p, family="deepseek_v3", mla_mode="absorbed"),
     "v3_decompressed_generate": lambda p: generate(p, family="deepseek_v3", mla_mode="decompressed"),
     "dsa_exact_decompressed": lambda p: grpo_two_groups(p, family="glm_moe_dsa", mla_mode="decompressed"),
+    "dsa_exact_decompressed_offload": lambda p: grpo_two_groups(p, family="glm_moe_dsa", mla_mode="decompressed",
+                                                                offload=True),
     "dsa_exact_absorbed": lambda p: grpo_two_groups(p, family="glm_moe_dsa", mla_mode="absorbed"),
     "dsa_decompressed_score": lambda p: score(p, family="glm_moe_dsa", mla_mode="decompressed"),
     "v32_exact_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v32", chunk=4, mla_mode="decompressed"),

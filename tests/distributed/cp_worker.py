@@ -14,6 +14,7 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: sink_guard
 
 import cp_scenarios  # noqa: E402
 

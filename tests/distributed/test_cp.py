@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ALL = ["exact", "detached", "exact_fsdp", "detached_fsdp", "qwen3_exact_ckpt", "qwen3_exact_fsdp",
        "hybrid_exact", "hybrid_detached", "hybrid_exact_fsdp_ckpt", "hybrid_generate", "score", "generate",
-       "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision"]
+       "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "hybrid_exact_offload"]
 FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "hybrid_detached",
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks"]
 DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_dp_sum_fsdp", "fp32_exact",
@@ -46,7 +46,7 @@ DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_d
 MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
-        "next_exact", "next_detached", "q35moe_exact", "q35moe_detached"]
+        "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -56,7 +56,8 @@ MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached"
 # dense path of DSA layers (GLM-5, DeepSeek-V3.2)
 MLA2 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_exact_fsdp_decompressed",
         "v3_exact_ckpt_decompressed", "v3_decompressed_score", "v3_absorbed_score", "v3_decompressed_generate",
-        "dsa_exact_decompressed", "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed"]
+        "dsa_exact_decompressed", "dsa_exact_absorbed", "dsa_decompressed_score", "v32_exact_decompressed",
+        "dsa_exact_decompressed_offload"]
 MLA4 = ["v3_exact_decompressed", "v3_exact_absorbed", "v3_detached_decompressed", "v3_decompressed_score",
         "dsa_exact_decompressed", "dsa_exact_absorbed"]
 # FSDP2 over every rank of the job (init_distributed(fsdp=True)), cp = 1, 2, 4 on 2 and 4 ranks, one family of each

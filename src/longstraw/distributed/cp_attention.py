@@ -44,6 +44,7 @@ from longstraw.distributed.context import Comm
 from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_partials, segment_backward,
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
+from longstraw.ops.sinks import add_into
 
 __all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "merge_all",
            "merged_by_piece", "reduced_by_piece", "dense_step_bytes"]
@@ -146,8 +147,8 @@ def _partial_bwd(bwd, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, ls
         dq_b, dk, dv = segment_backward(bwd, do, q, kb, vb, o, lse, False, scale)
         dq = dq + dq_b
         if sk is not None:
-            sk.add_(dk.to(sk.dtype))
-            sv.add_(dv.to(sv.dtype))
+            add_into(sk, dk)
+            add_into(sv, dv)
     return dq
 
 
@@ -331,8 +332,8 @@ class _CPAttention(torch.autograd.Function):
             dq = dq + _sharded_bwd(bwd, dout, q, ks, vs, out, lse, plan, scale)
         for idx, (_, k_sink, v_sink) in enumerate(ctx.meta):
             if k_sink is not None:
-                k_sink.add_(grads[2 * idx].to(k_sink.dtype))
-                v_sink.add_(grads[2 * idx + 1].to(v_sink.dtype))
+                add_into(k_sink, grads[2 * idx])
+                add_into(v_sink, grads[2 * idx + 1])
                 grads[2 * idx] = grads[2 * idx + 1] = None
         return (dq, None, None, None, None, None, None, None, *grads)
 

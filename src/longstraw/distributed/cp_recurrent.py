@@ -258,7 +258,8 @@ class ShardedRecurrentState:
         self._leaves[key] = leaves
         self._grad_peak = max(self._grad_peak, sum(2 * _nbytes(*lv) for lv in self._leaves.values()))
 
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
+        """``offload`` is ignored: the gradient leaves are a few states (small), on the state's device."""
         if self.final is None:
             return
         self.grad_dtype = dtype or grad_dtype_for(self.final[1].dtype)
@@ -277,6 +278,9 @@ class ShardedRecurrentState:
 
     def grad_nbytes(self) -> int:
         return self._grad_peak
+
+    def grad_host_nbytes(self) -> int:
+        return 0  # the gradient leaves stay on the state's device (enable_grad)
 
     def decoder(self, batch: int, max_new: int) -> RecurrentDecoder:
         return RecurrentDecoder(self, batch)  # reads prefix(length): the final state, the same on every rank

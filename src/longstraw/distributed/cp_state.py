@@ -143,8 +143,8 @@ class PositionShardedState:
         lo, hi = self.layout.to_local(self.rank, start, end)
         return self.local.backward_roots(piece, lo, hi)
 
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
-        self.local.enable_grad(dtype)
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
+        self.local.enable_grad(dtype, offload)
 
     def release_grad(self) -> None:
         self.local.release_grad()
@@ -154,6 +154,9 @@ class PositionShardedState:
 
     def grad_nbytes(self) -> int:
         return self.local.grad_nbytes()
+
+    def grad_host_nbytes(self) -> int:
+        return self.local.grad_host_nbytes()
 
 
 class ShardedKVState(PositionShardedState):

@@ -42,6 +42,7 @@ class GRPOConfig:
         parameters, which gives float32 gradient accumulation with low-precision compute.
     graph_budget_bytes: exact mode: bytes for prompt-step graphs kept from the prefill, so the reverse pass
         recomputes only the steps that did not fit (:mod:`longstraw.engine.kept_graphs`); None / 0: none kept.
+    offload_state_grad: exact mode: the prompt state's gradient buffers in host memory (``ops/sinks.py``).
     """
 
     prompt_grad: PromptGrad = field(default=PromptGrad.EXACT, metadata={"help": (
@@ -95,6 +96,11 @@ class GRPOConfig:
         "fit (then the top layers of one more) and the reverse pass recomputes only the others; none or 0: keep "
         "none (every step recomputed). Applies when grpo_backward prefills itself (not to a handed-in "
         "prompt_state)")})
+    offload_state_grad: bool = field(default=False, metadata={"help": (
+        "exact mode: keep the prompt state's float32 gradient (attention K/V and MLA latents; twice the bf16 state) "
+        "in host memory while the model runs on a GPU: each branch batch's backward adds the whole gradient there "
+        "once and each reverse-pass step the gradient of the prefix before it (device-to-host copies); no effect "
+        "on a CPU run")})
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -105,6 +111,11 @@ class GRPOConfig:
         if b and self.prompt_grad is not PromptGrad.EXACT:
             raise ValueError(f"graph_budget_bytes={b} keeps prompt-step graphs for the exact reverse pass; with "
                              "prompt_grad='detached' there is none: use graph_budget_bytes=None or 0")
+        if not isinstance(self.offload_state_grad, bool):
+            raise ValueError(f"offload_state_grad={self.offload_state_grad!r} must be true or false")
+        if self.offload_state_grad and self.prompt_grad is not PromptGrad.EXACT:
+            raise ValueError("offload_state_grad=True moves the exact mode's state gradient to host memory; with "
+                             "prompt_grad='detached' there is none: use offload_state_grad=False")
         set_("loss_agg_mode", parse_enum(LossAggMode, self.loss_agg_mode, "loss_agg_mode"))
         set_("kl_type", parse_enum(KLType, self.kl_type, "kl_type"))
         set_("ratio_level", parse_enum(RatioLevel, self.ratio_level, "ratio_level"))
@@ -156,6 +167,7 @@ class GRPOStats:
     peak_memory: dict[str, int] = field(default_factory=dict)
     prompt_state_bytes: int = 0
     prompt_state_grad_bytes: int = 0
+    prompt_state_grad_host_bytes: int = 0  # ... of which in host memory (offload_state_grad on an accelerator)
     kept_graph_bytes: int = 0  # exact mode with graph_budget_bytes: bytes of the prompt-step graphs kept
     kept_steps: int = 0  # ... whole steps kept (not recomputed)
     kept_layers: int = 0  # ... top layers kept of one more step (0: none)

@@ -93,11 +93,12 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         elif cfg.exact and cfg.graph_budget_bytes:
             with autocast_context(cfg, device):
                 state, kept = prefill_keeping(model, prompt_ids[:-1], cfg.prefill_chunk, exact=True,
-                                              graph_budget=cfg.graph_budget_bytes, report=report)
+                                              graph_budget=cfg.graph_budget_bytes,
+                                              offload_grad=cfg.offload_state_grad, report=report)
         else:
             state = build_prompt_state(model, prompt_ids, cfg, cfg.exact, report)
         if cfg.exact and not (kept is not None and kept.grad_enabled):
-            state.enable_grad()
+            state.enable_grad(offload=cfg.offload_state_grad)
     prefix = state.prefix(grad=cfg.exact)
     with meter.phase("replay") as report:
         res = replay(model, prefix, prompt_ids, responses, adv, cfg, denom, old, ref, report=report)
@@ -112,7 +113,8 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
                                                                             res.stat_sums.items()},
         num_tokens=n_tok, prompt_len=int(prompt_ids.numel()), seconds=dict(meter.seconds),
         peak_memory=dict(meter.peak_bytes), prompt_state_bytes=state.nbytes(),
-        prompt_state_grad_bytes=state.grad_nbytes(), delta_rule_kernel=kernels_since(model, calls_before),
+        prompt_state_grad_bytes=state.grad_nbytes(), prompt_state_grad_host_bytes=state.grad_host_nbytes(),
+        delta_rule_kernel=kernels_since(model, calls_before),
         **(kept.summary(len(model.layers)) if kept is not None else {}),
     )
     if kept is not None and hasattr(meter, "info"):

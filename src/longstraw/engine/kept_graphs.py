@@ -66,7 +66,8 @@ class KeptGraphs:
     ``layer_bytes_per_token[l]``: measured graph bytes per token of layer ``l`` (0 when nothing was measured);
     ``boundary_bytes_per_token``: the split leaf's bytes per token; ``planned``: ``{step: (split, bytes)}``;
     ``grad_enabled``: the prefill already called ``state.enable_grad()`` (kept steps need the gradient sinks while
-    they run), so the caller must not call it again (it would replace the sinks the kept graphs write into).
+    they run), so the caller must not call it again (it would replace the sinks the kept graphs write into);
+    ``offload_grad``: those sinks in host memory (``GRPOConfig.offload_state_grad``).
     """
 
     budget: int
@@ -76,6 +77,7 @@ class KeptGraphs:
     boundary_bytes_per_token: float = 0.0
     measured_tokens: int = 0
     grad_enabled: bool = False
+    offload_grad: bool = False
 
     @property
     def kept_bytes(self) -> int:

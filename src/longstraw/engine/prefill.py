@@ -45,11 +45,12 @@ def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, 
 
 @torch.no_grad()
 def prefill_keeping(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, *,
-                    graph_budget: int | None = None, report: Callable[[int, int], None] | None = None
-                    ) -> tuple[PromptState, KeptGraphs | None]:
+                    graph_budget: int | None = None, offload_grad: bool = False,
+                    report: Callable[[int, int], None] | None = None) -> tuple[PromptState, KeptGraphs | None]:
     """:func:`prefill`, and with ``graph_budget`` (bytes, exact mode) the graphs of the latest steps that fit kept
     for the reverse pass (:mod:`longstraw.engine.kept_graphs`): returns ``(state, kept)``; ``kept`` is None
-    without a budget. With kept graphs the state's gradient sinks are enabled during the prefill."""
+    without a budget. With kept graphs the state's gradient sinks are enabled during the prefill (in host memory
+    with ``offload_grad``)."""
     assert ids.dim() == 1
     state = model.placement.prompt_state(model, ids, chunk_size, exact)
     steps = state.steps()
@@ -58,7 +59,7 @@ def prefill_keeping(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool =
     if graph_budget and steps:
         assert exact, "kept graphs are exact mode's"
         check_budget_placement(model, graph_budget)
-        kept = KeptGraphs(graph_budget)
+        kept = KeptGraphs(graph_budget, offload_grad=offload_grad)
     template = None  # the memory planner's dry run: (length, layout of the pieces) of the last step run
     run_steps = (0, 1, len(steps) - 2, len(steps) - 1)  # ... and the steps it runs (ops/meta.py)
     for i in range(total):
@@ -110,7 +111,7 @@ def _measure_first_step(model: CausalLM, state: PromptState, ids: Tensor, kept: 
     if 0 in plan:
         kept.steps[0] = KeptStep(0, 0, list(pieces), None, plan[0][1])
     if plan:
-        state.enable_grad()
+        state.enable_grad(offload=kept.offload_grad)
         kept.grad_enabled = True
 
 

@@ -156,7 +156,8 @@ class RecurrentState:
             return []
         return [(root, leaf.grad.to(root.dtype)) for root, leaf in zip(piece, leaves) if leaf.grad is not None]
 
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
+        """``offload`` is ignored: the gradient leaves are one or two states (small), on the state's device."""
         if self.S is None:
             return
         if not self.exact:  # raise now, before any branch has added to .grad, not in the reverse pass
@@ -191,6 +192,9 @@ class RecurrentState:
         """Peak bytes of the gradient leaves held at once since ``enable_grad`` (one state in the branches, two in
         the reverse pass)."""
         return self._grad_peak
+
+    def grad_host_nbytes(self) -> int:
+        return 0  # the gradient leaves stay on the state's device (enable_grad)
 
     def decoder(self, batch: int, max_new: int) -> "RecurrentDecoder":
         return RecurrentDecoder(self, batch)

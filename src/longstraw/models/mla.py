@@ -56,6 +56,7 @@ from longstraw.ops import meta
 from longstraw.ops.attention import (KVSegment, default_backend, kernels, segment_attention, segment_backward,
                                      segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
+from longstraw.ops.sinks import add_into, new_sink, offloads, read
 from longstraw.state import grad_dtype_for
 
 MODES = ("auto", "absorbed", "decompressed")
@@ -102,6 +103,7 @@ class LatentState:
     lat: Tensor | None = None
     grad: Tensor | None = None
     length: int = 0
+    grad_offload: bool = False
 
     def write(self, piece: Tensor, start: int, end: int) -> None:
         assert piece.shape[0] == 1 and piece.shape[2] == end - start, "prefill writes one sequence per chunk"
@@ -110,10 +112,10 @@ class LatentState:
         self.lat[:, :, start:end] = piece
         self.length = max(self.length, end)
 
-    def enable_grad(self, dtype: torch.dtype | None = None) -> None:
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
         if self.lat is not None:
-            self.grad = torch.zeros(self.lat.shape, dtype=dtype or grad_dtype_for(self.lat.dtype),
-                                    device=self.lat.device)
+            self.grad_offload = offload
+            self.grad = new_sink(self.lat, dtype or grad_dtype_for(self.lat.dtype), offload)
 
     def release_grad(self) -> None:
         self.grad = None
@@ -131,13 +133,16 @@ class LatentState:
         return [KVSegment(lat, lat, k_grad=g, v_grad=g)]
 
     def backward_roots(self, piece: Tensor, start: int, end: int) -> list[tuple[Tensor, Tensor]]:
-        return [(piece, self.grad[:, :, start:end].to(piece.dtype))]
+        return [(piece, read(self.grad[:, :, start:end], piece))]
 
     def nbytes(self) -> int:
         return 0 if self.lat is None else self.lat.numel() * self.lat.element_size()
 
     def grad_nbytes(self) -> int:
         return 0 if self.grad is None else self.grad.numel() * self.grad.element_size()
+
+    def grad_host_nbytes(self) -> int:
+        return self.grad_nbytes() if self.lat is not None and offloads(self.lat, self.grad_offload) else 0
 
     def decoder(self, batch: int, max_new: int) -> "LatentDecoder":
         return LatentDecoder(self, batch, max_new)
@@ -266,7 +271,7 @@ def decompressed_partial_backward(bwd, dout: Tensor, q: Tensor, lat: Tensor, w_u
         if sink is not None:
             dc = (torch.einsum("bhsd,hdr->bsr", dk[..., :dn], w_uk.to(wdt))
                   + torch.einsum("bhsv,hvr->bsr", dv, w_uv.to(wdt)))
-            sink[:, 0, s:e] += torch.cat((dc, dk[..., dn:].sum(1)), dim=-1).to(sink.dtype)
+            add_into(sink[:, 0, s:e], torch.cat((dc, dk[..., dn:].sum(1)), dim=-1))
         del k, v, dk, dv
     return dq
 
@@ -330,7 +335,7 @@ class _IntoSink(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.sink.add_(grad.to(ctx.sink.dtype))
+        add_into(ctx.sink, grad)
         return None, None
 
 

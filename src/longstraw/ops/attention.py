@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from longstraw.ops.partitioned import PartitionedSegment
+from longstraw.ops.sinks import add_into
 
 __all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend", "kernels",
            "segment_forward", "segment_backward", "merge_partials"]
@@ -351,8 +352,8 @@ class _SegmentAttention(torch.autograd.Function):
             # bf16/fp16 queries (float64 stays float64), rounded once at the end
             dq = dq_i.to(lse.dtype) if dq is None else dq.add_(dq_i)
             if k_sink is not None:
-                k_sink.add_(dk.to(k_sink.dtype))
-                v_sink.add_(dv.to(v_sink.dtype))
+                add_into(k_sink, dk)
+                add_into(v_sink, dv)
                 grads += [None, None]
             elif need_kv:
                 grads += [dk, dv]

@@ -29,6 +29,7 @@ from torch import Tensor
 from longstraw.ops import meta
 from longstraw.ops.attention import KVSegment
 from longstraw.ops.partitioned import PartitionedSegment
+from longstraw.ops.sinks import index_add_into
 
 __all__ = ["Selection", "sparse_latent_attention", "sparse_latent_attention_reference", "partial_forward",
            "partial_backward", "merge_partials", "gather_keys", "scatter_keys", "latent_grad_targets"]
@@ -82,8 +83,8 @@ def scatter_keys(dkeys: Tensor, targets, lats, offsets, idx: Tensor, valid: Tens
             local = local + (torch.arange(b, device=idx.device) * s_i)[:, None, None]
         # every slot is added (zeros where it belongs to another segment or is invalid): no data-dependent shapes,
         # so no host sync and the meta-device planner can trace it
-        src = torch.where(m[..., None], dkeys, 0.0).to(target.dtype)
-        target.index_add_(0, local.reshape(-1), src.reshape(-1, src.shape[-1]))
+        src = torch.where(m[..., None], dkeys, 0.0)
+        index_add_into(target, local.reshape(-1), src.reshape(-1, src.shape[-1]))
 
 
 def latent_grad_targets(lats, sinks, needs, acc: torch.dtype) -> tuple[list, list]:

@@ -40,6 +40,10 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
     g = grpo_config(cfg)
     out = []
     transient = max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
+    if b["prompt_state_grad"] and not g.offload_state_grad and cfg.model.device != "cpu":
+        out.append(f"algorithm.offload_state_grad = true (the state gradient, {_fmt(b['prompt_state_grad'])} less "
+                   "its recurrent part, in host memory; the exact gradient unchanged, at the price of device-host "
+                   "copies: `longstraw plan --offload-state-grad` gives the traffic)")
     if b["prompt_state_grad"]:
         out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
                    "and the reverse pass; the gradient no longer flows through the prompt)")
