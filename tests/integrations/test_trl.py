@@ -184,6 +184,27 @@ def test_detached_prompt_differs_only_by_the_prompt_path(tiny_dir, tmp_path):
                               g_ref["model.layers.0.self_attn.k_proj.weight"], rtol=1e-3, atol=1e-7)
 
 
+def test_offloaded_state_gradient_gives_the_same_gradients(tiny_dir, tmp_path):
+    """offload_state_grad=True (the state's gradient in host memory on a GPU) is a keyword; on the CPU the same
+    gradients as without it, every sink access through ops/sinks.py (tests/sink_guard.py)."""
+    from sink_guard import guarded_sinks
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(model=tiny_dir, reward_funcs=_reward_len, train_dataset=_dataset(), processing_class=tok)
+    plain = LongStrawGRPOTrainer(args=_args(tmp_path / "a"), **common)
+    off = LongStrawGRPOTrainer(args=_args(tmp_path / "b"), offload_state_grad=True, **common)
+    assert off.engine_config.offload_state_grad and not plain.engine_config.offload_state_grad
+    batch = _batch(tok)
+    _, g_ref = _ours_grads(plain, batch)
+    with guarded_sinks() as touched:
+        _, g = _ours_grads(off, batch)
+    assert touched and set(g) == set(g_ref)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="with prompt_grad='detached' there is none"):
+        LongStrawGRPOTrainer(args=_args(tmp_path / "c"), prompt_grad="detached", offload_state_grad=True, **common)
+
+
 def _fixed_rollout(tok):
     """A rollout_func giving every prompt the same deterministic completions (so two trainers see one batch)."""
     texts = [" green", " blue and", " 12345", " the"]
@@ -347,5 +368,5 @@ def test_accepts_every_argument_of_trl_grpo_trainer():
     assert list(stock) == list(ours)[:len(stock)]  # same names, same order (positional calls work too)
     assert all(ours[n].default == p.default for n, p in stock.items())
     extra = list(ours)[len(stock):]
-    assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk"]
+    assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk", "offload_state_grad"]
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra) and ours["prompt_grad"].default == "exact"

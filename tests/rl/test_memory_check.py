@@ -66,6 +66,16 @@ def test_run_that_does_not_fit_warns_with_advice(tmp_path):
     assert f"the longest prompt that fits is {v.max_prompt_len:,} tokens" in warning
 
 
+def test_host_offloads_free_nothing_on_a_cpu_device(tmp_path):
+    """optim.offload and algorithm.offload_state_grad move buffers to host memory: on a CPU device that is the same
+    memory, so the check plans them where they are (the planner alone would book them off the device)."""
+    tr = Trainer(_cfg(tmp_path / "a", 'train.memory_limit="4G"'), echo=lambda *_: None)
+    off = Trainer(_cfg(tmp_path / "b", 'train.memory_limit="4G"', "algorithm.offload_state_grad=true",
+                       'optim.offload="moments"'), echo=lambda *_: None)
+    assert off.memory.peak_bytes == tr.memory.peak_bytes and off.memory.breakdown == tr.memory.breakdown
+    assert tr.memory.breakdown["prompt_state_grad"] > 0 and tr.memory.breakdown["optimizer"] > 0
+
+
 def test_error_mode_refuses_before_writing_anything(tmp_path):
     cfg = _cfg(tmp_path / "run", "train.memory_limit=\"1500K\"", "train.memory_check=\"error\"")
     with pytest.raises(ValueError, match=r"the run will not fit: planned peak .* > train.memory_limit 1500K"):

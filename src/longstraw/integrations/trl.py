@@ -107,7 +107,7 @@ def check_args(args) -> None:
 
 
 def engine_config(args, *, prompt_grad: str = "exact", prefill_chunk: int = 4096, branch_batch: int = 1,
-                  logprob_chunk: int = 1024) -> GRPOConfig:
+                  logprob_chunk: int = 1024, offload_state_grad: bool = False) -> GRPOConfig:
     """The engine's :class:`longstraw.GRPOConfig` for TRL's ``args`` (checked first with :func:`check_args`).
 
     epsilon / epsilon_high -> clip_ratio_low / clip_ratio_high; delta (TRL's two-sided clip, which caps the
@@ -127,7 +127,8 @@ def engine_config(args, *, prompt_grad: str = "exact", prefill_chunk: int = 4096
                       ratio_level=args.importance_sampling_level,
                       kl_ratio_weight=bool(args.use_bias_correction_kl and args.beta),
                       temperature=float(args.temperature), compute_dtype=compute, checkpoint_layers=ckpt,
-                      prefill_chunk=prefill_chunk, branch_batch=branch_batch, logprob_chunk=logprob_chunk)
+                      prefill_chunk=prefill_chunk, branch_batch=branch_batch, logprob_chunk=logprob_chunk,
+                      offload_state_grad=offload_state_grad)
 
 
 def _check_constructor(model, optimizers, quantization_config, peft_config, tools, environment_factory) -> None:
@@ -176,20 +177,22 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
 
     Takes every argument ``trl.GRPOTrainer`` takes, plus the engine's own keyword-only settings: ``prompt_grad``
     (``"exact"``, the default: gradients through the prompt; ``"detached"``: the prompt state is a constant),
-    ``prefill_chunk``, ``branch_batch`` and ``logprob_chunk`` (see :class:`longstraw.GRPOConfig`).
+    ``prefill_chunk``, ``branch_batch``, ``logprob_chunk`` and ``offload_state_grad`` (exact mode: the state's
+    gradient in host memory; see :class:`longstraw.GRPOConfig`).
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
                  *, prompt_grad: str = "exact", prefill_chunk: int = 4096, branch_batch: int = 1,
-                 logprob_chunk: int = 1024):
+                 logprob_chunk: int = 1024, offload_state_grad: bool = False):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = trl.GRPOConfig(f"{Path(str(name)).name}-GRPO")
         _check_constructor(model, optimizers, quantization_config, peft_config, tools, environment_factory)
         self.engine_config = engine_config(args, prompt_grad=prompt_grad, prefill_chunk=prefill_chunk,
-                                           branch_batch=branch_batch, logprob_chunk=logprob_chunk)
+                                           branch_batch=branch_batch, logprob_chunk=logprob_chunk,
+                                           offload_state_grad=offload_state_grad)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,

@@ -12,6 +12,7 @@ sampled layers, ``planner.layer_samples``). On a GPU the limit is the device's m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
     g = grpo_config(cfg)
     out = []
     transient = max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
-    if b["prompt_state_grad"] and not g.offload_state_grad and cfg.model.device != "cpu":
+    if b["prompt_state_grad"] and not g.offload_state_grad and not cfg.model.device.startswith("cpu"):
         out.append(f"algorithm.offload_state_grad = true (the state gradient, {_fmt(b['prompt_state_grad'])} less "
                    "its recurrent part, in host memory; the exact gradient unchanged, at the price of device-host "
                    "copies: `longstraw plan --offload-state-grad` gives the traffic)")
@@ -91,9 +92,14 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     is read from ``cfg``). Without FSDP the planner counts whole parameters and the whole prompt state (it has no
     context parallelism without sharded parameters): an upper bound. ``lora``: the run trains LoRA adapters (a
     ``models.lora.LoraSettings`` or a dict of ``add_lora``'s arguments, passed to the planner as ``plan(lora=)``:
-    the frozen base then counts as weights only, the adapters with their gradients and moments).
+    the frozen base then counts as weights only, the adapters with their gradients and moments). On a CPU device
+    host memory is the device's: what ``optim.offload`` and ``algorithm.offload_state_grad`` move there still
+    counts.
     """
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
+    on_host = device.type == "cpu"  # offloading to host memory frees nothing of a CPU device's
+    if on_host and g.offload_state_grad:
+        g = dataclasses.replace(g, offload_state_grad=False)
     if t.memory_check == "off":
         return None
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)[0]
@@ -105,7 +111,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
               cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1, master_dtype=master_dtype,
-              optimizer_offload=cfg.optim.offload != "none", lora=lora,
+              optimizer_offload=cfg.optim.offload != "none" and not on_host, lora=lora,
               ep=cfg.parallel.ep if shard > 1 else 1)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
