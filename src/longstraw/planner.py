@@ -26,7 +26,9 @@ Breakdown (bytes per device):
 
 ``weights``, ``grads``, ``optimizer`` the parameters (master weights), their gradients and AdamW's two moments, in
                        the master dtype (float32 for a bf16/fp16 model, else its own dtype), sharded over the
-                       FSDP group when ``gpus > 1``; ``optimizer`` is 0 on the device with ``optimizer_offload``.
+                       FSDP group when ``gpus > 1``; ``optimizer`` is 0 on the device with ``optimizer_offload``
+                       (``"masters"``: the float32 masters on the host too, the device's weights and gradients
+                       in the compute dtype, as ``longstraw.offload.HostAdamW(master_on_host=True)`` runs it).
                        With LoRA (``lora=``) only the trained parameters (the adapters and ``modules_to_save``)
                        have a master copy, a gradient and moments; the frozen base counts in ``weights`` only, in
                        the compute dtype, sharded alike (``Plan.settings["lora"]`` splits ``weights``)
@@ -615,7 +617,7 @@ def _expert_params(module) -> list:
 
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
-                 master_dtype: str, optimizer_states: int, optimizer_offload: bool, ep: int = 1
+                 master_dtype: str, optimizer_states: int, optimizer_offload: str, ep: int = 1
                  ) -> tuple[dict, dict, dict]:
     """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, what was assumed
     (which group shards what, in which dtype) and how ``weights`` splits (frozen / adapters / other trained). The
@@ -629,7 +631,9 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     fsdp = gpus > 1 if fsdp is None else fsdp
     if fsdp and gpus // replicate < 2:
         raise ValueError(f"fsdp with gpus={gpus} and replicate={replicate} leaves one GPU per shard group")
-    if master_dtype == "auto":
+    if optimizer_offload == "masters":  # the masters live on the host: the device holds the compute dtype
+        master = compute
+    elif master_dtype == "auto":
         master = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
     else:
         master = parse_dtype(master_dtype)
@@ -650,18 +654,19 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     ends_n = max(count(u, True) for u in units)
     shard = gpus // replicate if fsdp else 1
     mb, cb = _dtype_bytes(master), _dtype_bytes(compute)
+    offload = optimizer_offload != "none"
     adapter_n = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
     split = {"frozen_params": frozen, "adapter_params": adapter_n, "saved_params": n - adapter_n,
              "frozen_weight_bytes": frozen * cb // shard, "adapter_weight_bytes": adapter_n * mb // shard,
              "saved_weight_bytes": (n - adapter_n) * mb // shard}
     weights = split["frozen_weight_bytes"] + split["adapter_weight_bytes"] + split["saved_weight_bytes"]
     fixed = {"weights": weights, "grads": n * mb // shard,
-             "optimizer": 0 if optimizer_offload else optimizer_states * n * mb // shard, "gathered": 0}
+             "optimizer": 0 if offload else optimizer_states * n * mb // shard, "gathered": 0}
     ex = [p for p in _expert_params(model) if id(p) in experts]
     ex_n, ex_frozen = count(ex, True) // ep, count(ex, False) // ep  # this rank's experts
     fixed["weights"] += ex_n * mb + ex_frozen * cb
     fixed["grads"] += ex_n * mb
-    fixed["optimizer"] += 0 if optimizer_offload else optimizer_states * ex_n * mb
+    fixed["optimizer"] += 0 if offload else optimizer_states * ex_n * mb
     n_dense = n  # the trained parameters outside the experts (FSDP-sharded)
     if ep > 1:  # the split of ``weights`` (LoRA lines) and the counts below include the experts
         split["frozen_params"] += ex_frozen * ep
@@ -670,7 +675,9 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         split["saved_weight_bytes"] += ex_n * mb
         n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
     split.update(expert_params_per_device=ex_n + ex_frozen)
-    split["optimizer_host_bytes"] = optimizer_states * (n_dense * mb // shard + ex_n * mb) if optimizer_offload else 0
+    # host: the moments in the master dtype; "masters": float32 masters and moments (HostAdamW(master_on_host=True))
+    host_per = {"none": 0, "moments": optimizer_states * mb, "masters": (optimizer_states + 1) * 4}[optimizer_offload]
+    split["optimizer_host_bytes"] = host_per * n_dense // shard + host_per * ex_n
     if fsdp:  # module docstring; gradients: unsharded in the compute dtype, and a float32 copy for the reduction
         if model.spec.tie_word_embeddings:  # one embedding + head unit, gathered while the layers run, its gradient
             # held from the head's backward to the embedding's, beside the layers'
@@ -681,16 +688,19 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     elif master != compute:  # one process with master weights: autocast's compute-dtype copies of one layer
         fixed["gathered"] = layer_n * cb
     m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
+    held = "float32 masters on the host" if optimizer_offload == "masters" else "master"
     where = (f"sharded over {shard} GPUs (FSDP2" + (f", HSDP x{replicate})" if replicate > 1 else ")")
              if fsdp else "whole on every GPU") + (f"; routed experts split over ep={ep}" if ep > 1 else "")
     of = f"of the {n:,} trained parameters only, " if frozen else ""
     assumptions = {
-        "parameters": (f"{n:,} in {m} (master) " + where if not frozen else
-                       f"{frozen:,} frozen in {c} (weights only) + {n:,} trained in {m} (master), {where}"),
+        "parameters": (f"{n:,} in {m} ({held}) " + where if not frozen else
+                       f"{frozen:,} frozen in {c} (weights only) + {n:,} trained in {m} ({held}), {where}"),
         "compute_dtype": c,
         "gradients": f"{m}, {of}" + (f"reduce-scattered over {shard} GPUs" if fsdp else "whole"),
-        "optimizer": (f"AdamW, {optimizer_states} moments in {m}, {of}"
-                      + ("in host memory" if optimizer_offload else f"sharded over {shard} GPUs" if fsdp else "whole")),
+        "optimizer": (f"AdamW, {optimizer_states} moments and float32 master weights, {of}in host memory"
+                      if optimizer_offload == "masters" else
+                      f"AdamW, {optimizer_states} moments in {m}, {of}"
+                      + ("in host memory" if offload else f"sharded over {shard} GPUs" if fsdp else "whole")),
         "prompt_state": f"split by position over cp={cp} ranks" if cp > 1 else "whole on each data-parallel replica",
         "data_parallel_replicas": gpus // cp,
     }
@@ -718,14 +728,16 @@ def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> in
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
          optimizer_states: int = 2, fsdp: bool | None = None, replicate: int = 1, master_dtype: str = "auto",
-         optimizer_offload: bool = False, lora=None, reserve: int = 0, ep: int = 1,
+         optimizer_offload: bool | str = False, lora=None, reserve: int = 0, ep: int = 1,
          max_positions: int | None = None, graph_budget: int | str | None = None) -> Plan:
     """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
     ``hf_config``, computing in ``dtype`` (see module docstring). ``gpu_mem`` in bytes gives the verdict
     (``Plan.fits``) and ``max_prompt_len``. ``fsdp`` (default: ``gpus > 1``), ``replicate``: FSDP2 over the GPUs as
     ``init_distributed`` sets it up; ``master_dtype``: ``"auto"`` (float32 master weights, gradients and moments for
     a bf16/fp16 model, as FSDP runs it and as the trainer does), or ``"float32"``, ``"bfloat16"``, ...;
-    ``optimizer_offload``: AdamW's moments in host memory. ``lora``: plan a LoRA run (a
+    ``optimizer_offload``: AdamW's state in host memory: ``True`` / ``"moments"`` (the moments), ``"masters"`` (the
+    float32 master weights too: the device's weights and gradients in the compute dtype), ``False`` / ``"none"``.
+    ``lora``: plan a LoRA run (a
     ``models.lora.LoraSettings``, or a dict of ``add_lora``'s arguments: ``rank``, ``alpha``, ``target_modules``,
     ``dropout``, ``modules_to_save``, ...): the adapters are added to the meta model as a run adds them, the frozen
     base counts as weights only (compute dtype), the adapters and ``modules_to_save`` as trained parameters (master
@@ -808,7 +820,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                              f"allowed with gpus={gpus}: {', '.join(map(str, ok))}")
     fixed, assumptions, split = _fixed_bytes(model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate,
                                              master_dtype=master_dtype, optimizer_states=optimizer_states,
-                                             optimizer_offload=optimizer_offload, ep=ep)
+                                             optimizer_offload=_offload_mode(optimizer_offload), ep=ep)
     if ep > 1:
         fixed["all_to_all"] = _all_to_all_bytes(model, dt, cfg, response_len)
 
@@ -924,6 +936,20 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if gp is not None:
         settings["graph_budget"] = gp
     return Plan(int(peak), breakdown, max_len, settings, usable)
+
+
+OPTIMIZER_OFFLOADS = ("none", "moments", "masters")
+
+
+def _offload_mode(value) -> str:
+    """``plan(optimizer_offload=)`` as one of :data:`OPTIMIZER_OFFLOADS` (True: "moments", False: "none")."""
+    value = getattr(value, "value", value)  # the run config's OptimOffload enum
+    if isinstance(value, bool):
+        return "moments" if value else "none"
+    if value not in OPTIMIZER_OFFLOADS:
+        raise ValueError(f"optimizer_offload={value!r} is not supported; allowed: True, False, "
+                         + ", ".join(map(repr, OPTIMIZER_OFFLOADS)))
+    return value
 
 
 def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group: int, cp: int) -> dict | None:
@@ -1144,7 +1170,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fsdp", action="store_true", help="parameters whole on every GPU (no FSDP2 sharding)")
     p.add_argument("--master-dtype", default="auto",
                    help="dtype of the parameters the optimiser updates: auto (float32 for a bf16/fp16 model)")
-    p.add_argument("--optimizer-offload", action="store_true", help="AdamW's moments in host memory")
+    p.add_argument("--optimizer-offload", nargs="?", const="moments", default="none", metavar="WHAT",
+                   help="AdamW's state in host memory: moments (the default when given), or masters (the float32 "
+                        "master weights too; the device keeps the weights and gradients in --dtype), as "
+                        "optim.offload")
     p.add_argument("--offload-state-grad", action="store_true",
                    help="exact mode: the prompt state's float32 gradient (attention K/V, MLA latents) in host memory "
                         "(GRPOConfig.offload_state_grad); the plan gives the host bytes and the traffic per step")
@@ -1278,6 +1307,9 @@ def plan_from_args(args) -> int:
     cfg = read_config(args.model)
     prompt_len = parse_tokens(args.prompt_len, "--prompt-len")
     response_len = parse_tokens(args.response_len, "--response-len")
+    if args.optimizer_offload not in OPTIMIZER_OFFLOADS:
+        raise ValueError(f"--optimizer-offload={args.optimizer_offload!r} is not supported; allowed: moments, masters "
+                         "(none: leave the flag out)")
     if args.offload_state_grad and args.prompt_grad != "exact":
         raise ValueError("--offload-state-grad moves the exact mode's state gradient to host memory: it needs "
                          "--prompt-grad exact")
@@ -1330,7 +1362,7 @@ def plan_from_args(args) -> int:
     if host is not None:
         tr = host["state_grad_traffic_bytes"]
         parts = [f"{label} {format_bytes(host[k])}" for k, label in (("prompt_state_grad_bytes", "state gradient"),
-                                                                      ("optimizer_bytes", "AdamW moments")) if host[k]]
+                                                                      ("optimizer_bytes", "AdamW state")) if host[k]]
         print(f"host memory per device: {format_bytes(host['total_bytes'])} ({', '.join(parts)})"
               + (f"; state gradient traffic per step: {format_bytes(tr['replay_device_to_host'])} device->host in "
                  f"the replay, {format_bytes(tr['reverse_device_to_host'])} device->host and "

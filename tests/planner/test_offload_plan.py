@@ -68,3 +68,35 @@ def test_cli_offload_state_grad(tmp_path):
     bad = _cli(*args, "--offload-state-grad", "--prompt-grad", "detached")
     assert bad.returncode == 2 and "--offload-state-grad moves the exact mode's state gradient" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_optimizer_offload_of_the_masters():
+    """optimizer_offload="masters" (optim.offload = "masters", HostAdamW(master_on_host=True)): the device holds the
+    weights and gradients in the compute dtype, the host float32 masters and moments (12 bytes per parameter)."""
+    from longstraw.rl.config import OptimOffload
+
+    kw = dict(prompt_len=2048, response_len=64, group=2, dtype="bfloat16", gpus=2)
+    on = plan(DENSE, **kw)
+    masters = plan(DENSE, optimizer_offload="masters", **kw)
+    n = on.breakdown["grads"] // 4 * 2  # float32 gradient shards of the 2-way sharded parameters: n / 2 each
+    assert masters.breakdown["weights"] == on.breakdown["weights"] // 2 and masters.breakdown["optimizer"] == 0
+    assert masters.breakdown["grads"] == on.breakdown["grads"] // 2  # bf16
+    assert masters.settings["host"]["optimizer_bytes"] == 12 * n // 2
+    assert "float32 masters on the host" in masters.settings["assumptions"]["parameters"]
+    assert plan(DENSE, optimizer_offload=OptimOffload.MASTERS, **kw).peak_bytes == masters.peak_bytes
+    assert plan(DENSE, optimizer_offload="moments", **kw).peak_bytes == plan(DENSE, optimizer_offload=True,
+                                                                             **kw).peak_bytes
+    with pytest.raises(ValueError, match="optimizer_offload='all' is not supported; allowed: True, False, 'none'"):
+        plan(DENSE, optimizer_offload="all", **kw)
+
+
+def test_cli_optimizer_offload_values(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+    args = ["--model", str(tmp_path), "--prompt-len", "2K", "--gpus", "2", "--json"]
+    plain = json.loads(_cli(*args, "--optimizer-offload").stdout)
+    assert plain == json.loads(_cli(*args, "--optimizer-offload", "moments").stdout)
+    masters = json.loads(_cli(*args, "--optimizer-offload", "masters").stdout)
+    assert masters["host"]["optimizer_bytes"] > plain["host"]["optimizer_bytes"] > 0
+    assert masters["peak_bytes"] < plain["peak_bytes"]
+    bad = _cli(*args, "--optimizer-offload", "all")
+    assert bad.returncode == 2 and "--optimizer-offload='all' is not supported; allowed: moments, masters" in bad.stderr

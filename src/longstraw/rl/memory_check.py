@@ -111,7 +111,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     t0 = time.perf_counter()
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
               cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1, master_dtype=master_dtype,
-              optimizer_offload=cfg.optim.offload != "none" and not on_host, lora=lora,
+              optimizer_offload="none" if on_host else cfg.optim.offload, lora=lora,
               ep=cfg.parallel.ep if shard > 1 else 1)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
