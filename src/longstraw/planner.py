@@ -921,10 +921,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if host is not None:
         settings["host"] = host
         if host["prompt_state_grad_bytes"]:
+            on_device = breakdown["prompt_state_grad"]
             assumptions["prompt_state_grad"] = (
                 f"float32, {format_bytes(host['prompt_state_grad_bytes'])} of it in host memory (offload_state_grad:"
-                f" the attention K/V and MLA latent buffers; {format_bytes(breakdown['prompt_state_grad'])} of "
-                "recurrent-state gradients stay on the device)")
+                " the attention K/V and MLA latent buffers" + (f"; {format_bytes(on_device)} of recurrent-state "
+                                                                "gradients stay on the device)" if on_device else ")"))
     if lora_settings is not None:
         t = lora_settings.target_modules
         settings["lora"] = {"rank": lora_settings.r, "alpha": lora_settings.lora_alpha,
