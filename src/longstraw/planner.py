@@ -618,9 +618,10 @@ def _expert_params(module) -> list:
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
                  master_dtype: str, optimizer_states: int, optimizer_offload: str, ep: int = 1
-                 ) -> tuple[dict, dict, dict]:
+                 ) -> tuple[dict, dict, dict, int]:
     """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, what was assumed
-    (which group shards what, in which dtype) and how ``weights`` splits (frozen / adapters / other trained). The
+    (which group shards what, in which dtype), how ``weights`` splits (frozen / adapters / other trained) and the
+    optimiser state's bytes in host memory per device (``optimizer_offload``; 0 without). The
     trained parameters (``requires_grad``: every one, or a LoRA model's adapters and ``modules_to_save``) are held
     in the master dtype with a gradient and the moments; the frozen ones (a LoRA model's base) in the compute
     dtype, weights only. ``ep > 1``: the routed experts split over ``ep`` ranks instead of FSDP-sharded (module
@@ -677,7 +678,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     split.update(expert_params_per_device=ex_n + ex_frozen)
     # host: the moments in the master dtype; "masters": float32 masters and moments (HostAdamW(master_on_host=True))
     host_per = {"none": 0, "moments": optimizer_states * mb, "masters": (optimizer_states + 1) * 4}[optimizer_offload]
-    split["optimizer_host_bytes"] = host_per * n_dense // shard + host_per * ex_n
+    optimizer_host = host_per * n_dense // shard + host_per * ex_n
     if fsdp:  # module docstring; gradients: unsharded in the compute dtype, and a float32 copy for the reduction
         if model.spec.tie_word_embeddings:  # one embedding + head unit, gathered while the layers run, its gradient
             # held from the head's backward to the embedding's, beside the layers'
@@ -708,7 +709,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         assumptions["experts"] = (f"routed experts split over ep={ep} ranks ({(ex_n + ex_frozen) * ep:,} parameters, "
                                   f"{ex_n + ex_frozen:,} per device), replicated over {gpus // ep} expert-data-"
                                   "parallel groups, not FSDP-sharded; token exchanges with balanced routing")
-    return fixed, assumptions, split
+    return fixed, assumptions, split, optimizer_host
 
 
 def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> int:
@@ -818,9 +819,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             ok = [d for d in range(1, gpus + 1) if gpus % d == 0 and all(c % d == 0 for c in counts)]
             raise ValueError(f"ep={ep} does not divide the {'/'.join(map(str, counts))} routed experts of a layer; "
                              f"allowed with gpus={gpus}: {', '.join(map(str, ok))}")
-    fixed, assumptions, split = _fixed_bytes(model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate,
-                                             master_dtype=master_dtype, optimizer_states=optimizer_states,
-                                             optimizer_offload=_offload_mode(optimizer_offload), ep=ep)
+    fixed, assumptions, split, optimizer_host = _fixed_bytes(
+        model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate, master_dtype=master_dtype,
+        optimizer_states=optimizer_states, optimizer_offload=_offload_mode(optimizer_offload), ep=ep)
     if ep > 1:
         fixed["all_to_all"] = _all_to_all_bytes(model, dt, cfg, response_len)
 
@@ -917,7 +918,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
                     checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer, ep=ep,
                     assumptions=assumptions)
-    host = _host_plan(at_len["grad_host"], split.pop("optimizer_host_bytes"), cfg, prompt_len, group, cp)
+    host = _host_plan(at_len["grad_host"], optimizer_host, cfg, prompt_len, group, cp)
     if host is not None:
         settings["host"] = host
         if host["prompt_state_grad_bytes"]:

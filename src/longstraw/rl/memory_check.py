@@ -12,10 +12,9 @@ sampled layers, ``planner.layer_samples``). On a GPU the limit is the device's m
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,7 +98,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
     on_host = device.type == "cpu"  # offloading to host memory frees nothing of a CPU device's
     if on_host and g.offload_state_grad:
-        g = dataclasses.replace(g, offload_state_grad=False)
+        g = replace(g, offload_state_grad=False)
     if t.memory_check == "off":
         return None
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)[0]
