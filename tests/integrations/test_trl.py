@@ -247,6 +247,68 @@ def test_a_real_trl_loop_with_the_same_completions_matches_stock(tiny_dir, tmp_p
         _assert_close(g_ref, g)
 
 
+def _one_step_weights(tiny_dir, tmp_path, cls, *, optimizer=False, scaler=None, **kw):
+    """The weights (transformers' names) after one TRL step on the fixed completions."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    args = _args(tmp_path, max_steps=1, learning_rate=1e-2, max_grad_norm=0.0, **kw)
+    model, optimizers = tiny_dir, (None, None)
+    if optimizer:  # the user's own optimiser and scheduler over the transformers model they pass in
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
+        # SGD with momentum and weight decay (not args.optim's); not Adam, whose first step is about lr * sign(g)
+        # and so turns float32 rounding in a near-zero gradient into a difference of lr
+        opt = torch.optim.SGD(model.parameters(), lr=3e-2, momentum=0.9, weight_decay=0.1)
+        optimizers = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5))
+    tr = cls(model=model, reward_funcs=_reward_len, args=args, train_dataset=_dataset(4), processing_class=tok,
+             rollout_func=_fixed_rollout(tok), optimizers=optimizers)
+    if scaler is not None:  # what accelerate makes for fp16 on a GPU (none on the CPU)
+        tr.accelerator.scaler = scaler
+    tr.train()
+    m = tr.model
+    return {n: p.detach().clone() for n, p in m.named_parameters()} if not hasattr(m, "spec") else {
+        n: p.detach().clone() for n, p in longstraw.checkpoint.hf.hf_parameters(m).items()}
+
+
+def _assert_weights_close(ref: dict, got: dict):
+    assert set(ref) == set(got)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_the_users_optimiser_and_scheduler_are_moved_onto_the_longstraw_model(tiny_dir, tmp_path):
+    """optimizers=(optimizer, scheduler) over the transformers model's parameters: the same update as stock TRL
+    with them (the optimiser's own hyper-parameters, the scheduler's factor), and a bad optimiser is refused in one line."""
+    ref = _one_step_weights(tiny_dir, tmp_path / "stock", trl.GRPOTrainer, optimizer=True)
+    got = _one_step_weights(tiny_dir, tmp_path / "ls", LongStrawGRPOTrainer, optimizer=True)
+    base = _one_step_weights(tiny_dir, tmp_path / "ls0", LongStrawGRPOTrainer)
+    _assert_weights_close(ref, got)
+    assert not torch.allclose(base["lm_head.weight"], got["lm_head.weight"])  # the user's optimiser did the step
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizers=.*\(3,\) tensor that is not a parameter") as ei:
+        LongStrawGRPOTrainer(model=tiny_dir, reward_funcs=_reward_len, args=_args(tmp_path / "bad"),
+                             train_dataset=_dataset(), processing_class=tok, optimizers=(stray, None))
+    assert "\n" not in str(ei.value)
+
+
+def test_an_fp16_grad_scaler_sees_the_gradient_scaled_as_trainers_backward_scales_it(tiny_dir, tmp_path):
+    """fp16 on a GPU: accelerate's GradScaler divides the gradient by its scale in the optimiser step, so the engine's
+    gradient must be scaled as Trainer's backward scales the loss. A CPU GradScaler stands in for the GPU's."""
+    ref = _one_step_weights(tiny_dir, tmp_path / "a", LongStrawGRPOTrainer, optim="sgd")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    got = _one_step_weights(tiny_dir, tmp_path / "b", LongStrawGRPOTrainer, optim="sgd", scaler=scaler)
+    assert scaler.get_scale() == 2.0 ** 10  # finite gradients: the step ran
+    _assert_weights_close(ref, got)
+
+
+def test_a_model_with_dropout_needs_disable_dropout(tiny_dir, tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, attention_dropout=0.1)
+    common = dict(reward_funcs=_reward_len, train_dataset=_dataset(), processing_class=tok)
+    with pytest.raises(ValueError, match=r"disable_dropout=False.*attention_dropout=0.1"):
+        LongStrawGRPOTrainer(model=hf, args=_args(tmp_path / "a", disable_dropout=False), **common)
+    LongStrawGRPOTrainer(model=hf, args=_args(tmp_path / "b", disable_dropout=True), **common)
+
+
 def test_train_loop_with_longstraw_sampling(tiny_dir, tmp_path):
     """LongStraw samples (generate from the prompt state), TRL rewards, logs and calls back; max_grad_norm clips;
     the model trains and is saved as an HF checkpoint transformers loads."""
@@ -321,6 +383,9 @@ REFUSED = [
     (dict(use_vllm=True), "use_vllm=True"),
     (dict(repetition_penalty=1.1), "repetition_penalty=1.1"),
     (dict(min_p=0.1), "min_p=0.1"),
+    (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0"),
+    (dict(torch_compile=True), "torch_compile=True"),
+    (dict(optim="lomo"), "optim='lomo'"),
 ]
 
 
@@ -352,9 +417,6 @@ def test_constructor_arguments_it_cannot_honour_are_refused(tiny_dir, tmp_path):
 
     with pytest.raises(ValueError, match=r"tools=\['tool'\]"):
         LongStrawGRPOTrainer(model=tiny_dir, tools=[tool], **common)
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    with pytest.raises(ValueError, match="optimizers"):
-        LongStrawGRPOTrainer(model=tiny_dir, optimizers=(opt, None), **common)
     peft = pytest.importorskip("peft")
     with pytest.raises(ValueError, match="peft_config='LoraConfig'"):
         LongStrawGRPOTrainer(model=tiny_dir, peft_config=peft.LoraConfig(r=4), **common)
@@ -368,5 +430,6 @@ def test_accepts_every_argument_of_trl_grpo_trainer():
     assert list(stock) == list(ours)[:len(stock)]  # same names, same order (positional calls work too)
     assert all(ours[n].default == p.default for n, p in stock.items())
     extra = list(ours)[len(stock):]
-    assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk", "offload_state_grad"]
+    assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk", "offload_state_grad",
+                     "graph_budget_bytes"]
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra) and ours["prompt_grad"].default == "exact"

@@ -563,6 +563,15 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
                 _copy_tokenizer(Path(source), p)
 
 
+def hf_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters keyed by the names of transformers' in-memory model (the keys of :func:`hf_grads`)."""
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        raise ValueError(f"hf_parameters needs a LongStraw model, got {type(model).__name__}")
+    wmap = family_for(spec.model_type).weights(model.hf_config)
+    return {wmap.hf_name(name): prm for name, prm in model.named_parameters()}
+
+
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Current gradients as full tensors under the names of transformers' in-memory model.
 

@@ -100,6 +100,14 @@ def check_args(args) -> None:
          "allowed: 1 (one process; for many GPUs use longstraw's torchrun trainer)"),
         ("deepspeed", args.deepspeed, not args.deepspeed, "allowed: None"),
         ("fsdp", args.fsdp, not args.fsdp, "allowed: none (one process)"),
+        ("neftune_noise_alpha", args.neftune_noise_alpha, args.neftune_noise_alpha is None,
+         "allowed: None (NEFTune's embedding noise is a transformers forward hook; the engine has no such hook)"),
+        ("torch_compile", args.torch_compile, not args.torch_compile,
+         "allowed: False (the engine runs the LongStraw model, not Trainer's compiled wrapper)"),
+        ("optim", str(getattr(args.optim, "value", args.optim)),
+         "lomo" not in str(getattr(args.optim, "value", args.optim)).lower(),
+         "allowed: an optimiser that steps on .grad (LOMO / AdaLomo update inside Trainer's backward, which the "
+         "engine replaces)"),
     ]
     for setting, value, ok, allowed in checks:
         if not ok:
@@ -107,7 +115,8 @@ def check_args(args) -> None:
 
 
 def engine_config(args, *, prompt_grad: str = "exact", prefill_chunk: int = 4096, branch_batch: int = 1,
-                  logprob_chunk: int = 1024, offload_state_grad: bool = False) -> GRPOConfig:
+                  logprob_chunk: int = 1024, offload_state_grad: bool = False,
+                  graph_budget_bytes: int | None = None) -> GRPOConfig:
     """The engine's :class:`longstraw.GRPOConfig` for TRL's ``args`` (checked first with :func:`check_args`).
 
     epsilon / epsilon_high -> clip_ratio_low / clip_ratio_high; delta (TRL's two-sided clip, which caps the
@@ -128,10 +137,20 @@ def engine_config(args, *, prompt_grad: str = "exact", prefill_chunk: int = 4096
                       kl_ratio_weight=bool(args.use_bias_correction_kl and args.beta),
                       temperature=float(args.temperature), compute_dtype=compute, checkpoint_layers=ckpt,
                       prefill_chunk=prefill_chunk, branch_batch=branch_batch, logprob_chunk=logprob_chunk,
-                      offload_state_grad=offload_state_grad)
+                      offload_state_grad=offload_state_grad, graph_budget_bytes=graph_budget_bytes)
 
 
-def _check_constructor(model, optimizers, quantization_config, peft_config, tools, environment_factory) -> None:
+_DROPOUT_KEYS = ("dropout", "pdrop")
+
+
+def _active_dropout(config) -> list[str]:
+    """The config's dropout probabilities above zero (``attention_dropout=0.1``, ...): transformers applies them in
+    training, the engine has no dropout."""
+    return [f"{k}={v}" for k, v in sorted(vars(config).items())
+            if any(d in k for d in _DROPOUT_KEYS) and isinstance(v, float) and v > 0]
+
+
+def _check_constructor(model, quantization_config, peft_config, tools, environment_factory) -> None:
     if peft_config is not None:
         raise _refuse("peft_config", type(peft_config).__name__,
                       "allowed: None (train adapters with longstraw.add_lora and longstraw's own trainer)")
@@ -145,10 +164,36 @@ def _check_constructor(model, optimizers, quantization_config, peft_config, tool
                       "allowed: None (tool tokens are masked per token; the engine weights whole completions)")
     if environment_factory is not None:
         raise _refuse("environment_factory", environment_factory, "allowed: None (as tools)")
-    if optimizers is not None and optimizers[0] is not None:
-        raise _refuse("optimizers", "(optimizer, ...)", "allowed: (None, None) or (None, scheduler): the optimiser "
-                      "must hold trainer.model's parameters (the LongStraw model, made during construction); set "
-                      "args.optim, or assign trainer.optimizer after construction")
+
+
+def _move_optimizer(optimizer: torch.optim.Optimizer, hf_model: torch.nn.Module, model: CausalLM) -> None:
+    """Point a user's optimiser, built over the transformers model's parameters, at the LongStraw model's
+    parameters of the same names (in place: its class, hyper-parameters, state and any scheduler bound to it stay).
+
+    Every parameter it holds must be one of the transformers model's with a LongStraw counterpart of the same shape
+    (fused or renamed layouts such as routed experts are matched by transformers' in-memory names)."""
+    hf_names = {id(p): n for n, p in hf_model.named_parameters()}
+    from longstraw.checkpoint.hf import hf_parameters
+
+    ours = hf_parameters(model)
+    swap: dict[int, torch.nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = hf_names.get(id(p))
+            if name is None:
+                raise _refuse("optimizers", f"(an optimiser over a {tuple(p.shape)} tensor that is not a parameter of "
+                              "the model)", "allowed: an optimiser over the transformers model's parameters "
+                              "(LongStrawGRPOTrainer moves it onto the LongStraw model's), or (None, scheduler)")
+            new = ours.get(name)
+            if new is None or new.shape != p.shape:
+                raise _refuse("optimizers", f"(an optimiser holding {name})", "allowed: parameters the LongStraw model "
+                              "holds whole under transformers' names" + ("" if new is None else
+                                                                         f" (here {tuple(new.shape)})"))
+            swap[id(p)] = new
+    for group in optimizer.param_groups:
+        group["params"] = [swap[id(p)] for p in group["params"]]
+    for old in list(optimizer.state):
+        optimizer.state[swap[id(old)]] = optimizer.state.pop(old)
 
 
 def _prompt_groups(prompt_ids, prompt_mask, completion_mask):
@@ -177,22 +222,25 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
 
     Takes every argument ``trl.GRPOTrainer`` takes, plus the engine's own keyword-only settings: ``prompt_grad``
     (``"exact"``, the default: gradients through the prompt; ``"detached"``: the prompt state is a constant),
-    ``prefill_chunk``, ``branch_batch``, ``logprob_chunk`` and ``offload_state_grad`` (exact mode: the state's
-    gradient in host memory; see :class:`longstraw.GRPOConfig`).
+    ``prefill_chunk``, ``branch_batch``, ``logprob_chunk``, ``offload_state_grad`` (exact mode: the state's
+    gradient in host memory) and ``graph_budget_bytes`` (exact mode: prompt-step graphs kept from the prefill); see
+    :class:`longstraw.GRPOConfig`. An optimiser passed in ``optimizers`` (built over the transformers model's
+    parameters, as for ``trl.GRPOTrainer``) is moved onto the LongStraw model's parameters of the same names.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
                  *, prompt_grad: str = "exact", prefill_chunk: int = 4096, branch_batch: int = 1,
-                 logprob_chunk: int = 1024, offload_state_grad: bool = False):
+                 logprob_chunk: int = 1024, offload_state_grad: bool = False, graph_budget_bytes: int | None = None):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = trl.GRPOConfig(f"{Path(str(name)).name}-GRPO")
-        _check_constructor(model, optimizers, quantization_config, peft_config, tools, environment_factory)
+        _check_constructor(model, quantization_config, peft_config, tools, environment_factory)
         self.engine_config = engine_config(args, prompt_grad=prompt_grad, prefill_chunk=prefill_chunk,
                                            branch_batch=branch_batch, logprob_chunk=logprob_chunk,
-                                           offload_state_grad=offload_state_grad)
+                                           offload_state_grad=offload_state_grad,
+                                           graph_budget_bytes=graph_budget_bytes)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
@@ -204,7 +252,13 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         if self._is_vlm:
             raise _refuse("model", type(self.model).__name__, "allowed: a text-only causal LM")
         hf_model = self.model
+        dropout = _active_dropout(hf_model.config)
+        if dropout and not args.disable_dropout:
+            raise _refuse("disable_dropout", args.disable_dropout, f"allowed: True for a model with dropout "
+                          f"({', '.join(dropout)}): the engine has none, so training would differ from TRL's")
         self.model = self.model_wrapped = self._load_longstraw(model, hf_model)
+        if self.optimizer is not None:  # optimizers=(optimizer, scheduler) over the transformers model's parameters
+            _move_optimizer(self.optimizer, hf_model, self.model)
         self.callback_handler.model = self.model
         if self.ref_model is not None:  # TRL built a transformers copy of the initial weights; ours replaces it
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -294,6 +348,10 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         denom = self.loss_normaliser(inputs)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:  # fp16 on a GPU: Trainer's backward scales the loss by the GradScaler's factor, and the
+            # optimiser step divides it out; scale() also starts the scaler (unscale_ refuses one never used)
+            denom /= float(scaler.scale(torch.ones((), device=self.accelerator.device)))
         cfg = self.engine_config
         total, tokens, clipped, kl = 0.0, 0, 0.0, 0.0
         for prompt, rows in _prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"]):
