@@ -21,6 +21,14 @@ def test_parse_bytes_rejects(text):
         parse_bytes(text, "--gpu-mem")
 
 
+@pytest.mark.parametrize("text", ["1.5", 0.5, "2.25"])
+def test_a_plain_number_of_bytes_or_tokens_must_be_whole(text):
+    with pytest.raises(ValueError, match=r"^--graph-budget=.* must be a whole number of bytes"):
+        parse_bytes(text, "--graph-budget")
+    with pytest.raises(ValueError, match=r"^--response-len=.* must be a whole number of tokens"):
+        parse_tokens(text, "--response-len")
+
+
 @pytest.mark.parametrize("text,want", [("512K", 524288), ("1M", 1048576), ("2M", 2097152), ("2.1M", 2202010),
                                        ("4096", 4096), (300, 300), ("1G", 2**30)])
 def test_parse_tokens(text, want):

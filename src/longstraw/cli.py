@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "synthetic long-context task and evaluate it at 1x, 4x and 16x the length")
     d.add_argument("--prompt-len", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--steps", type=int, default=None,
-                   help="GRPO steps (default: 200, fewer above 8K-token prompts)")
+                   help="GRPO steps (default: 150, fewer above 8K-token prompts)")
     d.add_argument("--warmup-steps", type=int, default=1500,
                    help="the most supervised warm-up steps on short prompts before GRPO (0: no warm-up)")
     d.add_argument("--warmup-until", type=float, default=0.9,

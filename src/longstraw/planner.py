@@ -124,7 +124,11 @@ def parse_gpu_mem(text: str, name: str = "--gpu-mem") -> int:
     key = str(text).strip().upper()
     if key in DEVICES_MIB:
         return DEVICES_MIB[key] << 20
-    return parse_bytes(text, name)
+    try:
+        return parse_bytes(text, name)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} must be a device ({', '.join(DEVICES_MIB)}) or a memory size like 80G, "
+                         "141G or a number of bytes") from None
 
 
 def _tensors(x):
@@ -367,6 +371,7 @@ class Plan:
                                                                  + (("all_to_all",) if "all_to_all" in self.breakdown
                                                                     else ())},
                "max_prompt_len": self.max_prompt_len, "fits": self.fits,
+               "prompt_len": self.settings.get("prompt_len"), "response_len": self.settings.get("response_len"),
                "assumptions": self.settings.get("assumptions", {})}
         if "memory" in self.settings:  # the device's memory, the reserve, what is left for the run
             out["memory"] = dict(self.settings["memory"])
@@ -763,7 +768,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if prompt_len < 2:
         raise ValueError(f"prompt_len={prompt_len} must be >= 2")
     if gpus % cp:
-        raise ValueError(f"cp={cp} must divide gpus={gpus}")
+        allowed = [d for d in range(1, gpus + 1) if gpus % d == 0]
+        raise ValueError(f"cp={cp} must divide gpus={gpus}: allowed {', '.join(map(str, allowed))}")
     _check_positive(replicate=replicate)
     if (gpus // cp) % replicate:
         raise ValueError(f"replicate={replicate} must divide the {gpus // cp} data-parallel replicas (gpus={gpus} / "
@@ -778,11 +784,14 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         if replicate != 1:
             raise ValueError(f"ep={ep} with replicate={replicate} (HSDP) is not supported; plan replicate=1")
         if gpus % ep:
-            raise ValueError(f"ep={ep} must divide gpus={gpus}")
+            allowed = [d for d in range(2, gpus + 1) if gpus % d == 0]
+            raise ValueError(f"ep={ep} must divide gpus={gpus}: allowed {', '.join(map(str, allowed))} (or 1: none)")
     if not (isinstance(reserve, int) and reserve >= 0):
         raise ValueError(f"reserve={reserve!r} must be a number of bytes >= 0")
     if gpu_mem is not None and reserve >= gpu_mem:
-        raise ValueError(f"reserve={reserve} leaves nothing of gpu_mem={int(gpu_mem)}")
+        raise ValueError(f"reserve={format_bytes(reserve)} (--reserve; auto: the CUDA context, NCCL and 5% for "
+                         f"fragmentation) leaves nothing of gpu_mem={format_bytes(gpu_mem)}: give a larger --gpu-mem "
+                         "or --reserve 0")
     if max_positions is not None:
         _check_positive(max_positions=max_positions)
         hf_config = {**hf_config, "max_position_embeddings": max_positions}

@@ -2,7 +2,8 @@
 
 ``parse_bytes("80G")``: memory, binary units (``K`` = 2^10 ... ``T`` = 2^40; an optional ``B`` / ``iB``), or a plain
 number of bytes. ``parse_tokens("2.1M")``: a token count; ``K`` / ``M`` / ``G`` are powers of 1024 as context lengths
-are quoted (``128K`` = 131,072, ``1M`` = 1,048,576), a fraction is rounded to the nearest token. Both reject
+are quoted (``128K`` = 131,072, ``1M`` = 1,048,576, ``2.1M`` = 2,202,010), a fraction of a unit is rounded to
+the nearest token and a plain number must be whole. Both reject
 non-finite, negative and zero values with a ``ValueError`` that names the setting and shows what is allowed.
 """
 
@@ -32,9 +33,21 @@ def _parse(text, name: str, example: str, units: dict[str, int], what: str) -> f
     return value
 
 
+def _unitless_fraction(text) -> bool:
+    """A plain number (no unit) with a fractional part: ``1.5``, ``"0.5"``."""
+    if isinstance(text, float):
+        return not text.is_integer()
+    m = _SIZE.fullmatch(str(text))
+    return m is not None and not m.group(2) and not float(m.group(1)).is_integer()
+
+
 def parse_bytes(text, name: str = "size") -> int:
-    """``"80G"``, ``"141GiB"``, ``"512M"``, ``"1.5T"`` or a number of bytes -> bytes (binary units)."""
-    return int(_parse(text, name, "80G, 141G, 512M or a number of bytes", _BINARY, "a memory size"))
+    """``"80G"``, ``"141GiB"``, ``"512M"``, ``"1.5T"`` or a whole number of bytes -> bytes (binary units; a fraction
+    of a unit is rounded to the nearest byte)."""
+    value = _parse(text, name, "80G, 141G, 512M or a number of bytes", _BINARY, "a memory size")
+    if _unitless_fraction(text):
+        raise ValueError(f"{name}={text!r} must be a whole number of bytes, or a size with a unit like 1.5G")
+    return round(value)
 
 
 def parse_tokens(text, name: str = "length") -> int:
@@ -45,8 +58,8 @@ def parse_tokens(text, name: str = "length") -> int:
         return text
     units = {k: v for k, v in _BINARY.items() if k != "T"}
     value = _parse(text, name, "4096, 512K, 1M or 2.1M", units, "a token count")
-    if isinstance(text, float) and not value.is_integer():
-        raise ValueError(f"{name}={text!r} must be a whole number of tokens")
+    if _unitless_fraction(text):
+        raise ValueError(f"{name}={text!r} must be a whole number of tokens, or a length with a unit like 2.1M")
     return max(1, round(value))
 
 

@@ -189,13 +189,27 @@ def test_bad_input_raises_and_leaves_grad_untouched(llama_pair):
     (dict(ratio_level="seq"), r"ratio_level='seq' is not supported; allowed: 'token', 'sequence'"),
     (dict(kl_ratio_weight=1), r"kl_ratio_weight=1 must be true or false"),
     (dict(prefill_chunk=0), r"prefill_chunk=0 must be an integer >= 1"),
-    (dict(clip_ratio_c=0.5), r"clip_ratio_c=0.5 must be > 1"),
+    (dict(clip_ratio_c=0.5), r"clip_ratio_c=0.5 must be a finite number > 1"),
+    (dict(clip_ratio_c=float("inf")), r"clip_ratio_c=inf must be a finite number > 1"),
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number > 0"),
+    (dict(temperature="1"), r"temperature='1' must be a finite number > 0"),
+    (dict(loss_scale_factor=float("nan")), r"loss_scale_factor=nan must be a finite number > 0"),
+    (dict(checkpoint_layers="yes"), r"checkpoint_layers='yes' must be true or false"),
+    (dict(branch_batch=2.0), r"branch_batch=2.0 must be an integer >= 1"),
     (dict(clip_ratio_low=-0.1), r"clip_ratio_low=-0.1 must be a finite number >= 0"),
     (dict(compute_dtype="int8"), r"compute_dtype='int8' is not supported"),
 ])
 def test_config_validation(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         longstraw.GRPOConfig(**kwargs)
+
+
+def test_config_takes_numpy_numbers():
+    import numpy as np
+
+    cfg = longstraw.GRPOConfig(graph_budget_bytes=np.int64(1 << 20), prefill_chunk=np.int32(64),
+                               temperature=np.float32(0.7))
+    assert type(cfg.graph_budget_bytes) is int and type(cfg.prefill_chunk) is int and cfg.graph_budget_bytes == 1 << 20
 
 
 def test_group_advantages():

@@ -110,6 +110,9 @@ def test_state_reuse_by_the_training_step(model):
     (dict(top_p=0), r"top_p=0 must be in \(0, 1\]"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be an integer >= 1"),
     (dict(stop_strings=("",)), "must not contain an empty string"),
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number >= 0"),
+    (dict(seed="7"), "seed='7' must be an integer or None"),
+    (dict(top_p="0.9"), r"top_p='0.9' must be in \(0, 1\]"),
 ])
 def test_sampling_config_validation(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

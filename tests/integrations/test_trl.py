@@ -276,7 +276,8 @@ def _assert_weights_close(ref: dict, got: dict):
 
 def test_the_users_optimiser_and_scheduler_are_moved_onto_the_longstraw_model(tiny_dir, tmp_path):
     """optimizers=(optimizer, scheduler) over the transformers model's parameters: the same update as stock TRL
-    with them (the optimiser's own hyper-parameters, the scheduler's factor), and a bad optimiser is refused in one line."""
+    with them (the optimiser's own hyper-parameters, the scheduler's factor); a bad optimiser is refused in one
+    line."""
     ref = _one_step_weights(tiny_dir, tmp_path / "stock", trl.GRPOTrainer, optimizer=True)
     got = _one_step_weights(tiny_dir, tmp_path / "ls", LongStrawGRPOTrainer, optimizer=True)
     base = _one_step_weights(tiny_dir, tmp_path / "ls0", LongStrawGRPOTrainer)

@@ -122,7 +122,9 @@ def test_cli_json(tmp_path):
                "--reserve", "0", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits", "assumptions", "memory"}
+    assert set(d) == {"peak_bytes", "breakdown", "max_prompt_len", "fits", "assumptions", "memory", "prompt_len",
+                      "response_len"}
+    assert (d["prompt_len"], d["response_len"]) == (4096, 64)
     assert set(d["breakdown"]) == set(BREAKDOWN_KEYS) and all(isinstance(v, int) for v in d["breakdown"].values())
     assert isinstance(d["max_prompt_len"], int) and d["peak_bytes"] > 0 and d["fits"] is True
     want = plan(DENSE, prompt_len=4096, response_len=64, group=8, dtype="bfloat16", gpus=2, cp=2, gpu_mem=2**30)
@@ -146,8 +148,11 @@ def test_cli_verdict_and_what_divides_what(tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--gpus", "3", "--cp", "2"], "cp=2 must divide gpus=3"),
-    (["--gpu-mem", "inf"], "--gpu-mem='inf' must be a memory size like 80G"),
+    (["--gpus", "3", "--cp", "2"], "cp=2 must divide gpus=3: allowed 1, 3"),
+    (["--gpu-mem", "inf"], "--gpu-mem='inf' must be a device (H20, H100, H200, B200, A100) or a memory size like 80G"),
+    (["--gpu-mem", "H300"], "--gpu-mem='H300' must be a device (H20, H100, H200, B200, A100)"),
+    (["--gpu-mem", "1G"], "reserve=1.05 GiB (--reserve; auto: the CUDA context"),
+    (["--response-len", "1.5"], "--response-len='1.5' must be a whole number of tokens"),
     (["--prompt-len", "1M"], "needs 1049600 positions, more than the model's max_position_embeddings=20000"),
     (["--prompt-len", "lots"], "--prompt-len='lots' must be a token count like 4096, 512K, 1M or 2.1M"),
 ])
@@ -670,7 +675,7 @@ def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(ep=3), r"ep=3 must divide gpus=4"),
+    (dict(ep=3), r"ep=3 must divide gpus=4: allowed 2, 4 \(or 1: none\)"),
     (dict(ep=4, gpus=8), r"ep=4 does not divide the 4 routed experts|allowed"),
     (dict(ep=2, fsdp=False), r"ep=2 needs FSDP over several GPUs"),
     (dict(ep=2, gpus=4, replicate=2), r"ep=2 with replicate=2 \(HSDP\) is not supported"),

@@ -237,3 +237,9 @@ def test_graph_budget_use_is_in_the_metrics(tmp_path):
     Trainer(cfg, resume=False, echo=lambda *_: None).train()
     (row,) = read_metrics(tmp_path / "none")
     assert "kept_steps" not in row and "kept_graph_bytes" not in row
+    said = []  # a budget that every update's reused rollout state leaves nothing to do for is said, not silent
+    cfg = _cfg(tmp_path / "reused", *run, "algorithm.graph_budget=\"1G\"")
+    Trainer(cfg, resume=False, echo=said.append).train()
+    (row,) = read_metrics(tmp_path / "reused")
+    assert "kept_steps" not in row
+    assert [s for s in said if "has no effect" in s and "reuse_rollout_state = false" in s]

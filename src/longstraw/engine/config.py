@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from enum import Enum
 
@@ -106,37 +107,40 @@ class GRPOConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         set_("prompt_grad", parse_enum(PromptGrad, self.prompt_grad, "prompt_grad"))
         b = self.graph_budget_bytes
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+        if b is not None and (not _is_int(b) or b < 0):
             raise ValueError(f"graph_budget_bytes={b!r} must be None or an integer number of bytes >= 0")
+        set_("graph_budget_bytes", None if b is None else int(b))
+        for name in ("checkpoint_layers", "offload_state_grad", "kl_ratio_weight"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if b and self.prompt_grad is not PromptGrad.EXACT:
             raise ValueError(f"graph_budget_bytes={b} keeps prompt-step graphs for the exact reverse pass; with "
                              "prompt_grad='detached' there is none: use graph_budget_bytes=None or 0")
-        if not isinstance(self.offload_state_grad, bool):
-            raise ValueError(f"offload_state_grad={self.offload_state_grad!r} must be true or false")
         if self.offload_state_grad and self.prompt_grad is not PromptGrad.EXACT:
             raise ValueError("offload_state_grad=True moves the exact mode's state gradient to host memory; with "
                              "prompt_grad='detached' there is none: use offload_state_grad=False")
         set_("loss_agg_mode", parse_enum(LossAggMode, self.loss_agg_mode, "loss_agg_mode"))
         set_("kl_type", parse_enum(KLType, self.kl_type, "kl_type"))
         set_("ratio_level", parse_enum(RatioLevel, self.ratio_level, "ratio_level"))
-        if not isinstance(self.kl_ratio_weight, bool):
-            raise ValueError(f"kl_ratio_weight={self.kl_ratio_weight!r} must be true or false")
         for name in ("prefill_chunk", "branch_batch", "logprob_chunk"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
+            set_(name, int(v))
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coef"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not _is_finite(v) or v < 0:
                 raise ValueError(f"{name}={v!r} must be a finite number >= 0")
         if self.clip_ratio_low >= 1:
             raise ValueError(f"clip_ratio_low={self.clip_ratio_low} must be < 1 (the ratio is clipped to 1 - it)")
-        if self.clip_ratio_c is not None and not (self.clip_ratio_c > 1):
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c!r} must be > 1 (dual clip), or None to disable it")
-        if not (self.temperature > 0):
-            raise ValueError(f"temperature={self.temperature!r} must be > 0")
-        if self.loss_scale_factor is not None and not (self.loss_scale_factor > 0):
-            raise ValueError(f"loss_scale_factor={self.loss_scale_factor!r} must be > 0 or None")
+        if self.clip_ratio_c is not None and not (_is_finite(self.clip_ratio_c) and self.clip_ratio_c > 1):
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c!r} must be a finite number > 1 (dual clip), or None to "
+                             "disable it")
+        if not (_is_finite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0")
+        if self.loss_scale_factor is not None and not (_is_finite(self.loss_scale_factor)
+                                                       and self.loss_scale_factor > 0):
+            raise ValueError(f"loss_scale_factor={self.loss_scale_factor!r} must be a finite number > 0 or None")
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; allowed: None, "
                              f"{', '.join(map(repr, COMPUTE_DTYPES))}")
@@ -201,16 +205,31 @@ class SamplingConfig:
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(self.temperature)):
+        if not (_is_finite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        if not (0 < self.top_p <= 1):
+        if not (_is_finite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+        for name in ("top_k", "max_new_tokens", "seed"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must not contain an empty string")
+
+
+def _is_int(v) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_finite(v) -> bool:
+    """A finite real number (Python's or numpy's), not a bool or a string."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def autocast_context(cfg: GRPOConfig, device: torch.device):

@@ -365,6 +365,13 @@ class Trainer:
                 return 0
             raise ValueError(f"algorithm.graph_budget={a.graph_budget!r}: kept prompt-step graphs are not supported "
                              "in a job over several ranks (context parallelism / FSDP); use algorithm.graph_budget = 0")
+        if a.reuse_rollout_state and a.ppo_epochs == 1 and not self.cfg.data.offline:
+            if a.graph_budget == "auto" or g.graph_budget_bytes:  # every update reuses its rollout's prompt state
+                self.echo(f"algorithm.graph_budget = {a.graph_budget!r} has no effect: with "
+                          "algorithm.reuse_rollout_state = true and ppo_epochs = 1 every update reuses the rollout's "
+                          "prompt state and runs no prefill that could keep graphs (reusing it saves that prefill, "
+                          "which is about what kept graphs would save); set reuse_rollout_state = false to keep them")
+            return 0
         if a.graph_budget != "auto":
             return g.graph_budget_bytes or 0
         m = self.memory
@@ -373,8 +380,10 @@ class Trainer:
                       "the device's memory unknown): no prompt-step graphs kept")
             return 0
         budget = max(0, m.limit_bytes - m.peak_bytes)
-        self.echo(f"algorithm.graph_budget = \"auto\": {format_bytes(budget)} for prompt-step graphs (the memory "
-                  "plan's limit less its peak)")
+        which = ("the updates that prefill themselves: epochs after the first, as reuse_rollout_state = true"
+                 if a.reuse_rollout_state and not self.cfg.data.offline else "every update")
+        self.echo(f"algorithm.graph_budget = \"auto\": up to {format_bytes(budget)} for prompt-step graphs (the "
+                  f"memory plan's limit less its peak), in {which}")
         return budget
 
     def _check_memory(self):
