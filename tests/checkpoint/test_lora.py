@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import peft
 import peft.utils.transformers_weight_conversion as twc
@@ -214,7 +215,9 @@ def test_stock_peft_on_remapped_moe_families(name, tmp_path):
     (attention, MLA, DeltaNet, DSA indexer, Qwen's shared_expert_gate) is adapted as here, with equal logits. An
     adapter stock PEFT saves with MLP targets (target_parameters on the routed experts) is refused here."""
     model = ours(name)
-    longstraw.save_adapter(model, tmp_path / "all")
+    with pytest.warns(UserWarning, match=r"save_adapter: \d+ adapters on MLP projections .*stock PEFT on "
+                                         r"transformers 5 re-targets"):
+        longstraw.save_adapter(model, tmp_path / "all")
     pm = peft_load(name, tmp_path / "all", stock=True)
     mine = set(adapted_modules(model))
     mlp = {n for n in mine if n.rsplit(".", 1)[-1] in MLP}
@@ -223,7 +226,9 @@ def test_stock_peft_on_remapped_moe_families(name, tmp_path):
     assert experts and all(n.endswith("mlp.experts") for n in experts)
     rest = [t for t in FAMILIES[name][1] if t not in MLP]
     model = ours(name, targets=rest)
-    longstraw.save_adapter(model, tmp_path / "rest")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing stock PEFT would drop: no warning
+        longstraw.save_adapter(model, tmp_path / "rest")
     pm = peft_load(name, tmp_path / "rest", stock=True)
     assert peft_adapted(pm) == set(adapted_modules(model))
     x = tokens(1)
@@ -419,8 +424,12 @@ def _no_adapters_and_nothing_trainable_changed(model):
                                                r"layer"),
     (dict(rank=0), r"LoRA rank=0 must be an integer >= 1"),
     (dict(rank=2.0), r"LoRA rank=2.0 must be an integer >= 1"),
-    (dict(alpha=0), r"LoRA alpha=0 must be a number > 0"),
-    (dict(alpha=-1.0), r"LoRA alpha=-1.0 must be a number > 0"),
+    (dict(alpha=0), r"LoRA alpha=0 must be a finite number > 0"),
+    (dict(alpha=-1.0), r"LoRA alpha=-1.0 must be a finite number > 0"),
+    (dict(alpha=float("nan")), r"LoRA alpha=nan must be a finite number > 0"),
+    (dict(alpha_pattern={"q_proj": 0}), r"LoRA alpha_pattern\['q_proj'\]=0 must be a finite number > 0"),
+    (dict(rank_pattern={"q_(proj": 2}), r"LoRA rank_pattern key 'q_\(proj' is not a regular expression"),
+    (dict(modules_to_save=[""]), r"LoRA modules_to_save=\[''\] must be module names"),
     (dict(dropout=1.0), r"LoRA dropout=1.0 must be in \[0, 1\)"),
     (dict(dropout=-0.1), r"LoRA dropout=-0.1 must be in \[0, 1\)"),
     (dict(target_modules=[]), r"must be a non-empty list of module names"),
@@ -469,6 +478,12 @@ Q0A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     (lambda d: _edit_config(d, peft_type="IA3"), r"peft_type='IA3'; only LoRA adapters \(peft_type 'LORA'\) load"),
     (lambda d: _edit_config(d, use_dora=True), r"use_dora=True is not supported \(allowed: False\)"),
     (lambda d: _edit_config(d, r=0), r"LoRA rank=0 must be an integer >= 1"),
+    (lambda d: _edit_config(d, init_lora_weights="pissa_niter_4"), r"init_lora_weights='pissa_niter_4' is not "
+                                                                   r"supported: that initialisation rewrites the base"),
+    (lambda d: _edit_config(d, init_lora_weights="olora"), r"init_lora_weights='olora' is not supported"),
+    (lambda d: _edit_config(d, exclude_modules=["v_proj"]), r"exclude_modules=\['v_proj'\] is not supported"),
+    (lambda d: _edit_config(d, layer_replication=[[0, 1]]), r"layer_replication=\[\[0, 1\]\] is not supported"),
+    (lambda d: _edit_config(d, task_type="SEQ_CLS"), r"task_type='SEQ_CLS' is not supported"),
     (lambda d: (d / "adapter_config.json").unlink(), r"is not a PEFT adapter directory: it has no adapter_config.json"),
     (lambda d: (d / "adapter_model.safetensors").unlink(), r"has no adapter_model.safetensors"),
     (lambda d: _edit_tensors(d, lambda sd: sd.pop(Q0A)), rf"adapter tensors missing: {Q0A}"),
@@ -493,6 +508,53 @@ def test_load_adapter_bad_files(edit, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         longstraw.load_adapter(model, tmp_path / "a")
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_adapter_of_a_multimodal_checkpoint_is_keyed_as_peft_keys_it_there(tmp_path):
+    """A model loaded from a multimodal Qwen3.5 checkpoint: save_adapter writes (and lora_grads keys) the adapters
+    under model.language_model., so PEFT on that checkpoint's transformers model loads them (same logits), and
+    PEFT's own adapter there loads back here."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
+    import test_qwen_hybrid as tq
+
+    hf = tq._multimodal("qwen3_5_moe")
+    hf.save_pretrained(tmp_path / "mm")
+    model = longstraw.load_model(tmp_path / "mm", dtype="float64")
+    longstraw.add_lora(model, 2, 4, ["q_proj", "in_proj_qkv", "out_proj"], seed=1)
+    random_b({n: m.lora_B.weight for n, m in adapted_modules(model).items()})
+    longstraw.save_adapter(model, tmp_path / "a")
+    keys = set(load_file(tmp_path / "a" / "adapter_model.safetensors"))
+    assert keys and all(k.startswith("base_model.model.model.language_model.layers.") for k in keys)
+    x = torch.randint(0, tq.V - 4, (1, 17), generator=torch.Generator().manual_seed(0))
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "a")).eval()
+    assert max_err(our_logits(model, x), hf_logits(pm, x)) <= 1e-10
+    assert max_err(our_logits(model, x), hf_logits(hf, x)) > 1e-3  # the adapters do something
+    model(x).sum().backward()
+    assert set(longstraw.lora_grads(model)) == keys
+    theirs = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    random_b({n: p for n, p in theirs.named_parameters() if ".lora_B." in n}, seed=5)
+    theirs.save_pretrained(tmp_path / "p")
+    again = longstraw.load_adapter(longstraw.load_model(tmp_path / "mm", dtype="float64"), tmp_path / "p")
+    assert max_err(our_logits(again, x), hf_logits(theirs.eval(), x)) <= 1e-10
+
+
+def test_load_adapter_path_must_be_a_path():
+    with pytest.raises(ValueError, match=r"load_adapter: path=None must be a PEFT adapter directory"):
+        longstraw.load_adapter(load("llama"), None)
+
+
+def test_modules_to_save_matches_as_peft_matches():
+    """PEFT keeps every module whose name ends with a modules_to_save entry ("norm": every norm, "head": the LM
+    head), and takes one name as a string."""
+    from longstraw.models.lora import kept_modules
+
+    model = ours("llama", targets=["q_proj"], modules_to_save="norm")
+    pm = peft_new("llama", r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["norm", "head"])
+    theirs = {n.removeprefix("base_model.model.") for n, m in pm.named_modules()
+              if type(m).__name__ == "ModulesToSaveWrapper"}
+    mine = set(kept_modules(model, ["norm", "head"]))
+    assert mine == theirs and {"model.norm", "model.layers.0.input_layernorm", "lm_head"} <= mine
+    assert model.model.layers[1].post_attention_layernorm.weight.requires_grad
 
 
 def test_load_adapter_into_other_adapters_refused(tmp_path):

@@ -6,7 +6,8 @@ removed), ``<module>`` being the module's name in transformers' model, which is 
 (``models.weights``: our module tree mirrors transformers'); a module trained whole (``modules_to_save``) as
 ``base_model.model.<module>.<param>``. vLLM's LoRA loader reads the same files. On load the family's checkpoint
 renames apply to the module part too, so an adapter trained on a multimodal Qwen3.5 checkpoint
-(``model.language_model.layers...``) loads into the text model.
+(``model.language_model.layers...``) loads into the text model, and the adapters of a model loaded from such a
+checkpoint are written (and their gradients keyed) under that prefix, as PEFT on the multimodal model keys them.
 
 Sharded models (FSDP2): adapters must exist before the model is sharded, so they are created by
 ``load_model(path, lora=..., adapter=...)`` (on the meta device, before ``parallelize``); :func:`add_lora` on an
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,7 +49,7 @@ def _sharded(model) -> bool:
 
 
 def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str, dropout: float = 0.0, *,
-             use_rslora: bool = False, modules_to_save: Sequence[str] = (), rank_pattern: Mapping | None = None,
+             use_rslora: bool = False, modules_to_save: Sequence[str] | str = (), rank_pattern: Mapping | None = None,
              alpha_pattern: Mapping | None = None, seed: int | None = None):
     """Add LoRA adapters to ``model`` in place (PEFT's ``get_peft_model`` with a ``LoraConfig`` of the same
     fields) and return it.
@@ -68,7 +70,7 @@ def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str
     """
     _check_model(model)
     settings = LoraSettings(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=dropout,
-                            use_rslora=use_rslora, modules_to_save=tuple(modules_to_save or ()),
+                            use_rslora=use_rslora, modules_to_save=modules_to_save,
                             rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
     _add(model, settings, seed)
     return model
@@ -116,13 +118,17 @@ def settings_from(spec) -> LoraSettings:
         if need not in out:
             raise ValueError(f"lora: {dict((v, k) for k, v in names.items()).get(need, need)!r} is required")
     if "modules_to_save" in out:
-        out["modules_to_save"] = tuple(out["modules_to_save"] or ())
+        out["modules_to_save"] = out["modules_to_save"] or ()
     if out.get("target_modules") is not None and not isinstance(out["target_modules"], str):
         out["target_modules"] = tuple(out["target_modules"])
     return LoraSettings(**out)
 
 
 # ---------------------------------------------------------------------------------------------- PEFT's format
+# PEFT initialisations that change the base model's weights (PEFT applies them again to the base it loads onto)
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
 def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
     f = path / ADAPTER_CONFIG
     if not f.is_file():
@@ -139,9 +145,17 @@ def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
                    "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "target_parameters": (None, []),
                    "trainable_token_indices": (None,), "lora_bias": (False, None), "use_qalora": (False, None),
                    "megatron_config": (None,), "alora_invocation_tokens": (None,), "arrow_config": (None,)}
+    unsupported.update({"exclude_modules": (None, [], ""), "layer_replication": (None, []),
+                        "task_type": (None, "CAUSAL_LM")})
     for key, ok in unsupported.items():
         if key in cfg and cfg[key] not in ok:
             raise ValueError(f"{f}: {key}={cfg[key]!r} is not supported (allowed: {ok[0]!r})")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise ValueError(f"{f}: init_lora_weights={init!r} is not supported: that initialisation rewrites the base "
+                         "weights, which PEFT redoes when it loads the adapter (allowed: true, false, 'gaussian', "
+                         "'orthogonal', 'eva'; or convert the adapter to plain LoRA with PEFT's "
+                         "path_initial_model_for_weight_conversion)")
     target = cfg.get("target_modules")
     if isinstance(target, list):
         target = tuple(sorted(target))
@@ -149,7 +163,7 @@ def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
         settings = LoraSettings(r=cfg.get("r", 8), lora_alpha=cfg.get("lora_alpha", 8), target_modules=target,
                                 lora_dropout=cfg.get("lora_dropout", 0.0) or 0.0,
                                 use_rslora=bool(cfg.get("use_rslora", False)),
-                                modules_to_save=tuple(cfg.get("modules_to_save") or ()),
+                                modules_to_save=cfg.get("modules_to_save") or (),
                                 rank_pattern=dict(cfg.get("rank_pattern") or {}),
                                 alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
     except ValueError as e:
@@ -175,13 +189,47 @@ def _tied_aliases(model, params: dict[str, torch.Tensor]) -> dict[str, str]:
             if id(p) in names and n not in params}
 
 
-def _key(wmap, name: str) -> str:
-    """PEFT's saved key of our parameter ``name``."""
-    return PREFIX + next(iter(wmap.save_tensors([(name, None)])))[0]
+def _multimodal_source(model) -> bool:
+    """Whether the model was loaded from a multimodal checkpoint (a ``config.json`` with ``text_config`` and
+    ``vision_config``, e.g. Qwen3.5's): transformers' model of it holds the text model's modules under
+    ``model.language_model.``, so PEFT on that base keys the adapters so."""
+    src = getattr(model, "source_dir", None)
+    if src is None:
+        return False
+    try:
+        cfg = json.loads((Path(src) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) and "vision_config" in cfg
+
+
+def _key(wmap, name: str, multimodal: bool = False) -> str:
+    """PEFT's saved key of our parameter ``name`` (``multimodal``: on the base's multimodal model,
+    :func:`_multimodal_source`; loading maps the prefix back with the family's checkpoint renames)."""
+    inner = next(iter(wmap.save_tensors([(name, None)])))[0]
+    if multimodal and inner.startswith("model."):
+        inner = "model.language_model." + inner[len("model."):]
+    return PREFIX + inner
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_sharded(t) else t
+
+
+# Model types whose MLP targets PEFT (0.18+, transformers 5: peft.utils.transformers_weight_conversion, checked on
+# 0.21.2) re-targets to the routed experts' fused parameters, dropping gate_proj / up_proj / down_proj from the
+# target modules: stock PEFT then ignores our adapters on the dense MLP layers and the shared experts.
+PEFT_MOE_RETARGETED = frozenset({"qwen3_next", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "qwen3_moe",
+                                 "qwen2_moe", "mixtral"})
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def peft_ignored_modules(model) -> list[str]:
+    """The adapted modules that stock PEFT on transformers 5 does not adapt for this model type
+    (:data:`PEFT_MOE_RETARGETED`): its dense-MLP and shared-expert ``gate_proj`` / ``up_proj`` / ``down_proj``."""
+    if model.spec.model_type not in PEFT_MOE_RETARGETED:
+        return []
+    return sorted(n for n in adapted_modules(model) if n.rsplit(".", 1)[-1] in _MLP_NAMES)
 
 
 def save_adapter(model, path: str | os.PathLike) -> None:
@@ -197,18 +245,25 @@ def save_adapter(model, path: str | os.PathLike) -> None:
     if p.exists() and (not p.is_dir() or (any(p.iterdir()) and not (p / ADAPTER_CONFIG).is_file())):
         raise ValueError(f"save_adapter: {str(p)!r} exists and is not an adapter directory; give a new or an "
                          "adapter directory")
+    ignored = peft_ignored_modules(model)
+    if ignored:
+        warnings.warn(f"save_adapter: {len(ignored)} adapters on MLP projections ({ignored[0]}, ...): stock PEFT on "
+                      f"transformers 5 re-targets gate_proj/up_proj/down_proj of {model.spec.model_type} models to "
+                      "the routed experts and will not load these (vLLM and PEFT on transformers 4 do); see "
+                      "docs/SUPPORT.md", stacklevel=2)
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
+    mm = _multimodal_source(model)
     tensors = {}
     trained = _trained_params(model)
     with torch.no_grad():
         for name, t in trained.items():
             full = _full(t.detach())  # every rank joins each gather
-            tensors[_key(wmap, name)] = full.to("cpu").contiguous()
+            tensors[_key(wmap, name, mm)] = full.to("cpu").contiguous()
     # a trained embedding tied to the LM head: PEFT keeps them tied only with ensure_weight_tying, and then reads
     # (and writes) the LM head's tensor too
     aliases = _tied_aliases(model, trained)
     for alias, name in aliases.items():
-        tensors[_key(wmap, alias)] = tensors[_key(wmap, name)].clone()
+        tensors[_key(wmap, alias, mm)] = tensors[_key(wmap, name, mm)].clone()
     rank = torch.distributed.get_rank() if _sharded(model) else 0
     if rank == 0:
         cfg = peft_config_dict(settings, getattr(model, "source_dir", None), tied=bool(aliases))
@@ -252,6 +307,8 @@ def load_adapter(model, path: str | os.PathLike):
     before any adapter is added or value written. On an FSDP2 model the adapters must exist already
     (``load_model(path, adapter=...)`` creates them); each rank fills its rows."""
     _check_model(model)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"load_adapter: path={path!r} must be a PEFT adapter directory (a str or os.PathLike)")
     p = Path(path)
     settings, _ = _peft_config(p)
     have = lora_settings(model)
@@ -333,7 +390,8 @@ def _check_file(model, path: Path, shapes: dict[str, tuple], aliases: dict[str, 
         raise ValueError(f"{f}: tensors the model's adapters do not have: {', '.join(sorted(unexpected)[:10])}")
     missing = sorted(set(shapes) - set(found))
     if missing:
-        raise ValueError(f"{f}: adapter tensors missing: {', '.join(_key(wmap, n) for n in missing[:10])}")
+        mm = _multimodal_source(model)
+        raise ValueError(f"{f}: adapter tensors missing: {', '.join(_key(wmap, n, mm) for n in missing[:10])}")
     for name, k in found.items():
         shape = tuple(handle.get_slice(k).get_shape())
         if shape != shapes[name]:
@@ -379,10 +437,11 @@ def lora_grads(model) -> dict[str, torch.Tensor]:
     if lora_settings(model) is None:
         raise ValueError("lora_grads: the model has no LoRA adapters (longstraw.add_lora adds them)")
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
+    mm = _multimodal_source(model)
     out = {}
     for name, prm in _trained_params(model).items():
         if prm.grad is not None:
-            out[_key(wmap, name)] = _full(prm.grad)
+            out[_key(wmap, name, mm)] = _full(prm.grad)
     return out
 
 

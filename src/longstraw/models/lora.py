@@ -61,8 +61,8 @@ class LoraSettings:
     def __post_init__(self):
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"LoRA rank={self.r!r} must be an integer >= 1")
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
-            raise ValueError(f"LoRA alpha={self.lora_alpha!r} must be a number > 0")
+        if not _positive_number(self.lora_alpha):
+            raise ValueError(f"LoRA alpha={self.lora_alpha!r} must be a finite number > 0")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"LoRA dropout={self.lora_dropout!r} must be in [0, 1)")
         t = self.target_modules
@@ -81,10 +81,25 @@ class LoraSettings:
                 raise ValueError(f"LoRA target_modules={t!r} must be a non-empty list of module names, a regular "
                                  "expression or 'all-linear'")
             object.__setattr__(self, "target_modules", names)
-        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
+        keep = self.modules_to_save
+        keep = (keep,) if isinstance(keep, str) else tuple(keep or ())  # PEFT takes one name as a string too
+        if not all(isinstance(k, str) and k for k in keep):
+            raise ValueError(f"LoRA modules_to_save={self.modules_to_save!r} must be module names")
+        object.__setattr__(self, "modules_to_save", keep)
+        for name, pattern in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern)):
+            if not isinstance(pattern, dict):
+                raise ValueError(f"LoRA {name}={pattern!r} must be a mapping of module-name patterns to values")
+            for k in pattern:
+                try:
+                    re.compile(rf"(.*\.)?({k})$")
+                except (re.error, TypeError) as e:
+                    raise ValueError(f"LoRA {name} key {k!r} is not a regular expression: {e}") from None
         for k, v in self.rank_pattern.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LoRA rank_pattern[{k!r}]={v!r} must be an integer >= 1")
+        for k, v in self.alpha_pattern.items():
+            if not _positive_number(v):
+                raise ValueError(f"LoRA alpha_pattern[{k!r}]={v!r} must be a finite number > 0")
 
     def rank_alpha(self, name: str) -> tuple[int, float]:
         """The rank and alpha of the adapter on module ``name`` (the patterns first, as PEFT resolves them)."""
@@ -94,6 +109,10 @@ class LoraSettings:
 
     def scaling(self, r: int, alpha: float) -> float:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _positive_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _pattern_value(pattern: dict, name: str, default):
@@ -225,12 +244,13 @@ def _allowed(linear: Sequence[str]) -> str:
 
 
 def kept_modules(model: nn.Module, keep: Iterable[str]) -> list[str]:
-    """The names of the modules ``keep`` (``modules_to_save``) names (PEFT's rule: a module whose name is it or ends
-    with ``.`` + it); ValueError for an entry that names none."""
+    """The names of the modules ``keep`` (``modules_to_save``) names (PEFT's rule: a module whose name ends with it,
+    so ``"norm"`` is every norm, ``"head"`` the LM head; the adapters' own modules excepted); ValueError for an entry
+    that names none."""
     modules = dict(model.named_modules())
     kept = []
     for k in tuple(keep):
-        names = [n for n in modules if n and (n == k or n.endswith("." + k))]
+        names = [n for n in modules if n.endswith(k) and not any(part.startswith("lora_") for part in n.split("."))]
         if not names:
             raise ValueError(f"modules_to_save entry {k!r} matches no module of this model (e.g. 'embed_tokens', "
                              "'lm_head', 'norm')")
