@@ -58,8 +58,9 @@ def test_run_config_graph_budget_values():
         apply_overrides(cfg, [*detached, 'algorithm.graph_budget="1G"'])
 
 
-def _resolve(budget, memory, world=1):
-    cfg = apply_overrides(RunConfig(), [f"algorithm.graph_budget={budget}"])
+def _resolve(budget, memory, world=1, reuse=False):
+    cfg = apply_overrides(RunConfig(), [f"algorithm.graph_budget={budget}",
+                                        f"algorithm.reuse_rollout_state={str(reuse).lower()}"])
     said = []
     fake = types.SimpleNamespace(cfg=cfg, gcfg=cfg.algorithm.grpo, memory=memory, echo=said.append,
                                  job=types.SimpleNamespace(world=world))
@@ -68,8 +69,11 @@ def _resolve(budget, memory, world=1):
 
 def test_trainer_resolves_auto_from_the_memory_check():
     verdict = types.SimpleNamespace(limit_bytes=10 << 30, peak_bytes=4 << 30)
-    assert _resolve('"auto"', verdict) == (6 << 30, ['algorithm.graph_budget = "auto": 6.00 GiB for prompt-step '
-                                                     "graphs (the memory plan's limit less its peak)"])
+    assert _resolve('"auto"', verdict) == (6 << 30, ['algorithm.graph_budget = "auto": up to 6.00 GiB for '
+                                                     "prompt-step graphs (the memory plan's limit less its peak), in "
+                                                     "every update"])
+    n, said = _resolve('"auto"', verdict, reuse=True)  # each update reuses its rollout's state: nothing to keep
+    assert n == 0 and "has no effect" in said[0]
     n, said = _resolve('"auto"', None)
     assert n == 0 and "no memory limit known" in said[0]
     assert _resolve('"2G"', None) == (2 << 30, [])

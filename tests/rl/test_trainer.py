@@ -174,7 +174,10 @@ def test_lora_run_trains_only_adapters_checkpoints_them_and_resumes_exactly(tmp_
     straight = Trainer(_cfg(tmp_path / "a", "train.steps=3", *sets), resume=False, echo=lambda *_: None)
     straight.train()
     trained = {n for n, p in straight.model.named_parameters() if p.requires_grad}
-    assert trained and all(".lora_A." in n or ".lora_B." in n or n == "model.norm.weight" for n in trained)
+    # modules_to_save "norm": every module whose name ends with it (PEFT's rule): the final norm and each layer's
+    assert trained and all(".lora_A." in n or ".lora_B." in n or n.rsplit(".", 2)[-2].endswith("norm")
+                           for n in trained)
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= trained
     assert {id(p) for p in straight.opt.state} <= {id(p) for p in straight.model.parameters() if p.requires_grad}
     assert any(".lora_B." in n and p.abs().max() > 0 for n, p in straight.model.named_parameters())  # it learned
     ckpt = checkpoint_dirs(tmp_path / "a")[-1]
