@@ -385,11 +385,9 @@ class Plan:
 
 
 def _meta_model(hf_config: dict, dtype: torch.dtype):
-    from longstraw.models.registry import build_model
+    from longstraw.models.registry import build_on_meta
 
-    with torch.device("meta"):
-        model = build_model(hf_config)
-    return model.to(dtype)
+    return build_on_meta(hf_config).to(dtype)
 
 
 def _param_bytes(model) -> int:

@@ -97,8 +97,8 @@ def test_sections_built_in_python_are_coerced_and_checked():
     (["optim.betas=[0.9]"], r"optim.betas=\[0.9\] must be a list of 2 finite numbers"),
     (["optim.betas=[0.9, 1.0]"], r"optim.betas=\[0.9, 1.0\] must be two numbers in \[0, 1\)"),
     # None is "none"; the old 0-means-None encodings are errors that say so
-    (["algorithm.clip_ratio_c=0"], r'algorithm.clip_ratio_c=0.0 must be a finite number > 1 \(dual clip\), or "none" to '
-                                       r'disable it'),
+    (["algorithm.clip_ratio_c=0"],
+     r'algorithm.clip_ratio_c=0.0 must be a finite number > 1 \(dual clip\), or "none" to disable it'),
     (["algorithm.clip_ratio_c=off"], r'algorithm.clip_ratio_c=\'off\' must be a finite number, or "none" to disable'),
     (["algorithm.loss_scale_factor=0"], r'algorithm.loss_scale_factor=0.0 must be a finite number > 0 or "none"'),
     (['model.compute_dtype=""'], r"""model.compute_dtype='' is not supported; allowed: "none", 'bfloat16'"""),

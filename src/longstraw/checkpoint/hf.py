@@ -316,8 +316,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
 
     settings = _lora_settings(lora, adapter)
 
-    with torch.device("meta"):
-        model = family.build(cfg)
+    model = registry.build_on_meta(cfg)  # family_for above: an unknown model_type is refused first
     model.to(dtype)
     if settings is not None:
         from longstraw.models.lora import add_adapters

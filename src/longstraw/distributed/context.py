@@ -17,6 +17,7 @@ layouts they need (a leading rank axis).
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -247,6 +248,9 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
     cp_comm = Comm(mesh.get_group("cp"), rank % cp, cp)
     dp_comm = Comm(mesh.get_group("dp"), rank // cp, dp_size)
     fsdp_mesh = None
+    if fsdp:  # FSDP2 and DTensor (~40 MiB of modules) imported here, not inside the first load_model
+        importlib.import_module("torch.distributed.fsdp")
+        importlib.import_module("torch.distributed.tensor")
     if fsdp and world // replicate == 1:
         warnings.warn(f"fsdp=True with {world} rank(s) and replicate={replicate}: each shard group has one rank; "
                       "parameters stay whole", stacklevel=2)

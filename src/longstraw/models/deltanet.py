@@ -277,7 +277,8 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())  # HF's init: A in [0.01, 16]
+        a = torch.empty(num_v_heads)  # HF's init: A in [0.01, 16]; nothing on meta (where log's kernel would
+        self.A_log = nn.Parameter(a if a.is_meta else a.uniform_(0.01, 16).log())  # import torch._dynamo)
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         # forwards per delta-rule kernel ("fla" / "torch"), a running count: a diagnostic the engine and the trainer
