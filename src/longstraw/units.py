@@ -18,36 +18,30 @@ _BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
 
 
-def _parse(text, name: str, example: str, units: dict[str, int], what: str) -> float:
+def _parse(text, name: str, example: str, units: dict[str, int], what: str, whole: str) -> float:
+    """``text``'s value in the base unit; a plain number (no unit) must be whole (``whole``: what to say if not)."""
     if isinstance(text, bool):
         raise ValueError(f"{name}={text!r} must be {what} like {example}")
     if isinstance(text, (int, float)):
-        value = float(text)
+        value, unit = float(text), ""
     else:
         m = _SIZE.fullmatch(str(text))
         if m is None or m.group(2).upper() not in units:
             raise ValueError(f"{name}={text!r} must be {what} like {example}")
-        value = float(m.group(1)) * units[m.group(2).upper()]
+        unit = m.group(2).upper()
+        value = float(m.group(1)) * units[unit]
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={text!r} must be {what} like {example} (finite and > 0)")
+    if not unit and not value.is_integer():
+        raise ValueError(f"{name}={text!r} must be {whole}")
     return value
-
-
-def _unitless_fraction(text) -> bool:
-    """A plain number (no unit) with a fractional part: ``1.5``, ``"0.5"``."""
-    if isinstance(text, float):
-        return not text.is_integer()
-    m = _SIZE.fullmatch(str(text))
-    return m is not None and not m.group(2) and not float(m.group(1)).is_integer()
 
 
 def parse_bytes(text, name: str = "size") -> int:
     """``"80G"``, ``"141GiB"``, ``"512M"``, ``"1.5T"`` or a whole number of bytes -> bytes (binary units; a fraction
     of a unit is rounded to the nearest byte)."""
-    value = _parse(text, name, "80G, 141G, 512M or a number of bytes", _BINARY, "a memory size")
-    if _unitless_fraction(text):
-        raise ValueError(f"{name}={text!r} must be a whole number of bytes, or a size with a unit like 1.5G")
-    return round(value)
+    return round(_parse(text, name, "80G, 141G, 512M or a number of bytes", _BINARY, "a memory size",
+                        "a whole number of bytes, or a size with a unit like 1.5G"))
 
 
 def parse_tokens(text, name: str = "length") -> int:
@@ -57,9 +51,8 @@ def parse_tokens(text, name: str = "length") -> int:
             raise ValueError(f"{name}={text!r} must be a token count > 0, like 4096, 512K, 1M or 2.1M")
         return text
     units = {k: v for k, v in _BINARY.items() if k != "T"}
-    value = _parse(text, name, "4096, 512K, 1M or 2.1M", units, "a token count")
-    if _unitless_fraction(text):
-        raise ValueError(f"{name}={text!r} must be a whole number of tokens, or a length with a unit like 2.1M")
+    value = _parse(text, name, "4096, 512K, 1M or 2.1M", units, "a token count",
+                   "a whole number of tokens, or a length with a unit like 2.1M")
     return max(1, round(value))
 
 

@@ -190,17 +190,10 @@ def _tied_aliases(model, params: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _multimodal_source(model) -> bool:
-    """Whether the model was loaded from a multimodal checkpoint (a ``config.json`` with ``text_config`` and
-    ``vision_config``, e.g. Qwen3.5's): transformers' model of it holds the text model's modules under
-    ``model.language_model.``, so PEFT on that base keys the adapters so."""
-    src = getattr(model, "source_dir", None)
-    if src is None:
-        return False
-    try:
-        cfg = json.loads((Path(src) / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) and "vision_config" in cfg
+    """Whether the model was loaded from a multimodal checkpoint (``load_model`` sets ``source_multimodal``):
+    transformers' model of it holds the text model's modules under ``model.language_model.``, so PEFT on that base
+    keys the adapters so."""
+    return bool(getattr(model, "source_multimodal", False))
 
 
 def _key(wmap, name: str, multimodal: bool = False) -> str:

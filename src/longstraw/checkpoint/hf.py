@@ -387,6 +387,9 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
             init_adapters(model, lora_seed if lora_seed is not None else _shared_seed(model))
     model.eval()
     model.source_dir = p
+    # a multimodal checkpoint (Qwen3.5's: text_config + vision_config): transformers' model of it holds the text
+    # model under model.language_model., where PEFT keys its adapters (checkpoint.adapter)
+    model.source_multimodal = isinstance(cfg.get("text_config"), dict) and "vision_config" in cfg
     return model
 
 
@@ -562,13 +565,17 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
                 _copy_tokenizer(Path(source), p)
 
 
-def hf_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters keyed by the names of transformers' in-memory model (the keys of :func:`hf_grads`)."""
+def _hf_named(model: torch.nn.Module, caller: str) -> dict[str, torch.nn.Parameter]:
     spec = getattr(model, "spec", None)
     if spec is None:
-        raise ValueError(f"hf_parameters needs a LongStraw model, got {type(model).__name__}")
+        raise ValueError(f"{caller} needs a LongStraw model, got {type(model).__name__}")
     wmap = family_for(spec.model_type).weights(model.hf_config)
     return {wmap.hf_name(name): prm for name, prm in model.named_parameters()}
+
+
+def hf_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters keyed by the names of transformers' in-memory model (the keys of :func:`hf_grads`)."""
+    return _hf_named(model, "hf_parameters")
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -576,16 +583,12 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Sharded (DTensor) gradients are gathered; parameters without a gradient are left out.
     """
-    target = model
-    spec = getattr(target, "spec", None)
-    if spec is None:
-        raise ValueError(f"hf_grads needs a LongStraw model, got {type(model).__name__}")
-    wmap = family_for(spec.model_type).weights(target.hf_config)
+    named = _hf_named(model, "hf_grads")
     from longstraw.distributed.expert_parallel import ep_modules, gather_experts
 
-    ep = {id(p): m for _, m in ep_modules(target) for p in (m.gate_up_proj, m.down_proj)}
+    ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
     out = {}
-    for name, prm in target.named_parameters():
+    for name, prm in named.items():
         if prm.grad is None:
             continue
         g = prm.grad
@@ -593,5 +596,5 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             g = g.full_tensor()
         elif id(prm) in ep:  # expert-parallel: every EP rank's experts (a collective of the EP group)
             g = gather_experts(ep[id(prm)], g)
-        out[wmap.hf_name(name)] = g
+        out[name] = g
     return out

@@ -36,6 +36,7 @@ import torch
 
 import longstraw
 from longstraw import GRPOConfig, LossAggMode, SamplingConfig
+from longstraw.checkpoint.hf import hf_parameters
 from longstraw.models.transformer import CausalLM
 
 try:
@@ -173,8 +174,6 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, hf_model: torch.nn.Module,
     Every parameter it holds must be one of the transformers model's with a LongStraw counterpart of the same shape
     (fused or renamed layouts such as routed experts are matched by transformers' in-memory names)."""
     hf_names = {id(p): n for n, p in hf_model.named_parameters()}
-    from longstraw.checkpoint.hf import hf_parameters
-
     ours = hf_parameters(model)
     swap: dict[int, torch.nn.Parameter] = {}
     for group in optimizer.param_groups:
