@@ -384,6 +384,10 @@ class Plan:
         return out
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _meta_model(hf_config: dict, dtype: torch.dtype):
     from longstraw.models.registry import build_on_meta
 
@@ -766,8 +770,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if prompt_len < 2:
         raise ValueError(f"prompt_len={prompt_len} must be >= 2")
     if gpus % cp:
-        allowed = [d for d in range(1, gpus + 1) if gpus % d == 0]
-        raise ValueError(f"cp={cp} must divide gpus={gpus}: allowed {', '.join(map(str, allowed))}")
+        raise ValueError(f"cp={cp} must divide gpus={gpus}: allowed {', '.join(map(str, _divisors(gpus)))}")
     _check_positive(replicate=replicate)
     if (gpus // cp) % replicate:
         raise ValueError(f"replicate={replicate} must divide the {gpus // cp} data-parallel replicas (gpus={gpus} / "
@@ -782,8 +785,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         if replicate != 1:
             raise ValueError(f"ep={ep} with replicate={replicate} (HSDP) is not supported; plan replicate=1")
         if gpus % ep:
-            allowed = [d for d in range(2, gpus + 1) if gpus % d == 0]
-            raise ValueError(f"ep={ep} must divide gpus={gpus}: allowed {', '.join(map(str, allowed))} (or 1: none)")
+            allowed = ", ".join(str(d) for d in _divisors(gpus) if d > 1)
+            raise ValueError(f"ep={ep} must divide gpus={gpus}: allowed {allowed} (or 1: none)")
     if not (isinstance(reserve, int) and reserve >= 0):
         raise ValueError(f"reserve={reserve!r} must be a number of bytes >= 0")
     if gpu_mem is not None and reserve >= gpu_mem:
@@ -823,7 +826,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         if not counts:
             raise ValueError(f"ep={ep}: the model ({hf_config.get('model_type')}) has no routed experts; plan ep=1")
         if any(c % ep for c in counts):
-            ok = [d for d in range(1, gpus + 1) if gpus % d == 0 and all(c % d == 0 for c in counts)]
+            ok = [d for d in _divisors(gpus) if all(c % d == 0 for c in counts)]
             raise ValueError(f"ep={ep} does not divide the {'/'.join(map(str, counts))} routed experts of a layer; "
                              f"allowed with gpus={gpus}: {', '.join(map(str, ok))}")
     fixed, assumptions, split, optimizer_host = _fixed_bytes(
