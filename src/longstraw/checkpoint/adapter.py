@@ -4,10 +4,13 @@ and the adapters' gradients under PEFT's names.
 PEFT saves an adapter tensor as ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` (the adapter name
 removed), ``<module>`` being the module's name in transformers' model, which is the name of the same module here
 (``models.weights``: our module tree mirrors transformers'); a module trained whole (``modules_to_save``) as
-``base_model.model.<module>.<param>``. vLLM's LoRA loader reads the same files. On load the family's checkpoint
-renames apply to the module part too, so an adapter trained on a multimodal Qwen3.5 checkpoint
-(``model.language_model.layers...``) loads into the text model, and the adapters of a model loaded from such a
-checkpoint are written (and their gradients keyed) under that prefix, as PEFT on the multimodal model keys them.
+``base_model.model.<module>.<param>``. Adapters on routed experts (``target_parameters``) are keyed by PEFT's
+nesting of its parameter wrappers (``<experts>[.base_layer].lora_A.weight``, ``models.lora.expert_peft_names``),
+with PEFT's shapes (``[E*r, in]``, ``[out, r*E]``). vLLM's LoRA loader reads the same files (not checked for
+expert adapters). On load the family's checkpoint renames apply to the module part too, so an adapter trained on a
+multimodal Qwen3.5 checkpoint (``model.language_model.layers...``) loads into the text model, and the adapters of a
+model loaded from such a checkpoint are written (and their gradients keyed) under that prefix, as PEFT on the
+multimodal model keys them.
 
 Sharded models (FSDP2): adapters must exist before the model is sharded, so they are created by
 ``load_model(path, lora=..., adapter=...)`` (on the meta device, before ``parallelize``); :func:`add_lora` on an
@@ -30,8 +33,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from longstraw.distributed.fsdp import is_sharded, local_rows
-from longstraw.models.lora import (ALL_LINEAR, LoraSettings, LoRALinear, adapted_modules, add_adapters,
-                                   is_adapter_param, kept_modules, lora_targets, trained_ids)
+from longstraw.models.lora import (ALL_LINEAR, ExpertLoRA, LoraSettings, LoRALinear, adapted_modules, add_adapters,
+                                   all_adapters, expert_adapter_shapes, expert_adapters, expert_peft_names,
+                                   expert_targets, is_adapter_param, kept_modules, lora_targets, trained_ids)
 from longstraw.models.registry import family_for
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,7 +54,8 @@ def _sharded(model) -> bool:
 
 def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str, dropout: float = 0.0, *,
              use_rslora: bool = False, modules_to_save: Sequence[str] | str = (), rank_pattern: Mapping | None = None,
-             alpha_pattern: Mapping | None = None, seed: int | None = None):
+             alpha_pattern: Mapping | None = None, seed: int | None = None,
+             target_parameters: Sequence[str] | str = ()):
     """Add LoRA adapters to ``model`` in place (PEFT's ``get_peft_model`` with a ``LoraConfig`` of the same
     fields) and return it.
 
@@ -59,8 +64,14 @@ def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str
     ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``; the MLA projections ``q_a_proj``, ``q_b_proj``,
     ``kv_a_proj_with_mqa``, ``kv_b_proj``; DSA's indexer ``wq_b``, ``wk``, ``weights_proj``): a module matches when
     its name is the target or ends with ``.`` + target (so ``gate_proj`` also takes the shared expert's); one string
-    is a regular expression over whole module names, or ``"all-linear"``. Routed experts are fused 3-D tensors here
-    and cannot be targeted yet. ``modules_to_save``: modules trained whole besides the adapters (e.g.
+    is a regular expression over whole module names, or ``"all-linear"``; a list may be empty when
+    ``target_parameters`` is given. ``target_parameters``: the routed experts' fused weights, PEFT's way to adapt
+    them (``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, or either; a name matches a parameter whose
+    name is it or ends with ``.`` + it): one adapter per fused weight in PEFT's layout (``models.lora``); no
+    dropout there. ``gate_proj`` / ``up_proj`` / ``down_proj`` in ``target_modules`` keep naming the linear layers
+    (dense MLP, shared experts), not the routed experts: see docs/SUPPORT.md for stock PEFT's re-targeting of those
+    names on transformers 5. ``rank_pattern`` / ``alpha_pattern`` keys match an expert adapter by its parameter's
+    name (``...experts.gate_up_proj``). ``modules_to_save``: modules trained whole besides the adapters (e.g.
     ``["embed_tokens"]``). Initialisation as PEFT's (``B = 0``: the model is unchanged); ``seed``: draw the ``A``
     matrices from a generator seeded with it (module by module in name order) instead of the global generator.
     Every base parameter is frozen. A ValueError names a bad value (a target that matches nothing, with the names
@@ -71,7 +82,8 @@ def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str
     _check_model(model)
     settings = LoraSettings(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=dropout,
                             use_rslora=use_rslora, modules_to_save=modules_to_save,
-                            rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}))
+                            rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
+                            target_parameters=target_parameters)
     _add(model, settings, seed)
     return model
 
@@ -93,27 +105,29 @@ def _add(model, settings: LoraSettings, seed: int | None) -> list[str]:
 
 def lora_settings(model) -> LoraSettings | None:
     """The adapters' settings of ``model`` (None: it has none)."""
-    return getattr(model, "lora_settings", None) if adapted_modules(model) else None
+    return getattr(model, "lora_settings", None) if all_adapters(model) else None
 
 
 def settings_from(spec) -> LoraSettings:
     """``LoraSettings`` from one: a :class:`LoraSettings`, a dict with ``add_lora``'s keyword names (``rank``,
     ``alpha``, ``target_modules``, ``dropout``, ``use_rslora``, ``modules_to_save``, ``rank_pattern``,
-    ``alpha_pattern``) or PEFT's (``r``, ``lora_alpha``, ``lora_dropout``...)."""
+    ``alpha_pattern``, ``target_parameters``) or PEFT's (``r``, ``lora_alpha``, ``lora_dropout``...)."""
     if isinstance(spec, LoraSettings):
         return spec
     if not isinstance(spec, Mapping):
         raise ValueError(f"lora={spec!r} must be a dict of add_lora's arguments (rank, alpha, target_modules, ...)")
     names = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
     fields = {"r", "lora_alpha", "target_modules", "lora_dropout", "use_rslora", "modules_to_save", "rank_pattern",
-              "alpha_pattern"}
+              "alpha_pattern", "target_parameters"}
     out = {}
     for k, v in spec.items():
         key = names.get(k, k)
         if key not in fields:
             raise ValueError(f"lora: unknown key {k!r}; allowed: rank, alpha, target_modules, dropout, use_rslora, "
-                             "modules_to_save, rank_pattern, alpha_pattern")
+                             "modules_to_save, rank_pattern, alpha_pattern, target_parameters")
         out[key] = v
+    if out.get("target_parameters") and "target_modules" not in out:
+        out["target_modules"] = ()
     for need in ("r", "lora_alpha", "target_modules"):
         if need not in out:
             raise ValueError(f"lora: {dict((v, k) for k, v in names.items()).get(need, need)!r} is required")
@@ -121,6 +135,8 @@ def settings_from(spec) -> LoraSettings:
         out["modules_to_save"] = out["modules_to_save"] or ()
     if out.get("target_modules") is not None and not isinstance(out["target_modules"], str):
         out["target_modules"] = tuple(out["target_modules"])
+    if out.get("target_parameters") is not None and not isinstance(out["target_parameters"], str):
+        out["target_parameters"] = tuple(out["target_parameters"])
     return LoraSettings(**out)
 
 
@@ -142,13 +158,16 @@ def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LoRA adapters (peft_type 'LORA') load")
     unsupported = {"use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
-                   "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "target_parameters": (None, []),
+                   "layers_to_transform": (None,), "layers_pattern": (None, [], ""),
                    "trainable_token_indices": (None,), "lora_bias": (False, None), "use_qalora": (False, None),
                    "megatron_config": (None,), "alora_invocation_tokens": (None,), "arrow_config": (None,)}
     unsupported.update({"exclude_modules": (None, [], ""), "layer_replication": (None, []),
                         "task_type": (None, "CAUSAL_LM")})
     for key, ok in unsupported.items():
         if key in cfg and cfg[key] not in ok:
+            if key == "use_dora" and cfg.get("target_parameters"):
+                raise ValueError(f"{f}: use_dora={cfg[key]!r} is not supported, and not on routed experts "
+                                 "(target_parameters) in PEFT either (allowed: False)")
             raise ValueError(f"{f}: {key}={cfg[key]!r} is not supported (allowed: {ok[0]!r})")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
@@ -159,13 +178,18 @@ def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
     target = cfg.get("target_modules")
     if isinstance(target, list):
         target = tuple(sorted(target))
+    params = cfg.get("target_parameters") or ()
+    if isinstance(params, list):
+        params = tuple(sorted(params))
+    if target is None and params:
+        target = ()
     try:
         settings = LoraSettings(r=cfg.get("r", 8), lora_alpha=cfg.get("lora_alpha", 8), target_modules=target,
                                 lora_dropout=cfg.get("lora_dropout", 0.0) or 0.0,
                                 use_rslora=bool(cfg.get("use_rslora", False)),
                                 modules_to_save=cfg.get("modules_to_save") or (),
                                 rank_pattern=dict(cfg.get("rank_pattern") or {}),
-                                alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
+                                alpha_pattern=dict(cfg.get("alpha_pattern") or {}), target_parameters=params)
     except ValueError as e:
         raise ValueError(f"{f}: {e}") from None
     return settings, cfg
@@ -203,6 +227,11 @@ def _key(wmap, name: str, multimodal: bool = False) -> str:
     if multimodal and inner.startswith("model."):
         inner = "model.language_model." + inner[len("model."):]
     return PREFIX + inner
+
+
+def _peft_names(model) -> dict[str, str]:
+    """``{our expert adapter parameter name: PEFT's}`` (the other names are PEFT's already)."""
+    return expert_peft_names(expert_adapters(model))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -246,12 +275,13 @@ def save_adapter(model, path: str | os.PathLike) -> None:
                       "docs/SUPPORT.md", stacklevel=2)
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
     mm = _multimodal_source(model)
+    peft_names = _peft_names(model)
     tensors = {}
     trained = _trained_params(model)
     with torch.no_grad():
         for name, t in trained.items():
             full = _full(t.detach())  # every rank joins each gather
-            tensors[_key(wmap, name, mm)] = full.to("cpu").contiguous()
+            tensors[_key(wmap, peft_names.get(name, name), mm)] = full.to("cpu").contiguous()
     # a trained embedding tied to the LM head: PEFT keeps them tied only with ensure_weight_tying, and then reads
     # (and writes) the LM head's tensor too
     aliases = _tied_aliases(model, trained)
@@ -286,6 +316,7 @@ def peft_config_dict(settings: LoraSettings, base: str | os.PathLike | None = No
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base) if base else None,
             "r": settings.r, "lora_alpha": settings.lora_alpha, "lora_dropout": settings.lora_dropout,
             "target_modules": t if isinstance(t, str) else sorted(t), "bias": "none",
+            "target_parameters": sorted(settings.target_parameters) or None,
             "use_rslora": settings.use_rslora, "modules_to_save": list(settings.modules_to_save) or None,
             "rank_pattern": dict(settings.rank_pattern), "alpha_pattern": dict(settings.alpha_pattern),
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_dora": False,
@@ -318,42 +349,46 @@ def load_adapter(model, path: str | os.PathLike):
 def _comparable(s: LoraSettings) -> tuple:
     t = s.target_modules if isinstance(s.target_modules, str) else tuple(sorted(s.target_modules))
     return (s.r, float(s.lora_alpha), t, bool(s.use_rslora), tuple(sorted(s.modules_to_save)),
-            tuple(sorted(s.rank_pattern.items())), tuple(sorted(s.alpha_pattern.items())))
+            tuple(sorted(s.rank_pattern.items())), tuple(sorted(s.alpha_pattern.items())),
+            tuple(sorted(s.target_parameters)))
 
 
 def _describe(s: LoraSettings) -> str:
-    return f"r={s.r}, alpha={s.lora_alpha}, target_modules={s.target_modules!r}"
+    params = f", target_parameters={s.target_parameters!r}" if s.target_parameters else ""
+    return f"r={s.r}, alpha={s.lora_alpha}, target_modules={s.target_modules!r}{params}"
 
 
 def fill_adapter(model, path: Path) -> None:
     """Copy the adapter file's tensors into the model's adapters (and ``modules_to_save`` parameters)."""
     params = _trained_params(model)
     handle, found = _check_file(model, path, {n: tuple(t.shape) for n, t in params.items()},
-                                _tied_aliases(model, params))
+                                _tied_aliases(model, params), _peft_names(model))
     with torch.no_grad():
         for name, k in found.items():
             fill(params[name], handle.get_tensor(k))
 
 
-def _planned(model, settings: LoraSettings) -> tuple[dict[str, tuple], dict[str, str]]:
+def _planned(model, settings: LoraSettings) -> tuple[dict[str, tuple], dict[str, str], dict[str, str]]:
     """What :func:`_check_file` checks a file against, for the adapters ``settings`` would add to ``model``: the
-    shapes of the tensors they train, by parameter name, and the tied aliases of those."""
+    shapes of the tensors they train, by parameter name, the tied aliases of those, and PEFT's names of the expert
+    adapters."""
     modules = dict(model.named_modules())
     shapes = {}
     for name in lora_targets(model, settings):
         r, _ = settings.rank_alpha(name)
         shapes[f"{name}.lora_A.weight"] = (r, modules[name].in_features)
         shapes[f"{name}.lora_B.weight"] = (modules[name].out_features, r)
+    shapes.update(expert_adapter_shapes(model, settings))
     ids = trained_ids(model, kept_modules(model, settings.modules_to_save))
     whole = {n: t for n, t in model.named_parameters() if id(t) in ids}
     shapes.update({n: tuple(t.shape) for n, t in whole.items()})
-    return shapes, _tied_aliases(model, whole)
+    return shapes, _tied_aliases(model, whole), expert_peft_names(expert_targets(model, settings))
 
 
-def _check_file(model, path: Path, shapes: dict[str, tuple], aliases: dict[str, str]):
+def _check_file(model, path: Path, shapes: dict[str, tuple], aliases: dict[str, str], peft_names: dict[str, str]):
     """Check the adapter file in ``path`` against the trained tensors' ``shapes`` (by parameter name; ``aliases``:
-    their tied names): every tensor present, none unexpected, each of its shape. Returns (open file, {parameter
-    name: file key})."""
+    their tied names; ``peft_names``: PEFT's names of the expert adapters, ours -> theirs): every tensor present, none
+    unexpected, each of its shape. Returns (open file, {parameter name: file key})."""
     f = path / ADAPTER_WEIGHTS
     if not f.is_file():
         raise ValueError(f"{str(path)!r} has no {ADAPTER_WEIGHTS}")
@@ -368,11 +403,13 @@ def _check_file(model, path: Path, shapes: dict[str, tuple], aliases: dict[str, 
         keys = list(handle.keys())
     except Exception as e:  # noqa: BLE001 - a truncated or garbage file
         raise ValueError(f"{f}: cannot read the adapter ({type(e).__name__}: {e})") from None
+    ours = {theirs: mine for mine, theirs in peft_names.items()}
     found, unexpected = {}, []
     for k in keys:
         inner = k[len(PREFIX):] if k.startswith(PREFIX) else k
         inner = inner.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
         name = wmap.param_name(inner)
+        name = ours.get(name, name)
         if name is None or name in aliases:  # PEFT's copy of a tied tensor (the LM head of a trained embedding)
             continue
         if name not in shapes:
@@ -384,11 +421,13 @@ def _check_file(model, path: Path, shapes: dict[str, tuple], aliases: dict[str, 
     missing = sorted(set(shapes) - set(found))
     if missing:
         mm = _multimodal_source(model)
-        raise ValueError(f"{f}: adapter tensors missing: {', '.join(_key(wmap, n, mm) for n in missing[:10])}")
+        named = ", ".join(_key(wmap, peft_names.get(n, n), mm) for n in missing[:10])
+        raise ValueError(f"{f}: adapter tensors missing: {named}")
     for name, k in found.items():
         shape = tuple(handle.get_slice(k).get_shape())
         if shape != shapes[name]:
-            raise ValueError(f"{f}: {k} has shape {shape}, the model's adapter {shapes[name]}")
+            layout = " (routed experts: [E*r, in] / [out, r*E], PEFT's layout)" if name in peft_names else ""
+            raise ValueError(f"{f}: {k} has shape {shape}, the model's adapter {shapes[name]}{layout}")
     return handle, found
 
 
@@ -406,7 +445,7 @@ def init_adapters(model, seed: int | None) -> None:
     """PEFT's initialisation of every adapter of a materialised (possibly sharded) model: ``A`` Kaiming-uniform,
     drawn whole from a generator seeded with ``seed`` module by module in name order (so every rank and every
     layout draws the same values), ``B = 0``; ``seed`` None: the global generator, one process only."""
-    mods = sorted(adapted_modules(model).items())
+    mods = sorted(all_adapters(model).items())
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     with torch.no_grad():
         for _, m in mods:
@@ -431,10 +470,11 @@ def lora_grads(model) -> dict[str, torch.Tensor]:
         raise ValueError("lora_grads: the model has no LoRA adapters (longstraw.add_lora adds them)")
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
     mm = _multimodal_source(model)
+    peft_names = _peft_names(model)
     out = {}
     for name, prm in _trained_params(model).items():
         if prm.grad is not None:
-            out[_key(wmap, name, mm)] = _full(prm.grad)
+            out[_key(wmap, peft_names.get(name, name), mm)] = _full(prm.grad)
     return out
 
 
@@ -443,15 +483,24 @@ def merged_weights(model) -> dict[str, tuple]:
     ``make()`` returns the merged full weight ``W + s B A`` (a collective on a sharded model)."""
     out = {}
     for name, m in adapted_modules(model).items():
-        out[f"{name}.weight"] = (tuple(m.weight.shape), m.weight.dtype, _merger(m))
+        out[f"{name}.weight"] = (tuple(m.weight.shape), m.weight.dtype, _merger(m, m.weight))
+    for name, m in expert_adapters(model).items():  # the fused expert weight [E, out, in], one at a time
+        w = model.get_parameter(name)
+        out[name] = (tuple(w.shape), w.dtype, _merger(m, w))
     return out
 
 
-def _merger(m: LoRALinear):
+def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor):
     def make() -> torch.Tensor:
-        w, a, b = _full(m.weight.detach()), _full(m.lora_A.weight.detach()), _full(m.lora_B.weight.detach())
+        w, a, b = _full(weight.detach()), _full(m.lora_A.weight.detach()), _full(m.lora_B.weight.detach())
         acc = torch.float64 if w.dtype == torch.float64 else torch.float32
-        return (w.to(acc) + (b.to(acc) @ a.to(acc)) * m.scaling).to(w.dtype)
+        a, b = a.to(acc), b.to(acc)
+        if isinstance(m, ExpertLoRA):  # per expert B_e A_e, PEFT's layout (models.lora.ExpertLoRA.factors)
+            e = m.num_experts
+            delta = torch.bmm(b.view(m.out_features, m.r, e).permute(2, 0, 1), a.view(e, m.r, m.in_features))
+        else:
+            delta = b @ a
+        return (w.to(acc) + delta * m.scaling).to(w.dtype)
     return make
 
 

@@ -182,6 +182,9 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         if n % size:
             raise ValueError(f"ep={size} does not divide the {n} routed experts of {name}; allowed: "
                              f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0 and ctx.world_size % d == 0)}")
+        if getattr(m, "lora_adapters", None):  # not split over EP yet (models.lora's message says what is allowed)
+            from longstraw.models.lora import EXPERT_EP_REFUSED
+            raise ValueError(f"ep={size}: {EXPERT_EP_REFUSED}")
         local = n // size
         a = ctx.ep_rank * local
         with torch.no_grad():

@@ -13,6 +13,20 @@ modules named in ``modules_to_save`` (PEFT's name for other modules trained whol
 
 Layers that use a projection's weight other than by calling it (the absorbed MLA form reads ``kv_b_proj.weight``
 per head) call :func:`linear_weight`, which returns ``W + s B A`` for an adapted projection.
+
+Routed experts (``target_parameters``, PEFT's name for adapting a parameter rather than a module): the fused
+``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` (``W [E, out, in]``) get an
+:class:`ExpertLoRA` each, in the layout of PEFT's ``lora.ParamWrapper`` over a 3-D parameter (PEFT 0.21,
+``tuners/lora/layer.py``): ``lora_A.weight [E*r, in]`` whose rows ``e*r .. e*r + r - 1`` are expert ``e``'s
+``A_e [r, in]``, ``lora_B.weight [out, r*E]`` whose column ``j*E + e`` is column ``j`` of expert ``e``'s
+``B_e [out, r]`` (PEFT reshapes B to ``[out, r, E]``), and expert ``e`` computes with ``W[e] + s B_e A_e``. PEFT
+folds that into the weight before transformers' experts run; ``ops.moe.experts_forward`` instead adds
+``s B_e (A_e x)`` on each expert's routed tokens, so no ``[E, out, in]`` delta is formed. ``gate_up_proj`` is one
+fused parameter, so one adapter covers gate and up (as PEFT's). The adapters sit on the experts module as
+``experts.lora_adapters.<parameter>``; PEFT's saved keys nest instead (one ``ParamWrapper`` per parameter, the first
+parameter of transformers' module innermost: with both targeted, ``gate_up_proj``'s adapter is
+``experts.base_layer.lora_A.weight`` and ``down_proj``'s ``experts.lora_A.weight``), which
+:func:`expert_peft_names` maps.
 """
 
 from __future__ import annotations
@@ -47,7 +61,10 @@ class LoraSettings:
     ``target_modules``: a list of module names, each matching a module whose name is it or ends with ``.`` + it
     (PEFT's rule), or one string: a regular expression a whole module name must match, or ``"all-linear"``.
     ``rank_pattern`` / ``alpha_pattern``: per-module ranks / alphas (a key matches a module name as PEFT matches it:
-    the name ends with the key, a regular expression)."""
+    the name ends with the key, a regular expression; for an expert adapter the parameter's name,
+    ``...mlp.experts.gate_up_proj``). ``target_parameters``: routed experts' fused parameters, each matching a
+    parameter whose name is it or ends with ``.`` + it (PEFT's rule), e.g. ``"mlp.experts.gate_up_proj"``; then
+    ``target_modules`` may be empty."""
 
     r: int
     lora_alpha: float
@@ -57,6 +74,7 @@ class LoraSettings:
     modules_to_save: tuple[str, ...] = ()
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -65,6 +83,16 @@ class LoraSettings:
             raise ValueError(f"LoRA alpha={self.lora_alpha!r} must be a finite number > 0")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"LoRA dropout={self.lora_dropout!r} must be in [0, 1)")
+        tp = self.target_parameters
+        params = (tp,) if isinstance(tp, str) else tuple(tp or ())  # PEFT takes one name as a string too
+        if not all(isinstance(n, str) and n for n in params):
+            raise ValueError(f"LoRA target_parameters={tp!r} must be a list of parameter names (e.g. "
+                             "'mlp.experts.gate_up_proj', 'mlp.experts.down_proj')")
+        object.__setattr__(self, "target_parameters", params)
+        if params and self.lora_dropout > 0:
+            raise ValueError(f"LoRA dropout={self.lora_dropout} with target_parameters (adapters on routed experts): "
+                             "a fused expert weight's low-rank update has no per-input dropout (PEFT refuses it too); "
+                             "use dropout 0")
         t = self.target_modules
         if isinstance(t, str):
             if not t:
@@ -77,9 +105,9 @@ class LoraSettings:
                     raise ValueError(f"LoRA target_modules={t!r} is not a regular expression: {e}") from None
         else:
             names = tuple(t) if t is not None else ()
-            if not names or not all(isinstance(n, str) and n for n in names):
+            if not (names or params) or not all(isinstance(n, str) and n for n in names):
                 raise ValueError(f"LoRA target_modules={t!r} must be a non-empty list of module names, a regular "
-                                 "expression or 'all-linear'")
+                                 "expression or 'all-linear' (or empty, with target_parameters)")
             object.__setattr__(self, "target_modules", names)
         keep = self.modules_to_save
         keep = (keep,) if isinstance(keep, str) else tuple(keep or ())  # PEFT takes one name as a string too
@@ -181,6 +209,132 @@ def linear_weight(layer: nn.Linear) -> Tensor:
     return layer.weight
 
 
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+"""The routed experts' fused parameters, in the order of transformers' experts module (PEFT nests its wrappers in
+that order: the first targeted parameter innermost)."""
+
+
+class ExpertLoRA(nn.Module):
+    """LoRA on one fused expert parameter ``W [E, out, in]`` in PEFT's ``ParamWrapper`` layout (module docstring):
+    ``lora_A.weight [E*r, in]``, ``lora_B.weight [out, r*E]``; expert ``e`` computes with ``W[e] + s B_e A_e``.
+    Holds only the adapter (the experts module keeps ``W``); ``ops.moe.experts_forward`` applies it."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, r: int, alpha: float, scaling: float,
+                 device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.r, self.lora_alpha, self.scaling = r, alpha, scaling
+        dd = dict(device=device, dtype=dtype)
+        self.lora_A = nn.Linear(in_features, r * num_experts, bias=False, **dd)  # PEFT's modules, PEFT's names
+        self.lora_B = nn.Linear(r * num_experts, out_features, bias=False, **dd)
+        if self.lora_A.weight.device.type != "meta":
+            self.reset_lora_parameters()
+
+    disabled = False  # adapters_disabled()
+
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's default initialisation (as :meth:`LoRALinear.reset_lora_parameters`: ``A`` Kaiming-uniform over
+        its ``in`` columns, ``B = 0``)."""
+        LoRALinear.reset_lora_parameters(self, generator)
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        """Per-expert views ``(A [E, r, in], B [E, out, r])`` of the two weights (differentiable, no copy)."""
+        e = self.num_experts
+        a = self.lora_A.weight.view(e, self.r, self.in_features)  # rows e*r + j
+        b = self.lora_B.weight.view(self.out_features, self.r, e).permute(2, 0, 1)  # columns j*E + e
+        return a, b
+
+    def delta_weight(self) -> Tensor:
+        """``s B_e A_e`` for every expert, ``[E, out, in]``: what merging adds to the fused weight (export only)."""
+        a, b = self.factors()
+        return torch.bmm(b, a) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, r={self.r}, " \
+               f"lora_alpha={self.lora_alpha}"
+
+
+def expert_lora(experts: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]] | None:
+    """What ``ops.moe.experts_forward`` applies for an experts module: ``{parameter: (A [E, r, in], B [E, out, r],
+    scaling)}`` of its active adapters, None when it has none (or they are disabled)."""
+    adapters = getattr(experts, "lora_adapters", None)
+    if not adapters:
+        return None
+    out = {p: (*m.factors(), m.scaling) for p, m in adapters.items() if not m.disabled}
+    return out or None
+
+
+def _expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The routed-experts modules of ``model`` (those holding the fused ``gate_up_proj`` / ``down_proj``)."""
+    return {n: m for n, m in model.named_modules()
+            if all(isinstance(getattr(m, p, None), nn.Parameter) and getattr(m, p).dim() == 3 for p in EXPERT_PARAMS)}
+
+
+def expert_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """The fused expert parameters ``settings.target_parameters`` names (``...mlp.experts.gate_up_proj``), by PEFT's
+    rule (the parameter's name is the target or ends with ``.`` + it). ValueError for a target that matches no
+    parameter, or one that is not a routed expert's fused weight."""
+    if not settings.target_parameters:
+        return []
+    experts = _expert_modules(model)
+    fused = [f"{n}.{p}" for n in experts for p in EXPERT_PARAMS]
+    hits = []
+    for target in settings.target_parameters:
+        mine = [k for k in fused if k == target or k.endswith("." + target)]
+        if mine:
+            hits += [k for k in mine if k not in hits]
+            continue
+        other = [n for n, _ in model.named_parameters() if n == target or n.endswith("." + target)]
+        allowed = ("its routed experts' fused parameters are mlp.experts.gate_up_proj and mlp.experts.down_proj"
+                   if experts else "this model has no routed experts")
+        if other:
+            raise ValueError(f"LoRA target_parameters entry {target!r} names {other[0]!r}, which is not a routed "
+                             f"expert's fused weight; only those take target_parameters here (adapt a linear layer "
+                             f"through target_modules); {allowed}")
+        raise ValueError(f"LoRA target_parameters entry {target!r} matches no parameter of this model; {allowed}")
+    return hits
+
+
+def expert_peft_names(targets: Iterable[str]) -> dict[str, str]:
+    """``{our adapter parameter name: PEFT's}`` for the expert adapters on the fused parameters ``targets``: ours are
+    ``<experts>.lora_adapters.<parameter>.lora_A.weight``; PEFT nests one ``ParamWrapper`` per targeted parameter,
+    the first of :data:`EXPERT_PARAMS` innermost, so its adapter is ``<experts>`` + ``.base_layer`` once per targeted
+    parameter after it, + ``.lora_A.weight``."""
+    per_module: dict[str, list[str]] = {}
+    for key in targets:
+        module, _, pname = key.rpartition(".")
+        per_module.setdefault(module, []).append(pname)
+    out = {}
+    for module, pnames in per_module.items():
+        ordered = [p for p in EXPERT_PARAMS if p in pnames]
+        for i, pname in enumerate(ordered):
+            theirs = module + ".base_layer" * (len(ordered) - 1 - i)
+            for w in ("lora_A", "lora_B"):
+                out[f"{module}.lora_adapters.{pname}.{w}.weight"] = f"{theirs}.{w}.weight"
+    return out
+
+
+def expert_adapter_shapes(model: nn.Module, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
+    """The shapes of the expert adapters ``settings`` puts on ``model``, by our parameter name."""
+    shapes = {}
+    for key in expert_targets(model, settings):
+        e, out_f, in_f = model.get_parameter(key).shape
+        r, _ = settings.rank_alpha(key)
+        module, _, pname = key.rpartition(".")
+        shapes[f"{module}.lora_adapters.{pname}.lora_A.weight"] = (e * r, in_f)
+        shapes[f"{module}.lora_adapters.{pname}.lora_B.weight"] = (out_f, r * e)
+    return shapes
+
+
+def expert_adapters(model: nn.Module) -> dict[str, ExpertLoRA]:
+    """``{fused parameter name (...mlp.experts.gate_up_proj): its adapter}``."""
+    out = {}
+    for n, m in model.named_modules():
+        for pname, a in (getattr(m, "lora_adapters", None) or {}).items():
+            out[f"{n}.{pname}" if n else pname] = a
+    return out
+
+
 def is_adapter_param(name: str) -> bool:
     """Whether parameter ``name`` is an adapter's (``...lora_A.weight`` / ``...lora_B.weight``)."""
     return bool(_ADAPTER_PARAM.fullmatch(name))
@@ -228,9 +382,10 @@ def lora_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
             raise ValueError(f"LoRA target {target!r}: adapters on the {target} are not supported; train it whole "
                              f"with modules_to_save=[{target!r}]")
         if other and "experts" in other[0].rsplit(".", 1)[-1]:
-            raise ValueError(f"LoRA target {target!r} names routed experts ({other[0]}), which are fused 3-D "
-                             "tensors here; adapters on routed experts are not supported yet (the shared expert's "
-                             "gate_proj/up_proj/down_proj are linear layers and can be targeted)")
+            raise ValueError(f"LoRA target {target!r} names routed experts ({other[0]}), fused 3-D parameters, not "
+                             "linear layers: adapt them with target_parameters=['mlp.experts.gate_up_proj', "
+                             "'mlp.experts.down_proj'] (PEFT's names; the shared expert's gate_proj/up_proj/down_proj "
+                             "are linear layers, targeted by target_modules)")
         if other:
             raise ValueError(f"LoRA target {target!r} names {other[0]!r}, a {type(dict(model.named_modules())[other[0]]).__name__}"
                              f", not a linear layer; {_allowed(linear)}")
@@ -276,14 +431,18 @@ def trained_ids(model: nn.Module, kept: Sequence[str]) -> set[int]:
 
 
 def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Generator | None = None) -> list[str]:
-    """Replace every targeted ``nn.Linear`` of ``model`` by a :class:`LoRALinear` around its parameters and freeze
-    the base (see the module docstring). Returns the adapted module names. ``generator``: draw the ``A`` matrices
+    """Replace every targeted ``nn.Linear`` of ``model`` by a :class:`LoRALinear` around its parameters, put an
+    :class:`ExpertLoRA` beside every targeted fused expert parameter, and freeze the base (see the module docstring).
+    Returns the adapted module names, then the adapted expert parameters' names. ``generator``: draw the ``A`` matrices
     from it (module by module, in name order) instead of the global generator. The adapters take the base layer's
     dtype and device (on the meta device nothing is drawn: call :func:`reset_adapters` once materialised)."""
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if any(isinstance(m, (LoRALinear, ExpertLoRA)) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters (one adapter per model is supported)")
     targets = lora_targets(model, settings)
+    params = expert_targets(model, settings)
     kept_modules(model, settings.modules_to_save)  # checked before anything changes
+    if params and any(type(m).__name__ == "ExpertParallelExperts" for m in model.modules()):
+        raise ValueError(EXPERT_EP_REFUSED)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -292,17 +451,37 @@ def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Gene
         layer = LoRALinear(base, r, alpha, settings.scaling(r, alpha), settings.lora_dropout)
         layer.train(base.training)
         setattr(parent, child, layer)
+    for key in params:  # routed experts: an ExpertLoRA per fused parameter, beside it
+        module_name, _, pname = key.rpartition(".")
+        experts = model.get_submodule(module_name)
+        w = getattr(experts, pname)
+        r, alpha = settings.rank_alpha(key)  # PEFT matches the patterns against the parameter's name
+        if getattr(experts, "lora_adapters", None) is None:
+            experts.lora_adapters = nn.ModuleDict()
+        experts.lora_adapters[pname] = ExpertLoRA(w.shape[0], w.shape[2], w.shape[1], r, alpha,
+                                                  settings.scaling(r, alpha), device=w.device, dtype=w.dtype)
     if generator is not None and next(model.parameters()).device.type != "meta":
         reset_adapters(model, generator)  # in name order, as checkpoint.adapter.init_adapters draws them
     _frozen_except(model, settings.modules_to_save)
     model.lora_settings = settings
-    return targets
+    return targets + params
 
 
 def reset_adapters(model: nn.Module, generator: torch.Generator | None = None) -> None:
     """Initialise every adapter of ``model`` as PEFT does (module by module, in name order)."""
-    for _, m in sorted(((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)), key=lambda x: x[0]):
+    for _, m in sorted(all_adapters(model).items()):
         m.reset_lora_parameters(generator)
+
+
+def all_adapters(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
+    """Every adapter module of ``model`` (projections' and experts'), by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, ExpertLoRA))}
+
+
+EXPERT_EP_REFUSED = ("LoRA on routed experts (target_parameters) with expert parallelism (ep > 1) is not supported "
+                     "yet; allowed: expert adapters with ep=1 (one process, FSDP, context parallelism), or ep > 1 "
+                     "with adapters on target_modules only")
+"""Expert adapters are whole on every rank; an EP rank holds only its experts' weights (not split yet)."""
 
 
 def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -318,7 +497,7 @@ def active_dropout(model: nn.Module) -> list[str]:
 def adapters_disabled(model: nn.Module):
     """Within it ``model`` computes as its base (every adapter skipped; PEFT's ``disable_adapter()``): a LoRA run's
     reference model without a second copy of the weights. Not the base when ``modules_to_save`` modules were trained."""
-    mods = list(adapted_modules(model).values())
+    mods = list(all_adapters(model).values())
     for m in mods:
         m.disabled = True
     try:

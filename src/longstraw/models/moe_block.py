@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from longstraw.models.lora import expert_lora
 from longstraw.models.mlp import GatedMLP, activation
 from longstraw.ops.moe import experts_forward, softmax_topk_route
 
@@ -54,8 +55,10 @@ class Experts(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        """x ``[N, H]``, expert_ids / weights ``[N, k]`` -> ``[N, H]``."""
-        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, self.act)
+        """x ``[N, H]``, expert_ids / weights ``[N, k]`` -> ``[N, H]`` (with the LoRA adapters of the fused weights,
+        ``lora_adapters``, when ``models.lora`` added some)."""
+        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, self.act,
+                               lora=expert_lora(self))
 
 
 class SparseMoeBlock(nn.Module):

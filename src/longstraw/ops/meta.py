@@ -44,7 +44,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["SHORTCUTS", "is_meta", "value", "expert_slot_outputs", "skip_delta_rule_block", "skip_repeated_block",
@@ -62,16 +61,14 @@ def value(t: Tensor) -> float:
     return float("nan") if is_meta(t) else float(t)
 
 
-def expert_slot_outputs(x: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                        act_fn: Callable[[Tensor], Tensor] = F.silu) -> tuple[Tensor, Tensor]:
+def expert_slot_outputs(x: Tensor, weights: Tensor, rows: Callable[[Tensor, int], Tensor]) -> tuple[Tensor, Tensor]:
     """The routed experts' slot outputs on meta, ``(ys [N k, H], token_idx [N k])``: the same tensors, shapes and
-    dtypes as the real dispatch of ``ops.moe.experts_forward`` (all ``N * k`` slots through expert 0), without
-    data-dependent counts; the caller combines them (``ops.moe.combine_slots``) as the real path does."""
+    dtypes as the real dispatch of ``ops.moe.experts_forward`` (all ``N * k`` slots through expert 0: ``rows(xs,
+    0)``, the dispatch's per-expert computation, LoRA adapters included), without data-dependent counts; the caller
+    combines them (``ops.moe.combine_slots``) as the real path does."""
     n, k = weights.shape
     token_idx = torch.arange(n * k, device=x.device) // k
-    xs = x[token_idx]
-    gate, up = F.linear(xs, gate_up_proj[0]).chunk(2, dim=-1)
-    return F.linear(act_fn(gate) * up, down_proj[0]), token_idx
+    return rows(x[token_idx], 0), token_idx
 
 
 def skip_delta_rule_block(inputs: tuple[Tensor | None, ...], t0: int, last_start: int) -> bool:

@@ -36,6 +36,12 @@ Dtypes (as HF, so bf16 models match HF bit-for-bit in spirit and float64 tests c
   float32 weight times a bf16 output is formed in float32), casts to x's dtype and accumulates in x's dtype.
   On CPU the accumulation order per token is ascending expert id, the same as HF's eager loop.
 
+LoRA on the experts (``lora``, from ``models.lora.expert_lora``): per fused parameter ``W [E, out, in]`` the factors
+``A [E, r, in]``, ``B [E, out, r]`` and a scaling ``s``; expert ``e`` computes ``W[e] x + s B[e] (A[e] x)`` on its
+routed rows, which equals PEFT's ``(W[e] + s B[e] A[e]) x`` without forming the ``[E, out, in]`` delta: per step
+it adds ``[S, r]`` intermediates (``S = N * k`` slots), and autograd gives ``A`` / ``B`` their gradients from the
+same rows. ``gate_up_proj``'s adapter acts on the fused ``[S, 2I]`` output before the gate/up split, as PEFT's.
+
 Left out on purpose: expert parallelism (``longstraw.distributed.expert_parallel`` moves the tokens and calls
 ``experts_forward`` on each rank's experts), capacity limits / token dropping, auxiliary balance losses,
 expert biases. ``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
@@ -184,6 +190,45 @@ def _check_experts_args(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up_
         )
 
 
+ExpertLora = dict[str, tuple[Tensor, Tensor, float]]
+"""``{"gate_up_proj" | "down_proj": (A [E, r, in], B [E, out, r], scaling)}``: LoRA factors of the fused weights."""
+
+
+def _check_lora(lora: ExpertLora | None, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+    for name, (a, b, _) in (lora or {}).items():
+        w = {"gate_up_proj": gate_up_proj, "down_proj": down_proj}.get(name)
+        if w is None:
+            raise ValueError(f"expert LoRA on {name!r}: only 'gate_up_proj' and 'down_proj' are fused expert weights")
+        e, out_f, in_f = w.shape
+        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != e or a.shape[2] != in_f or tuple(b.shape[:2]) != (e, out_f) \
+                or b.shape[2] != a.shape[1]:
+            raise ValueError(f"expert LoRA on {name} {tuple(w.shape)}: A must be [E, r, {in_f}] and B [E, {out_f}, r], "
+                             f"got {tuple(a.shape)} and {tuple(b.shape)}")
+
+
+def _lora_factors(lora: ExpertLora | None, name: str, dtype: torch.dtype):
+    """``(A, B, s)`` of ``name`` in the compute dtype (PEFT casts the adapter to the weight's dtype), or None."""
+    if not lora or name not in lora:
+        return None
+    a, b, s = lora[name]
+    return a.to(dtype), b.to(dtype), s
+
+
+def _expert_rows(xs: Tensor, e: int, gate_up_proj: Tensor, down_proj: Tensor, act_fn, gu_lora, dn_lora) -> Tensor:
+    """Expert ``e`` on its rows ``xs [c, H]`` -> ``[c, H]``, with the LoRA updates of its weights if any."""
+    h = F.linear(xs, gate_up_proj[e])  # [c, 2I]
+    if gu_lora is not None:
+        a, b, s = gu_lora
+        h = h + F.linear(F.linear(xs, a[e]), b[e]) * s  # [c, r] -> [c, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    mid = act_fn(gate) * up  # [c, I]
+    y = F.linear(mid, down_proj[e])  # [c, H]
+    if dn_lora is not None:
+        a, b, s = dn_lora
+        y = y + F.linear(F.linear(mid, a[e]), b[e]) * s
+    return y
+
+
 def _aligned16(t: Tensor) -> bool:
     es = t.element_size()
     return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s, d in zip(t.stride(), t.shape) if s != 1 and d != 1)
@@ -202,6 +247,19 @@ def _grouped_mm_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> bool:
     return (h * es) % 16 == 0 and (two_i // 2 * es) % 16 == 0 and _aligned16(gate_up_proj) and _aligned16(down_proj)
 
 
+def _grouped_lora_ok(factors, x: Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes the adapter's operands: ``[S, r]`` rows 16-byte aligned (the factors are made
+    contiguous: an adapter's size, not the weight's)."""
+    return (factors[0].shape[1] * x.element_size()) % 16 == 0
+
+
+def _grouped_lowrank(xs: Tensor, factors, offs: Tensor) -> Tensor:
+    """``s B[e] (A[e] x)`` for every slot row of ``xs [S, in]`` (grouped by expert, ``offs``) -> ``[S, out]``."""
+    a, b, s = factors
+    t = F.grouped_mm(xs, a.transpose(1, 2).contiguous(), offs=offs)  # [S, r]
+    return F.grouped_mm(t, b.transpose(1, 2).contiguous(), offs=offs) * s  # [S, out]
+
+
 def experts_forward(
     x: Tensor,
     expert_ids: Tensor,
@@ -211,9 +269,11 @@ def experts_forward(
     act_fn: Callable[[Tensor], Tensor] = F.silu,
     *,
     impl: str = "auto",
+    lora: ExpertLora | None = None,
 ) -> Tensor:
     """Routed SwiGLU experts. ``x [N, H]``, ``expert_ids [N, k]`` (int), ``weights [N, k]``,
     ``gate_up_proj [E, 2*I, H]`` (gate rows first), ``down_proj [E, H, I]`` -> ``[N, H]`` in x's dtype.
+    ``lora``: LoRA factors of the fused weights (:data:`ExpertLora`, module docstring), applied on the routed rows.
 
     ``impl``: ``"loop"`` (per-expert ``F.linear`` over the experts that received tokens; one host sync for the
     counts), ``"grouped_mm"`` (``F.grouped_mm`` over all experts, no host sync; CPU float32/bf16/fp16 and CUDA bf16
@@ -222,15 +282,19 @@ def experts_forward(
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {EXPERT_IMPLS}")
     _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj)
+    _check_lora(lora, gate_up_proj, down_proj)
     num_experts, two_i, _ = gate_up_proj.shape
-    use_grouped = _grouped_mm_ok(x, gate_up_proj, down_proj)
+    gu_lora, dn_lora = _lora_factors(lora, "gate_up_proj", x.dtype), _lora_factors(lora, "down_proj", x.dtype)
+    use_grouped = _grouped_mm_ok(x, gate_up_proj, down_proj) and all(
+        _grouped_lora_ok(f, x) for f in (gu_lora, dn_lora) if f is not None)
     if impl == "grouped_mm" and not use_grouped:
         raise ValueError(f"impl='grouped_mm' has no kernel for {x.dtype} on {x.device.type} with these shapes")
     use_grouped = use_grouped and impl != "loop" and expert_ids.numel() > 0
 
     n, k = expert_ids.shape
     if meta.is_meta(x):  # the memory planner's dry run: routing is data (ops/meta.py)
-        ys, token_idx = meta.expert_slot_outputs(x, weights, gate_up_proj, down_proj, act_fn)
+        ys, token_idx = meta.expert_slot_outputs(
+            x, weights, lambda xs, e: _expert_rows(xs, e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora))
         return combine_slots(ys, weights.reshape(-1), token_idx, n, x.dtype)
     flat_ids = expert_ids.reshape(-1)
     with torch.no_grad():
@@ -244,16 +308,20 @@ def experts_forward(
     if use_grouped:
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = F.grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offs)  # [S, 2I]
+        if gu_lora is not None:
+            h = h + _grouped_lowrank(xs, gu_lora, offs)
         gate, up = h.chunk(2, dim=-1)
-        ys = F.grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), offs=offs)  # [S, H]
+        mid = act_fn(gate) * up  # [S, I]
+        ys = F.grouped_mm(mid, down_proj.transpose(1, 2), offs=offs)  # [S, H]
+        if dn_lora is not None:
+            ys = ys + _grouped_lowrank(mid, dn_lora, offs)
     else:
         pieces = []
         start = 0
         for e, c in enumerate(counts.tolist()):
             if c == 0:
                 continue
-            gate, up = F.linear(xs[start : start + c], gate_up_proj[e]).chunk(2, dim=-1)
-            pieces.append(F.linear(act_fn(gate) * up, down_proj[e]))
+            pieces.append(_expert_rows(xs[start : start + c], e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora))
             start += c
         ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
 
