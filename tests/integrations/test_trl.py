@@ -421,6 +421,10 @@ def test_constructor_arguments_it_cannot_honour_are_refused(tiny_dir, tmp_path):
     peft = pytest.importorskip("peft")
     with pytest.raises(ValueError, match="peft_config='LoraConfig'"):
         LongStrawGRPOTrainer(model=tiny_dir, peft_config=peft.LoraConfig(r=4), **common)
+    # adapters on routed experts neither: the refusal names where they are trained ([lora] target_parameters)
+    experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"])
+    with pytest.raises(ValueError, match=r"peft_config='LoraConfig': allowed: None .*target_parameters.*\[lora\]"):
+        LongStrawGRPOTrainer(model=tiny_dir, peft_config=experts, **common)
 
 
 def test_accepts_every_argument_of_trl_grpo_trainer():

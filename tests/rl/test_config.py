@@ -119,11 +119,38 @@ def test_sections_built_in_python_are_coerced_and_checked():
     (['reward.fn="regex"', 'reward.options={pattern="("}'], r"pattern='\(' is not a valid regular expression"),
     (["reward.options=3"], r"reward.options=3 must be a table"),
     (["reward.case_sensitive=false"], r"unknown key reward.case_sensitive"),
+    # [lora]: target_parameters (routed experts) checked by key; names against the model at Trainer start
+    (["lora.rank=4", 'lora.target_parameters="mlp.experts.down_proj"'],
+     r"^lora.target_parameters='mlp.experts.down_proj' must be a list of strings$"),
+    (["lora.rank=4", "lora.target_parameters=[1]"], r"^lora.target_parameters=\[1\] must be a list of strings$"),
+    (["lora.rank=4", 'lora.target_parameters=["mlp.experts.down_proj", ""]'],
+     r"lora.target_parameters=\['mlp.experts.down_proj', ''\] has an empty name; allowed: .*gate_up_proj"),
+    (["lora.rank=4", "lora.target_modules=[]"], r"lora.target_modules=\[\] must name at least one module .*\[\] only "
+                                                r"with lora.target_parameters"),
+    (["lora.rank=4", 'lora.target_parameters=["mlp.experts.down_proj"]', "lora.dropout=0.1",
+      'algorithm.prompt_grad="detached"'], r"lora.dropout=0.1 with lora.target_parameters=.* set lora.dropout = 0"),
+    (["lora.rank=4", 'lora.target_parameters=["mlp.experts.down_proj"]', "parallel.fsdp=true", "parallel.ep=2"],
+     r"lora.target_parameters=\['mlp.experts.down_proj'\] .* with parallel.ep=2: not supported yet"),
+    (["lora.rank=4", 'lora.modules_to_save=[""]'], r"^lora.modules_to_save=\(''.*must be module names"),
 ])
 def test_bad_overrides(overrides, msg):
     with pytest.raises(ValueError, match=msg) as e:
         apply_overrides(RunConfig(), overrides)
     assert "\n" not in str(e.value)
+
+
+def test_lora_target_parameters_key():
+    """[lora] target_parameters: a list of names (default empty), passed to the model's LoRA settings as add_lora's
+    target_parameters; target_modules may then be empty (adapters on the routed experts only)."""
+    from longstraw.checkpoint.adapter import settings_from
+    from longstraw.rl.trainer import lora_settings
+
+    assert RunConfig().lora.target_parameters == ()
+    cfg = apply_overrides(RunConfig(), ["lora.rank=4", "lora.target_modules=[]",
+                                        'lora.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]'])
+    s = settings_from(lora_settings(cfg.lora))
+    assert s.target_parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj") and s.target_modules == ()
+    assert settings_from(lora_settings(apply_overrides(RunConfig(), ["lora.rank=4"]).lora)).target_parameters == ()
 
 
 def test_user_reward_functions_are_not_imported_at_config_time(tmp_path):

@@ -195,6 +195,88 @@ def test_lora_run_trains_only_adapters_checkpoints_them_and_resumes_exactly(tmp_
         assert torch.equal(served(ids), straight.model(ids))
 
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # not sorted: adapter_config.json sorts them
+
+
+def test_lora_on_routed_experts_trains_them_saves_peft_adapters_and_resumes_exactly(tmp_path):
+    """lora.target_parameters (and target_modules = []: adapters on the routed experts only) on the built-in MoE
+    model (8 experts per layer): every expert of every layer gets an update of both fused weights' adapters; the
+    checkpoint's adapter/ records target_parameters and stock PEFT (PeftModel.from_pretrained on the transformers
+    model) computes our logits with it in float64; a run resumed from step 1 repeats step 2 bit for bit."""
+    import shutil
+
+    import peft
+    from hf_reference import float32_rope, true_float64
+    from transformers import AutoModelForCausalLM
+
+    import longstraw
+    from longstraw.models.lora import expert_adapters
+
+    (tmp_path / "rw.py").write_text("def fn(response, answer, **meta):\n"
+                                    "    return (sum(response.encode('utf-8', 'replace')) % 13) / 12.0\n")
+    cfg = _cfg(tmp_path / "a", 'model.builtin="tiny-moe"', "lora.rank=4", "lora.target_modules=[]",
+               f"lora.target_parameters={json.dumps(EXPERTS)}", "train.steps=2", "train.save_every=1",
+               "optim.lr=5e-2", f"reward.fn=\"{tmp_path / 'rw.py'}:fn\"")
+    straight = Trainer(cfg, resume=False, echo=lambda *_: None)
+    straight.train()
+    trained = {n for n, p in straight.model.named_parameters() if p.requires_grad}
+    assert trained and all(".mlp.experts.lora_adapters." in n for n in trained)
+    experts = expert_adapters(straight.model)
+    assert sorted(experts) == sorted(f"model.layers.{i}.{t}" for i in range(4) for t in EXPERTS)
+    for key, m in experts.items():  # B starts at 0: a non-zero B_e is an update that reached expert e
+        _, b = m.factors()
+        assert all(b[e].abs().max() > 0 for e in range(m.num_experts)), key
+    ckpts = checkpoint_dirs(tmp_path / "a")
+    adapter = ckpts[-1] / "adapter"
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    assert saved["target_parameters"] == sorted(EXPERTS) and saved["target_modules"] == []
+
+    base = tmp_path / "a" / "initial_model"
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    hf.config._experts_implementation = "eager"
+    pm = peft.PeftModel.from_pretrained(float32_rope(hf), str(adapter)).eval()
+    assert sum(type(m).__name__ == "ParamWrapper" for m in pm.modules()) == len(experts)
+    ours = longstraw.load_model(base, dtype="float64", adapter=adapter)
+    ids = torch.randint(0, ours.spec.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), true_float64():
+        want = pm(ids).logits
+        with pm.disable_adapter():
+            assert (pm(ids).logits - want).abs().max() > 1e-3  # the trained expert adapters matter
+    assert (ours(ids) - want).abs().max() <= 1e-12
+
+    # resume: the run directory as it was after step 1, continued to step 2
+    shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=shutil.ignore_patterns(ckpts[-1].name))
+    resumed = Trainer(cfg, tmp_path / "b", resume=True, echo=lambda *_: None)
+    assert resumed.start_step == 1
+    resumed.train()
+    assert _stable(read_metrics(tmp_path / "b")) == _stable(read_metrics(tmp_path / "a"))
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("model,sets,msg", [
+    ("tiny-moe", ['lora.target_parameters=["mlp.experts.up_proj"]'],
+     r"^lora.target_parameters entry 'mlp.experts.up_proj' matches no parameter of this model; its routed experts' "
+     r"fused parameters are mlp.experts.gate_up_proj and mlp.experts.down_proj$"),
+    ("tiny-moe", ['lora.target_parameters=["self_attn.q_proj.weight"]'],
+     r"^lora.target_parameters entry 'self_attn.q_proj.weight' names 'model.layers.3.self_attn.q_proj.weight', "
+     r"which is not a routed expert's fused weight; .*through target_modules"),
+    ("tiny-dense", ['lora.target_parameters=["mlp.experts.down_proj"]'],
+     r"^lora.target_parameters entry .* this model has no routed experts$"),
+    ("tiny-moe", ['lora.target_modules=["experts"]'],
+     r"^lora.target_modules entry 'experts' names routed experts .*adapt them with lora.target_parameters = "),
+    ("tiny-dense", ['lora.target_modules=["nope"]'], r"^lora.target_modules entry 'nope' matches no module"),
+    ("tiny-dense", ['lora.modules_to_save=["nope"]'], r"^lora.modules_to_save entry 'nope' matches no module"),
+])
+def test_lora_names_the_model_lacks_are_refused_before_the_run_starts(tmp_path, model, sets, msg):
+    """A [lora] name that fits no part of the model (a target_parameters entry that is not a routed expert's fused
+    weight, ...) is one ValueError naming the config key, before the run directory is written."""
+    with pytest.raises(ValueError, match=msg) as e:
+        Trainer(_cfg(tmp_path / "run", f'model.builtin="{model}"', "lora.rank=4", *sets), resume=False,
+                echo=lambda *_: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
 def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
     """kl_coef > 0 with [lora]: no second model; the reference log-probs (adapters off) are the initial model's."""
     from longstraw.engine.grpo import score

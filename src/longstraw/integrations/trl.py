@@ -152,12 +152,15 @@ def _active_dropout(config) -> list[str]:
 
 
 def _check_constructor(model, quantization_config, peft_config, tools, environment_factory) -> None:
+    # PEFT adapters are not mapped onto the LongStraw model here (TRL would train its own PeftModel's); LoRA,
+    # routed experts' target_parameters included, is trained by longstraw's trainer ([lora]) or add_lora
     if peft_config is not None:
         raise _refuse("peft_config", type(peft_config).__name__,
-                      "allowed: None (train adapters with longstraw.add_lora and longstraw's own trainer)")
+                      "allowed: None (train LoRA adapters, routed experts' target_parameters included, with "
+                      "longstraw's own trainer: its [lora] section; or longstraw.add_lora + longstraw.grpo_backward)")
     if getattr(model, "peft_config", None) is not None:
         raise _refuse("model", type(model).__name__, "allowed: a model id, a directory or a transformers model "
-                      "without PEFT adapters")
+                      "without PEFT adapters (LoRA: longstraw's own trainer, [lora])")
     if quantization_config is not None:
         raise _refuse("quantization_config", type(quantization_config).__name__, "allowed: None")
     if tools:

@@ -272,7 +272,8 @@ def _expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def expert_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
     """The fused expert parameters ``settings.target_parameters`` names (``...mlp.experts.gate_up_proj``), by PEFT's
-    rule (the parameter's name is the target or ends with ``.`` + it). ValueError for a target that matches no
+    rule (the parameter's name is the target or ends with ``.`` + it), in the model's order (modules, then
+    ``gate_up_proj`` before ``down_proj``). ValueError for a target that matches no
     parameter, or one that is not a routed expert's fused weight."""
     if not settings.target_parameters:
         return []
@@ -292,7 +293,9 @@ def expert_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
                              f"expert's fused weight; only those take target_parameters here (adapt a linear layer "
                              f"through target_modules); {allowed}")
         raise ValueError(f"LoRA target_parameters entry {target!r} matches no parameter of this model; {allowed}")
-    return hits
+    hit = set(hits)
+    return [k for k in fused if k in hit]  # the model's order, whatever the targets' order: the adapters (and an
+    # optimizer's state, which follows parameter order) come out the same for a run and its resumption
 
 
 def expert_peft_names(targets: Iterable[str]) -> dict[str, str]:

@@ -217,6 +217,11 @@ class LoraSection(_Section):
     use_rslora: bool = _key(False, "rank-stabilised LoRA: scale by alpha / sqrt(rank)")
     modules_to_save: tuple[str, ...] = _key((), "modules trained whole besides the adapters, e.g. "
                                                 "[\"embed_tokens\", \"lm_head\"]")
+    target_parameters: tuple[str, ...] = _key((), "routed experts' fused weights that get adapters (PEFT's "
+                                                  "target_parameters; MoE models): \"mlp.experts.gate_up_proj\" "
+                                                  "(one adapter for gate and up), \"mlp.experts.down_proj\"; with "
+                                                  "them target_modules may be [] (not with dropout or parallel.ep > "
+                                                  "1)")
 
     @property
     def enabled(self) -> bool:
@@ -712,17 +717,28 @@ def validate(cfg: RunConfig) -> None:
         _require(lo.rank >= 1, f"lora.rank={lo.rank} must be >= 1 (or \"none\": no adapters)")
         _require(lo.alpha is None or lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0 (or \"none\": 2 * rank)")
         _require(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout} must be in [0, 1)")
-        _require(len(lo.target_modules) > 0 and all(lo.target_modules),
+        tp = list(lo.target_parameters)
+        _require(all(tp), f"lora.target_parameters={tp} has an empty name; allowed: the routed experts' fused "
+                          "weights, \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"")
+        _require((len(lo.target_modules) > 0 or tp) and all(lo.target_modules),
                  f"lora.target_modules={list(lo.target_modules)} must name at least one module (or "
-                 "[\"all-linear\"])")
+                 "[\"all-linear\"]; [] only with lora.target_parameters)")
         _require(lo.dropout == 0 or not a.grpo.exact,
                  f"lora.dropout={lo.dropout} needs algorithm.prompt_grad = \"detached\": the exact reverse pass "
                  "recomputes the prompt and would draw other dropout masks (or set lora.dropout = 0)")
+        _require(lo.dropout == 0 or not tp,
+                 f"lora.dropout={lo.dropout} with lora.target_parameters={tp}: a fused expert weight's low-rank "
+                 "update has no per-input dropout (PEFT refuses it too); set lora.dropout = 0")
+        _require(not tp or cfg.parallel.ep == 1,
+                 f"lora.target_parameters={tp} (adapters on routed experts) with parallel.ep={cfg.parallel.ep}: "
+                 "not supported yet (an expert-parallel rank holds only its experts; the adapters are whole); "
+                 "allowed: parallel.ep = 1 (FSDP and context parallelism are fine), or lora.target_parameters = []")
         try:
             t_ = "all-linear" if tuple(lo.target_modules) == ("all-linear",) else tuple(lo.target_modules)
-            LoraSettings(r=lo.rank, lora_alpha=lo.alpha or 2.0 * lo.rank, target_modules=t_, lora_dropout=lo.dropout)
+            LoraSettings(r=lo.rank, lora_alpha=lo.alpha or 2.0 * lo.rank, target_modules=t_, lora_dropout=lo.dropout,
+                         modules_to_save=tuple(lo.modules_to_save), target_parameters=tuple(tp))
         except ValueError as e:
-            raise ValueError(str(e).replace("LoRA target_modules", "lora.target_modules")) from None
+            raise ValueError(lora_key_names(str(e))) from None
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _require(t.save_every >= 0, f"train.save_every={t.save_every} must be >= 0")
     _require(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1")
@@ -740,6 +756,16 @@ def validate(cfg: RunConfig) -> None:
                                   "sharded and every rank runs in lockstep)")
     _require(p.ep == 1 or p.replicate == 1, f"parallel.ep={p.ep} with parallel.replicate={p.replicate} (HSDP) is not "
                                             "supported; set replicate = 1")
+
+
+def lora_key_names(message: str) -> str:
+    """A ``models.lora`` error (``LoRA target_parameters=...``, ``LoRA dropout=...``) in the ``[lora]`` section's key
+    names (``lora.target_parameters=...``), so the user sees which config key to change."""
+    message = re.sub(r"\bLoRA (target_modules|target_parameters|modules_to_save|dropout)\b",
+                     lambda m: "lora." + m.group(1), message)
+    message = re.sub(r"^LoRA target (?=')", "lora.target_modules entry ", message)  # models.lora.lora_targets
+    message = re.sub(r"^modules_to_save entry", "lora.modules_to_save entry", message)  # models.lora.kept_modules
+    return message.replace("adapt them with target_parameters=", "adapt them with lora.target_parameters = ")
 
 
 def grpo_config(cfg: RunConfig) -> GRPOConfig:

@@ -60,7 +60,8 @@ from longstraw.engine.grpo import grpo_backward, score
 from longstraw.engine.rollout import SamplingConfig, generate
 from longstraw.expert_load import ExpertLoad, imbalance
 from longstraw.profiling import PhaseMeter, current_bytes, delayed_bar, tune_allocator
-from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config, sampling_config
+from longstraw.rl.config import RunConfig, diff_configs, dump_config, grpo_config, load_config, lora_key_names, \
+    sampling_config
 from longstraw.losses import group_advantages, loss_denominator
 from longstraw.rl.job import Job, JobError
 from longstraw.rl.optim import clip_grad_norm, lr_factor, make_optimizer, set_lr
@@ -119,11 +120,16 @@ def _derive_seed(*parts: int) -> int:
 
 
 def lora_settings(lo) -> dict:
-    """``load_model(lora=...)``'s dict (add_lora's names) for the run's ``[lora]`` section."""
+    """``load_model(lora=...)``'s dict (add_lora's names) for the run's ``[lora]`` section. A checkpoint's adapter
+    directory (``adapter_config.json``) records the same settings, so a resumed run rebuilds the same adapters from
+    it. ``target_parameters`` are sorted, as ``adapter_config.json`` lists them: the expert adapters are created in
+    that order on each experts module, and the optimiser state a checkpoint holds follows the parameters' order, so
+    a fresh run and its resumption must create them alike."""
     t = lo.target_modules
     return {"rank": lo.rank, "alpha": lo.alpha if lo.alpha is not None else 2.0 * lo.rank,
             "target_modules": "all-linear" if tuple(t) == ("all-linear",) else tuple(t),
-            "dropout": lo.dropout, "use_rslora": lo.use_rslora, "modules_to_save": tuple(lo.modules_to_save)}
+            "dropout": lo.dropout, "use_rslora": lo.use_rslora, "modules_to_save": tuple(lo.modules_to_save),
+            "target_parameters": tuple(sorted(lo.target_parameters))}
 
 
 def builtin_model_config(name: str, vocab_size: int, max_positions: int) -> dict:
@@ -206,6 +212,7 @@ class Trainer:
             check_tracking(cfg)  # train.wandb without the wandb package
             self.source = PromptSource(cfg, self.tokenizer)
             self.source.check()
+            self._check_lora()
             # the planner's verdict (cfg.train.memory_check = "error": may refuse); rank 0 plans for every rank
             self.memory = self._check_memory() if job.is_main else None
             self.gcfg = dataclasses.replace(self.gcfg, graph_budget_bytes=self._graph_budget() or None)
@@ -343,6 +350,22 @@ class Trainer:
         elif (self.run_dir / "metrics.jsonl").exists() or latest_checkpoint(self.run_dir) is not None:
             raise ValueError(f"run directory {str(self.run_dir)!r} already holds a run; resume it with --resume or "
                              "choose another train.out_dir")
+
+    def _check_lora(self) -> None:
+        """The ``[lora]`` section against the model, before anything is written: its adapters put on the model built
+        on the meta device (no memory, nothing read), so a ``target_modules`` / ``target_parameters`` /
+        ``modules_to_save`` name the model does not have (e.g. a ``target_parameters`` entry that is not a routed
+        expert's fused weight) is one ValueError naming the key, not an error after the run directory is written."""
+        if not self.cfg.lora.enabled:
+            return
+        from longstraw.checkpoint.adapter import settings_from
+        from longstraw.models.lora import add_adapters
+        from longstraw.models.registry import build_on_meta
+
+        try:
+            add_adapters(build_on_meta(self._model_hf_config()), settings_from(lora_settings(self.cfg.lora)))
+        except ValueError as e:
+            raise ValueError(lora_key_names(str(e))) from None
 
     def _model_hf_config(self) -> dict:
         m = self.cfg.model
