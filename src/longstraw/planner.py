@@ -32,14 +32,18 @@ Breakdown (bytes per device):
                        With LoRA (``lora=``) only the trained parameters (the adapters and ``modules_to_save``)
                        have a master copy, a gradient and moments; the frozen base counts in ``weights`` only, in
                        the compute dtype, sharded alike (``Plan.settings["lora"]`` splits ``weights``)
-``gathered``           FSDP's transient full-size buffers (``distributed.fsdp``'s units), in the compute dtype:
-                       the all-gathered parameters of the unit that runs and the one prefetched (two decoder
-                       layers, or a layer and the embedding or the LM head, whichever is larger), plus one unit's
-                       unsharded gradient and its float32 copy before the reduce-scatter (of the trained
-                       parameters only: with LoRA, the adapters'). With tied embeddings the embedding + head unit
-                       stays gathered while the layers run, and its gradient from the head's backward to the
-                       embedding's: two layers beside it, and its gradient beside a layer's. Checked with the
-                       per-rank peaks on gloo (tests/planner)
+``gathered``           what FSDP2's units (``distributed.fsdp``) add to the dry run's peak, the largest of: the
+                       all-gathered parameters (compute dtype) of the unit that runs and the one prefetched (two
+                       decoder layers, or a layer and the embedding or the LM head, whichever is larger; with tied
+                       embeddings the embedding + head unit stays gathered while the layers run forward: two layers
+                       beside it); a layer's backward (two layers gathered, its unsharded gradients held until its
+                       post-backward, the previous unit's reduce-scatter input in flight); the reduce-scatter input
+                       (float32 for bf16/fp16, else the compute dtype; trained parameters only: with LoRA, the
+                       adapters') of the largest unit. A unit's unsharded gradient itself is not added: the dry run
+                       holds every gradient as autograd makes it (with tied embeddings the head's, kept until the
+                       embedding's arrives, and their sum), and the unit's parameters are resharded before its
+                       reduce-scatter input is filled (:func:`_gathered_bytes`). Checked with the per-rank peaks on
+                       gloo (tests/planner), at a 32K vocabulary too
 ``prompt_state``       the stored state of the prompt (after prefill)
 ``prompt_state_grad``  its gradient buffers (exact mode)
 ``prefill_chunk``      transient peak above the state while one chunk is prefilled (and, in exact mode, while a
@@ -686,13 +690,9 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     # host: the moments in the master dtype; "masters": float32 masters and moments (HostAdamW(master_on_host=True))
     host_per = {"none": 0, "moments": optimizer_states * mb, "masters": (optimizer_states + 1) * 4}[optimizer_offload]
     optimizer_host = host_per * n_dense // shard + host_per * ex_n
-    if fsdp:  # module docstring; gradients: unsharded in the compute dtype, and a float32 copy for the reduction
-        if model.spec.tie_word_embeddings:  # one embedding + head unit, gathered while the layers run, its gradient
-            # held from the head's backward to the embedding's, beside the layers'
-            fixed["gathered"] = ((2 * layer_all + ends_all) * cb
-                                 + max(ends_n * cb + layer_n * (cb + 4), ends_n * (cb + 4)))
-        else:  # one unit runs while the next is prefetched (forward, and backward: the head's, the embedding's)
-            fixed["gathered"] = (layer_all + max(layer_all, ends_all)) * cb + max(layer_n, ends_n) * (cb + 4)
+    if fsdp:
+        fixed["gathered"] = _gathered_bytes(model.spec.tie_word_embeddings, layer_all, layer_n, ends_all, ends_n,
+                                            cb, 4 if compute in (torch.bfloat16, torch.float16) else cb)
     elif master != compute:  # one process with master weights: autocast's compute-dtype copies of one layer
         fixed["gathered"] = layer_n * cb
     m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
@@ -717,6 +717,31 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
                                   f"{ex_n + ex_frozen:,} per device), replicated over {gpus // ep} expert-data-"
                                   "parallel groups, not FSDP-sharded; token exchanges with balanced routing")
     return fixed, assumptions, split, optimizer_host
+
+
+def _gathered_bytes(tied: bool, layer_all: int, layer_n: int, ends_all: int, ends_n: int, cb: int, rb: int) -> int:
+    """FSDP2's bytes per device above what the dry run (one process, whole parameters) holds at its peak: the
+    largest of the moments below (module docstring, ``gathered``). ``layer_all`` / ``layer_n``: the largest decoder
+    layer's parameters / trained parameters, ``ends_all`` / ``ends_n``: the larger end unit's (the embedding, the
+    LM head, or with tied embeddings the one unit of both); ``cb``: compute dtype bytes, ``rb``: the reduce dtype's
+    (float32 for bf16/fp16 compute, as ``distributed.fsdp`` sets it, else the compute dtype).
+
+    What the dry run already holds is not counted again: every gradient autograd produces, when it produces it (the
+    LM head's float32 ``dw`` beside its logits chunks, the embedding's dense gradient, and with tied embeddings the
+    head's gradient kept in autograd's input buffer from the head's backward until the embedding's arrives and their
+    sum: three vocab x hidden buffers). FSDP2 adds: the gathered parameters of the running unit and the prefetched one
+    (tied: the end unit stays gathered while the layers run forward); a layer's unsharded gradients, held together
+    until its post-backward (the dry run adds each into ``.grad`` as it comes); and each unit's reduce-scatter input in
+    the reduce dtype, which lives from its post-backward (the unit's parameters are resharded before it is filled)
+    until the next unit's. A unit's gradient and its gathered parameters thus never both add to the dry run's peak:
+    the earlier formula added both (and a tied unit's gradient twice), 1.18-1.34x the measured per-rank peaks at a
+    32K vocabulary (tests/planner/test_planner.py::test_vocab_32k_per_rank_plan_within_fifteen_percent)."""
+    rs_prev = max(layer_n, ends_n) * rb  # the previous unit's reduce-scatter input, in flight
+    backward = 2 * layer_all * cb + layer_n * cb + (layer_n * rb if tied else rs_prev)  # a layer's backward
+    embedding = ends_all * cb + layer_n * rb  # the embedding's backward, layer 0's reduce-scatter input in flight
+    post = max(layer_n * (cb + rb), ends_n * rb)  # a post-backward: the reduce-scatter input (and a layer's grads)
+    running = (2 * layer_all + ends_all) * cb if tied else (layer_all + max(layer_all, ends_all)) * cb
+    return max(running, backward, embedding, post)
 
 
 def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> int:

@@ -367,6 +367,50 @@ def test_mla_decompressed_per_rank_plan_within_fifteen_percent(tmp_path):
             assert 0.85 <= ratio <= 1.15, (cp, ratio)
 
 
+def _vocab_32k_llama(tied: bool) -> tuple[dict, Path]:
+    """A float32 Llama whose 32K-vocabulary ends (8.2M parameters each) outweigh its two 256-wide layers (0.85M
+    each), as a real model's do at a large vocabulary: what sets a rank's peak is the LM head's and the embedding's
+    buffers (gathered weights, gradients, reduce-scatter inputs, logits chunks)."""
+    from hf_reference import save_tiny, tiny_hf
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192, tie_word_embeddings=tied)
+    path = save_tiny(tiny_hf(hf, seed=1, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
+    return json.loads((path / "config.json").read_text()), path
+
+
+def test_gathered_does_not_count_an_end_unit_gradient_the_dry_run_holds():
+    """FSDP's ``gathered`` term at a 32K vocabulary (float32, 4 GPUs): with tied embeddings the gathered end unit
+    beside two layers (its gradient, the head's kept by autograd until the embedding's arrives, is in the dry run's
+    ``branch_graph``); untied, a layer's backward beside the LM head's reduce-scatter input in flight. It once added
+    the unit's unsharded gradient again (and a tied unit's twice): 1.18-1.34x the measured peaks."""
+    for tied in (True, False):
+        hf = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000,
+              "max_position_embeddings": 8192, "tie_word_embeddings": tied}
+        model = _meta_model(hf, torch.float32)
+        layer = sum(p.numel() for p in model.layers[0].parameters())
+        ends = 32000 * 256
+        b = plan(hf, prompt_len=2048, response_len=64, group=4, dtype="float32", gpus=4, cp=4,
+                 cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024)).breakdown
+        assert b["gathered"] == 4 * ((2 * layer + ends) if tied else (3 * layer + ends)), tied
+        if tied:  # the dry run's replay: the head's gradient, the embedding's and their sum
+            assert b["branch_graph"] + b["logits"] >= 3 * 4 * ends
+
+
+@pytest.mark.slow  # 4 gloo ranks, 4 runs (~2 min on 2 cores)
+def test_vocab_32k_per_rank_plan_within_fifteen_percent(tmp_path):
+    """A 32K-vocabulary float32 Llama, tied and untied, FSDP2 over 4 ranks with cp = 4 and with cp = 2 (2
+    replicas): planned against measured per rank. The end units dominate here; the plan once read 1.31-1.34x (the
+    ``gathered`` term added the end unit's gradient that the dry run holds, :func:`planner._gathered_bytes`)."""
+    for tied in (True, False):
+        cfg, path = _vocab_32k_llama(tied)
+        for cp in (4, 2):
+            for ratio in _per_rank_ratios(tmp_path, cfg, path, 4, cp):
+                assert 0.85 <= ratio <= 1.15, (tied, cp, ratio)
+
+
 def test_cp_plans_count_the_dsa_sparse_step_exchange():
     """Under CP a DSA model whose steps see more than ``index_topk`` keys runs the sparse path's exchange, which the
     one-process dry run does not: ``prefill_chunk`` is the dry run's plus ``cp_latent.dsa_step_bytes`` of the
