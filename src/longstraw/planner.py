@@ -966,7 +966,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         t = lora_settings.target_modules
         settings["lora"] = {"rank": lora_settings.r, "alpha": lora_settings.lora_alpha,
                             "target_modules": t if isinstance(t, str) else list(t),
-                            "modules_to_save": list(lora_settings.modules_to_save), "adapted_modules": len(adapted),
+                            "modules_to_save": list(lora_settings.modules_to_save),
+                            "target_parameters": list(lora_settings.target_parameters), "adapted_modules": len(adapted),
                             **split}
     if gpu_mem is not None:
         settings["memory"] = {"gpu_mem_bytes": int(gpu_mem), "reserve_bytes": reserve, "usable_bytes": usable}
@@ -1220,9 +1221,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA alpha (default 2 x rank; it does not change memory)")
     p.add_argument("--lora-targets", default=None, metavar="NAMES",
                    help="modules that get adapters: comma-separated names (q_proj,k_proj,v_proj,o_proj,gate_proj,"
-                        "up_proj,down_proj, ...) or all-linear (the default)")
+                        "up_proj,down_proj, ...), all-linear (the default), or none (with --lora-target-parameters)")
     p.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
                    help="modules trained whole besides the adapters, comma-separated (e.g. embed_tokens,lm_head)")
+    p.add_argument("--lora-target-parameters", default=None, metavar="NAMES",
+                   help="routed experts' fused weights that get adapters, comma-separated (PEFT's target_parameters: "
+                        "mlp.experts.gate_up_proj,mlp.experts.down_proj); with --lora-targets none for experts only")
     p.add_argument("--lora-dropout", default=None, metavar="P",
                    help="LoRA dropout (default 0; > 0 keeps a dropped copy of each adapted input, detached only)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -1263,7 +1267,9 @@ def lora_lines(res: Plan) -> list[tuple[str, int, str]]:
     out = [("frozen base", lo["frozen_weight_bytes"], f"{lo['frozen_params']:,} parameters in "
             f"{a['compute_dtype']}: weights only (no gradient, master copy or optimizer state)"),
            ("LoRA adapters", lo["adapter_weight_bytes"], f"{lo['adapter_params']:,} parameters (rank {lo['rank']} "
-            f"on {lo['adapted_modules']:,} modules) in {master}, trained: gradients and optimizer below")]
+            f"on {lo['adapted_modules']:,} modules"
+            + (f" and parameters, the routed experts' {', '.join(lo['target_parameters'])}"
+               if lo.get("target_parameters") else "") + f") in {master}, trained: gradients and optimizer below")]
     if lo["modules_to_save"]:
         out.append(("modules_to_save", lo["saved_weight_bytes"], f"{lo['saved_params']:,} parameters "
                     f"({', '.join(lo['modules_to_save'])}) in {master}, trained whole"))
@@ -1300,7 +1306,8 @@ def _names(text: str, flag: str) -> tuple[str, ...]:
 def lora_from_args(args) -> dict | None:
     """The ``lora=`` of ``plan`` from the ``--lora-*`` options (None without ``--lora-rank``); a ValueError naming
     the option for a bad value."""
-    given = [f"--lora-{k.replace('_', '-')}" for k in ("alpha", "targets", "modules_to_save", "dropout")
+    given = [f"--lora-{k.replace('_', '-')}" for k in ("alpha", "targets", "modules_to_save", "target_parameters",
+                                                        "dropout")
              if getattr(args, f"lora_{k}", None) is not None]
     if args.lora_rank is None:
         if given:
@@ -1330,7 +1337,17 @@ def lora_from_args(args) -> dict | None:
                          "recomputes the prompt and would draw other dropout masks)")
     out.setdefault("alpha", 2 * rank)
     t = args.lora_targets
-    out["target_modules"] = "all-linear" if t is None or t.strip() == "all-linear" else _names(t, "--lora-targets")
+    tp = getattr(args, "lora_target_parameters", None)
+    if tp is not None:
+        out["target_parameters"] = _names(tp, "--lora-target-parameters")
+    if t is not None and t.strip() == "none":
+        if tp is None:
+            raise ValueError("--lora-targets=none needs --lora-target-parameters (adapters on the routed experts "
+                             "only); else name modules or all-linear")
+        out["target_modules"] = ()
+    else:
+        out["target_modules"] = ("all-linear" if t is None or t.strip() == "all-linear"
+                                 else _names(t, "--lora-targets"))
     if args.lora_modules_to_save is not None:
         out["modules_to_save"] = _names(args.lora_modules_to_save, "--lora-modules-to-save")
     return out
@@ -1379,8 +1396,10 @@ def plan_from_args(args) -> int:
     lora_text = ""
     if lo is not None:
         t = lo["target_modules"]
-        lora_text = (f", LoRA r={lo['rank']} alpha={lo['alpha']:g} on {t if isinstance(t, str) else ','.join(t)} "
-                     f"({lo['adapted_modules']:,} modules)")
+        on = [t] if isinstance(t, str) else list(t)
+        lora_text = (f", LoRA r={lo['rank']} alpha={lo['alpha']:g} on {','.join(on + lo['target_parameters'])} "
+                     f"({lo['adapted_modules']:,} modules" + (" and expert parameters)" if lo["target_parameters"]
+                                                              else ")"))
     print(f"model {Path(args.model)} ({cfg.get('model_type')}): prompt {format_tokens(prompt_len)} tokens, response "
           f"{format_tokens(response_len)}, G={args.group}, {args.prompt_grad}, {args.dtype}, gpus={args.gpus}, "
           f"cp={args.cp}{f', ep={args.ep}' if args.ep > 1 else ''}"

@@ -476,6 +476,9 @@ def test_lora_plan_holds_what_a_real_lora_model_holds(family, one_thread):
     cfg = make()
     cases = [(torch.bfloat16, dict(rank=4, alpha=8, target_modules="all-linear")),
              (torch.float32, dict(rank=3, alpha=6, target_modules=targets, modules_to_save=["embed_tokens"]))]
+    if family in ("qwen3_next", "deepseek_v3"):  # routed experts' fused weights (PEFT's target_parameters) too
+        cases.append((torch.float32, dict(rank=2, alpha=4, target_modules=["o_proj"],
+                                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])))
     for dtype, lora in cases:
         torch.manual_seed(0)
         model = longstraw.build_model(cfg).to(dtype)
@@ -602,11 +605,33 @@ def test_cli_lora_breakdown_and_json(tmp_path):
     (["--lora-rank", "8", "--lora-modules-to-save", "embeddings"], "modules_to_save entry 'embeddings' matches no "
                                                                    "module"),
     (["--lora-targets", "q_proj"], "--lora-targets needs --lora-rank"),
+    (["--lora-rank", "8", "--lora-targets", "none"], "--lora-targets=none needs --lora-target-parameters"),
+    (["--lora-rank", "8", "--lora-target-parameters", "mlp.experts.gate_up_proj"],
+     "LoRA target_parameters entry 'mlp.experts.gate_up_proj' matches no parameter of this model; this model has "
+     "no routed experts"),
+    (["--lora-target-parameters", "mlp.experts.down_proj"], "--lora-target-parameters needs --lora-rank"),
 ])
 def test_cli_lora_bad_input_is_one_line(tmp_path, args, msg):
     (tmp_path / "config.json").write_text(json.dumps(DENSE))
     out = _cli("--model", str(tmp_path), "--prompt-len", "1024", *args)
     assert out.returncode == 2 and msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_cli_lora_on_routed_experts_only(tmp_path):
+    """``--lora-targets none --lora-target-parameters ...``: adapters on the routed experts' fused weights alone,
+    echoed in the plan's lora settings and counted as the API's plan counts them."""
+    (tmp_path / "config.json").write_text(json.dumps(NEXT))
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    js = _cli("--model", str(tmp_path), "--prompt-len", "256", "--response-len", "32", "--lora-rank", "4",
+              "--lora-targets", "none", "--lora-target-parameters", ",".join(params), "--json")
+    assert js.returncode == 0, js.stderr
+    d = json.loads(js.stdout)
+    want = plan(NEXT, prompt_len=256, response_len=32, group=8,
+                lora={"rank": 4, "alpha": 8, "target_modules": [], "target_parameters": params})
+    assert d == want.to_json()
+    assert d["lora"]["target_parameters"] == params and d["lora"]["target_modules"] == []
+    moe_layers = NEXT["num_hidden_layers"] - len(NEXT["mlp_only_layers"])
+    assert d["lora"]["adapted_modules"] == 2 * moe_layers and d["lora"]["adapter_params"] > 0
 
 
 def test_memory_check_passes_lora_to_the_planner(tmp_path):
