@@ -39,7 +39,8 @@ b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-
    the same prompt ``--compare-len`` through ``grpo_step.measure_method``: peaks and seconds, and their ratios to
    LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each; one exact step
    with ``checkpoint_layers``; the torch chunked delta rule alone (fwd + bwd of one prefill chunk of this model's
-   DeltaNet shape) at three ``block_tokens`` (its GPU time is launches: data for choosing a GPU default); the
+   DeltaNet shape) at three ``block_tokens``, and with plain autograd beside the recomputing backward at the default
+   block (its GPU time is launches: data for choosing a GPU default); the
    memory planner's peak beside every measured step (``--no-planner`` turns it off:
    computed in CPU worker processes while the GPU measures, waited for at most PLAN_WAIT_S at the end; on the H200
    run of 2026-12-04, planned after the fact for the same steps, it was within 0.04% of every measured peak).
@@ -698,7 +699,8 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
     def do_rule_blocks():
         """The torch chunked delta rule (what passes that need a gradient run where fla's backward is refused) at
         one prefill chunk of this model's DeltaNet shape, forward + backward, for several ``block_tokens``: on a GPU
-        its time is kernel launches more than arithmetic (the default block is sized for the CPU's memory)."""
+        its time is kernel launches more than arithmetic (the default block is sized for the CPU's memory); and at
+        the default block with plain autograd (``recompute=False``) beside the default recomputing backward."""
         from longstraw.ops.deltanet import chunk_gated_delta_rule
 
         hv, hk, dk, dv = (cfg[k] for k in ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
@@ -710,7 +712,7 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             return torch.randn(*shape, device=dev, dtype=dtype, generator=g2)
 
         rows = res.setdefault("rule_blocks", {}).setdefault("runs", [])
-        for blk in (None, 1024, 4096):
+        for blk, recompute in ((None, False), (None, True), (1024, True), (4096, True)):
             xs = [rand(1, t, hk, dk), rand(1, t, hk, dk), rand(1, t, hv, dv),  # q, k, v
                   -torch.rand(1, t, hv, device=dev, generator=g2) * 0.1,  # g (log decay)
                   torch.rand(1, t, hv, device=dev, dtype=dtype, generator=g2),  # beta
@@ -718,8 +720,8 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             for x in xs:
                 x.requires_grad_(True)
 
-            def once(xs=xs, blk=blk):
-                o, s1 = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], block_tokens=blk)
+            def once(xs=xs, blk=blk, recompute=recompute):
+                o, s1 = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], block_tokens=blk, recompute=recompute)
                 (o.float().square().mean() + s1.square().mean()).backward()
 
             once()  # warm-up
@@ -732,8 +734,10 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             sync()
             secs = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
-            rows.append({"tokens": t, "block_tokens": blk, "seconds": secs, "peak_bytes": peak})
-            say(f"  b torch delta rule, {t:,} tokens x {hv} heads fwd+bwd, block_tokens={blk}: {secs:.3f} s"
+            rows.append({"tokens": t, "block_tokens": blk, "recompute": recompute, "seconds": secs,
+                         "peak_bytes": peak})
+            say(f"  b torch delta rule, {t:,} tokens x {hv} heads fwd+bwd, block_tokens={blk}, "
+                f"{'recomputing backward' if recompute else 'plain autograd'}: {secs:.3f} s"
                 + (f", peak {peak / 2**30:.2f} GiB" if peak is not None else ""))
             del xs, once
             free()

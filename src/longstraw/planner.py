@@ -872,10 +872,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                               f"{len(model.layers)} layers" if samples else f"all {len(model.layers)} layers")
     if any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers):
         assumptions["delta_rule_kernel"] = (
-            "torch (the chunked torch path's autograd graph: what a CPU run or a run without fla uses); a CUDA "
-            "bf16/fp16 run with fla installed runs fla's Triton kernel, which saves far less for its backward: "
-            "for such a run branch_graph and prefill_chunk are upper bounds (except where fla's backward refuses the "
-            "GPU, Hopper with Triton 3.4-3.7.0 and no tilelang: passes that need a gradient run the torch rule)")
+            "torch (the chunked torch path, what a CPU run or a run without fla uses: a call that records a graph "
+            "keeps its inputs and one state per block, and its backward recomputes one block's graph at a time); a "
+            "CUDA bf16/fp16 run with fla installed runs fla's Triton kernel instead, whose saved tensors and "
+            "backward transients differ (not modelled; except where fla's backward refuses the GPU, Hopper with "
+            "Triton 3.4-3.7.0 and no tilelang: passes that need a gradient run the torch rule)")
     assumptions["checkpoint_layers"] = bool(cfg.checkpoint_layers)
 
     mla_step = _mla_cp_step(model, dt, cfg, cp, prompt_len, assumptions)

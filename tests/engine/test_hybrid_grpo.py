@@ -82,12 +82,12 @@ def _group(seed, p, lens):
     return random_group(seed, p, lens, V)
 
 
-def _run_both(pair, *, p, lens, chunk, prompt_grad, branch_batch=1, mode="token-mean", seed=0):
+def _run_both(pair, *, p, lens, chunk, prompt_grad, branch_batch=1, mode="token-mean", seed=0, **extra):
     hf, path = pair
     prompt, responses, adv = _group(seed, p, lens)
     model = longstraw.load_model(path)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, loss_agg_mode=mode, kl_coef=0.05, entropy_coef=0.01,
-                               prefill_chunk=chunk, branch_batch=branch_batch)
+                               prefill_chunk=chunk, branch_batch=branch_batch, **extra)
     stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=seed, hf_patch=router64)
     return model, hf, stats
 
@@ -106,6 +106,15 @@ def test_dense_hybrid_matches_reference(dense_pair, prompt_grad, p, chunk):
 def test_moe_hybrid_matches_reference(moe_pair, prompt_grad, p, chunk, branch_batch):
     model, hf, _ = _run_both(moe_pair, p=p, lens=[4, 1, 6, 3], chunk=chunk, prompt_grad=prompt_grad,
                              branch_batch=branch_batch, mode="seq-mean-token-mean")
+    assert_grads_close(longstraw.hf_grads(model), hf)
+
+
+@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+def test_hybrid_with_checkpointed_layers_matches_reference(dense_pair, prompt_grad):
+    """Layer checkpointing re-runs each layer's forward in the backward, the delta rule's recomputing backward
+    included (its forward saved nothing but inputs and block states)."""
+    model, hf, _ = _run_both(dense_pair, p=30, lens=[5, 1, 7], chunk=8, prompt_grad=prompt_grad, branch_batch=2,
+                             checkpoint_layers=True)
     assert_grads_close(longstraw.hf_grads(model), hf)
 
 

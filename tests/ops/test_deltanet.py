@@ -277,6 +277,85 @@ def test_meta_shortcut_changes_no_tracked_byte(monkeypatch):
     assert fast == slow
 
 
+@pytest.mark.parametrize("T,chunk_size,block_tokens", [(1, 16, 16), (37, 8, 16), (130, 16, 32), (200, 64, None),
+                                                       (513, 16, 64)])
+@pytest.mark.parametrize("Hk,H", [(2, 2), (1, 3)])
+def test_recomputed_backward_equals_plain_autograd(T, chunk_size, block_tokens, Hk, H):
+    """The recomputing backward runs the plain path's ops block by block: the same outputs and the same gradients,
+    bit for bit, over padding, one or many blocks and grouped value heads."""
+    inputs = make_inputs(T=T, Hk=Hk, H=H, seed=T + H)
+    kw = dict(chunk_size=chunk_size, block_tokens=block_tokens)
+    o, s = run(chunk_gated_delta_rule, inputs, recompute=False, **kw)
+    o2, s2 = run(chunk_gated_delta_rule, inputs, **kw)  # the default when a graph is recorded
+    assert type(o2.grad_fn).__name__ == "_RecomputedBlocksBackward" and o.grad_fn is not None
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    for a, b in zip(grads(o, s, inputs), grads(o2, s2, inputs)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["o", "state", "both"])
+@pytest.mark.parametrize("grad_of", ["all", "v", "initial_state", "q_and_g", "no_initial_state"])
+def test_recomputed_backward_partial_uses_and_partial_grads(which, grad_of):
+    """Only the output, only the final state or both reach the loss; only some inputs require a gradient (the
+    others get none), with and without a carried state; bf16 inputs with an fp32 carried state."""
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    fp = make_inputs(T=90, seed=11, dtype=torch.float32)
+    want = {"all": names, "v": ["v"], "initial_state": ["initial_state"], "q_and_g": ["q", "g"],
+            "no_initial_state": names[:5]}[grad_of]
+    xs = [x.detach().to(torch.bfloat16) if i < 5 else x.detach() for i, x in enumerate(fp)]
+    xs = [x.requires_grad_(n in want) for n, x in zip(names, xs)]
+    if grad_of == "no_initial_state":
+        xs[5] = None
+    results = []
+    for recompute in (False, True):
+        o, s = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], chunk_size=16, block_tokens=32,
+                                      recompute=recompute)
+        loss = {"o": o.float().square().sum(), "state": s.square().sum(),
+                "both": o.float().square().sum() + s.square().sum()}[which]
+        leaves = [x for x in xs if x is not None and x.requires_grad]
+        got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        # an input the used outputs do not depend on (q without the output): None in plain autograd, zeros here
+        results.append([torch.zeros_like(x) if gx is None else gx for x, gx in zip(leaves, got)])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+
+
+def test_recomputed_backward_holds_inputs_and_block_states_only():
+    """What a recorded call keeps for its backward: the inputs and one compute-dtype state per block (plain
+    autograd keeps every block's intermediates, many times more)."""
+    B, T, Hk, H, Dk, Dv, blk = 1, 512, 2, 4, 16, 16, 64
+    inputs = make_inputs(B=B, T=T, Hk=Hk, H=H, Dk=Dk, Dv=Dv, dtype=torch.float32, seed=2)
+
+    def held(recompute):
+        seen = {}
+
+        def pack(t):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run(chunk_gated_delta_rule, inputs, chunk_size=16, block_tokens=blk, recompute=recompute)
+        own = {x.untyped_storage().data_ptr() for x in inputs}
+        return sum(n for p, n in seen.items() if p not in own)
+
+    states = (T // blk - 1) * B * H * Dk * Dv * 4  # the first block's entering state is the given one
+    assert held(True) == states
+    assert held(False) > 20 * states
+
+
+def test_recomputed_backward_is_first_order_only():
+    inputs = make_inputs(T=20)
+    o, s = run(chunk_gated_delta_rule, inputs)
+    (gq,) = torch.autograd.grad(o.sum() + s.sum(), inputs[:1], create_graph=True)
+    assert not gq.requires_grad  # no graph of the backward: a second derivative raises instead of being wrong
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(gq.sum(), inputs[:1])
+    o, s = run(chunk_gated_delta_rule, inputs, recompute=False)  # plain autograd: second derivatives too
+    (gq,) = torch.autograd.grad(o.sum() + s.sum(), inputs[:1], create_graph=True)
+    torch.autograd.grad(gq.sum(), inputs[:1])
+
+
 def test_kernel_choice_rule():
     """"auto": fla for CUDA bf16/fp16 when it imports, else torch (on CUDA with a warning, see the dispatcher);
     "fla" refuses what fla cannot take; an unknown backend is named."""

@@ -37,11 +37,13 @@ over a block of chunks; the only Python loop is over chunks (one ``baddbmm`` eac
 are stacked and ``O = Qp S0 + P U`` is one batched matmul. All decay factors are ``exp`` of non-positive
 differences taken in log space (the upper triangle is masked to ``-inf`` before ``exp``), so nothing overflows for
 strong decays. Time is padded to a multiple of ``C`` only inside the last block, with ``g = beta = k = v = 0``
-(which leaves the state untouched). Memory per block is bounded (``block_tokens`` tokens at a time); what autograd
-saves is of course O(T): whoever runs 1M tokens with a graph recomputes per prefill chunk.
+(which leaves the state untouched). Memory per block is bounded (``block_tokens`` tokens at a time).
 
-Gradients are plain autograd through all of this, with respect to q, k, v, g, beta and initial_state, so a long
-sequence can be split into pieces carrying ``final_state -> initial_state`` and differentiated across them.
+Gradients are autograd through all of this, with respect to q, k, v, g, beta and initial_state, so a long
+sequence can be split into pieces carrying ``final_state -> initial_state`` and differentiated across them. A call
+that records a graph keeps only its inputs and the state entering each block, and its backward re-runs one block at
+a time with a graph (``_RecomputedBlocks``): what a call holds for its backward is then O(T) inputs plus
+``T / block`` states instead of every block's intermediates (plain autograd: ``recompute=False``).
 
 ``recurrent_gated_delta_rule`` is the token-by-token reference (slow, obviously correct). ``gated_delta_rule``
 dispatches: fla's Triton ``chunk_gated_delta_rule`` for CUDA bf16/fp16 inputs when fla imports, else the torch
@@ -201,6 +203,112 @@ def _chunk_block(q, k, v, g, beta, S, C):
     return O.reshape(B, H, N, C, Dv), s.reshape(B, H, Dk, Dv)
 
 
+def _block(q, k, v, g, beta, S, t0, t1, scale, use_qk_l2norm, C, out_dtype, cdt):
+    """Tokens ``[t0, t1)`` of the inputs (``[B, T, ...]`` as given to :func:`chunk_gated_delta_rule`) from the state
+    ``S`` ``[B, H, Dk, Dv]`` (compute dtype ``cdt``) entering them: cast, repeat, normalise (:func:`_prepare`), pad
+    to whole chunks, solve.
+    Returns ``(o [B, t1 - t0, H, Dv] in out_dtype, S after t1 in the compute dtype)``."""
+    B, _, _, Dk = q.shape
+    H, Dv = v.shape[2], v.shape[3]
+    n = t1 - t0
+    qb, kb, vb, gb, bb = _prepare(
+        q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], scale, use_qk_l2norm, cdt
+    )
+    pad = (-n) % C
+    if pad:  # zero k, v, g, beta: the padded tokens leave the state untouched
+        qb, kb, vb = (F.pad(x, (0, 0, 0, pad)) for x in (qb, kb, vb))
+        gb, bb = (F.pad(x, (0, pad)) for x in (gb, bb))
+    N = (n + pad) // C
+    ob, S = _chunk_block(
+        qb.reshape(B, H, N, C, Dk),
+        kb.reshape(B, H, N, C, Dk),
+        vb.reshape(B, H, N, C, Dv),
+        gb.reshape(B, H, N, C),
+        bb.reshape(B, H, N, C),
+        S,
+        C,
+    )
+    return ob.reshape(B, H, N * C, Dv)[:, :, :n].transpose(1, 2).to(out_dtype), S
+
+
+def _blocks(T: int, blk: int) -> list[tuple[int, int]]:
+    return [(t0, min(T, t0 + blk)) for t0 in range(0, T, blk)]
+
+
+def _forward_blocks(q, k, v, g, beta, S, scale, use_qk_l2norm, C, blk, out_dtype, cdt, starts=None):
+    """Every block in order from the state ``S``; ``starts`` (a list) collects the state entering each block.
+    Returns ``(o [B, T, H, Dv], final state)``."""
+    B, T = q.shape[:2]
+    H, Dv = v.shape[2], v.shape[3]
+    outs = []
+    # on the meta device (the planner's dry run) the middle blocks only add their output: ops/meta.py
+    last_start = ((T - 1) // blk) * blk
+    for t0, t1 in _blocks(T, blk):
+        if starts is not None:
+            starts.append(S)
+        if meta.skip_delta_rule_block((q, k, v, g, beta, S), t0, last_start):
+            outs.append(torch.empty(B, t1 - t0, H, Dv, dtype=out_dtype, device=q.device))
+            S = torch.empty_like(S)
+            continue
+        ob, S = _block(q, k, v, g, beta, S, t0, t1, scale, use_qk_l2norm, C, out_dtype, cdt)
+        outs.append(ob)
+    return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()), S
+
+
+class _RecomputedBlocks(torch.autograd.Function):
+    """The chunked rule whose backward recomputes one block at a time instead of keeping every block's graph.
+
+    Forward runs the blocks without a graph and saves only the inputs and the state entering each block
+    (``ceil(T / blk)`` states of ``[B, H, Dk, Dv]`` in the compute dtype). Backward walks the blocks last to first:
+    it re-runs one block's forward with a graph from its saved entering state, backpropagates that block's output
+    gradient and the gradient arriving at its final state, writes the inputs' gradient slices, and hands the
+    gradient of the entering state to the previous block. The ops are those of the plain path, so the gradients are
+    the same numbers; what is held is one block's graph instead of all of them (on a 1.2B hybrid's exact step, bf16,
+    8,192-token chunks: about 4.6 GiB per DeltaNet layer with the plain path on an H200). The price is the forward
+    arithmetic once more. First derivatives only (``once_differentiable``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, init, scale, use_qk_l2norm, C, blk, out_dtype, cdt):
+        starts: list[Tensor] = []
+        o, S_final = _forward_blocks(q, k, v, g, beta, init.to(cdt), scale, use_qk_l2norm, C, blk, out_dtype, cdt,
+                                     starts)
+        ctx.save_for_backward(q, k, v, g, beta, *starts)
+        ctx.args = (scale, use_qk_l2norm, C, blk, out_dtype, cdt, init.dtype)
+        return o, S_final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS):  # do [B, T, H, Dv], dS [B, H, Dk, Dv] (unused outputs arrive as zeros)
+        q, k, v, g, beta, *starts = ctx.saved_tensors
+        scale, use_qk_l2norm, C, blk, out_dtype, cdt, init_dtype = ctx.args
+        want = ctx.needs_input_grad[:6]
+        xs = (q, k, v, g, beta)
+        bufs = [torch.empty_like(x) if w else None for x, w in zip(xs, want[:5])]
+        T = q.shape[1]
+        last_start = ((T - 1) // blk) * blk
+        blocks = _blocks(T, blk)
+        for i in range(len(blocks) - 1, -1, -1):
+            t0, t1 = blocks[i]
+            need_state = i > 0 or want[5]  # the gradient of the state entering block i
+            # on meta the middle blocks repeat the second-to-last one (full size, the entering state's gradient)
+            if meta.skip_delta_rule_block(xs + (starts[i],), t0, last_start - blk):
+                dS = torch.empty_like(starts[i])
+                continue
+            with torch.enable_grad():
+                xb = [x[:, t0:t1].detach().requires_grad_(w) for x, w in zip(xs, want[:5])]
+                Sb = starts[i].detach().requires_grad_(need_state)
+                ob, Sn = _block(*xb, Sb, 0, t1 - t0, scale, use_qk_l2norm, C, out_dtype, cdt)
+            ins = [x for x in xb if x.requires_grad] + ([Sb] if need_state else [])
+            got = torch.autograd.grad((ob, Sn), ins, (do[:, t0:t1], dS), allow_unused=True)
+            it = iter(torch.zeros_like(x) if gx is None else gx for x, gx in zip(ins, got))  # None: not reached
+            for x, buf in zip(xb, bufs):
+                if x.requires_grad:
+                    buf[:, t0:t1] = next(it)
+            dS = next(it) if need_state else None
+            del xb, Sb, ob, Sn, ins, got, it  # the block's tensors go before the next block's recompute
+        return (*bufs, dS.to(init_dtype) if want[5] else None) + (None,) * 6
+
+
 def chunk_gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -214,12 +322,16 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
     block_tokens: int | None = None,
+    recompute: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked (WY / UT-transform) gated delta rule in pure torch; any device, plain autograd.
+    """Chunked (WY / UT-transform) gated delta rule in pure torch; any device, autograd.
 
     See the module docstring for the math, shapes and dtypes. ``block_tokens`` bounds how many tokens are
     processed at once (rounded to whole chunks; default: about 2^21 elements per block-sized intermediate, at least
-    4 chunks).
+    4 chunks). ``recompute`` (default: whenever the call records a graph) keeps, for the backward, only the inputs
+    and the state entering each block, and re-runs one block at a time there (:class:`_RecomputedBlocks`: one
+    block's graph instead of every block's, for the forward's arithmetic once more, first derivatives only); False
+    keeps plain autograd's whole graph.
     Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] in the compute dtype or None)``.
     """
     _check(q, k, v, g, beta, initial_state)
@@ -244,38 +356,15 @@ def chunk_gated_delta_rule(
         S = torch.zeros(B, H, Dk, Dv, dtype=cdt, device=q.device)
     else:
         S = initial_state.to(cdt)
-    outs = []
-    # on the meta device (the planner's dry run) the middle blocks only add their output: ops/meta.py
-    last_start = ((T - 1) // blk) * blk if T else 0
-    for t0 in range(0, T, blk):
-        t1 = min(T, t0 + blk)
-        n = t1 - t0
-        if meta.skip_delta_rule_block((q, k, v, g, beta, initial_state), t0, last_start):
-            outs.append(torch.empty(B, n, H, Dv, dtype=out_dtype, device=q.device))
-            S = torch.empty_like(S)
-            continue
-        qb, kb, vb, gb, bb = _prepare(
-            q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], scale, use_qk_l2norm, cdt
-        )
-        pad = (-n) % C
-        if pad:  # zero k, v, g, beta: the padded tokens leave the state untouched
-            qb, kb, vb = (F.pad(x, (0, 0, 0, pad)) for x in (qb, kb, vb))
-            gb, bb = (F.pad(x, (0, pad)) for x in (gb, bb))
-        N = (n + pad) // C
-        ob, S = _chunk_block(
-            qb.reshape(B, H, N, C, Dk),
-            kb.reshape(B, H, N, C, Dk),
-            vb.reshape(B, H, N, C, Dv),
-            gb.reshape(B, H, N, C),
-            bb.reshape(B, H, N, C),
-            S,
-            C,
-        )
-        outs.append(ob.reshape(B, H, N * C, Dv)[:, :, :n].transpose(1, 2).to(out_dtype))
-    if not outs:
-        o = torch.zeros(B, 0, H, Dv, dtype=out_dtype, device=q.device)
+    if T == 0:
+        return torch.zeros(B, 0, H, Dv, dtype=out_dtype, device=q.device), (S if output_final_state else None)
+    if recompute is None:
+        recompute = needs_grad(q, k, v, g, beta, initial_state)
+    if recompute and needs_grad(q, k, v, g, beta, initial_state):
+        init = initial_state if initial_state is not None else S  # a fresh zero state takes no gradient
+        o, S = _RecomputedBlocks.apply(q, k, v, g, beta, init, scale, use_qk_l2norm, C, blk, out_dtype, cdt)
     else:
-        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+        o, S = _forward_blocks(q, k, v, g, beta, S, scale, use_qk_l2norm, C, blk, out_dtype, cdt)
     return o, (S if output_final_state else None)
 
 

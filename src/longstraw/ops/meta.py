@@ -14,7 +14,10 @@ lifetimes) as the real path, and a test holds every tracked byte equal with the 
 ``skip_delta_rule_block``
     The torch gated delta rule processes a long input in blocks of chunks; without autograd each block frees its
     intermediates, so on meta the blocks between the first and the last only add their output (prefill dry runs of
-    a long prompt would otherwise run thousands of meta ops per layer).
+    a long prompt would otherwise run thousands of meta ops per layer). Its backward (``ops.deltanet``'s
+    recomputing backward) re-runs one block at a time from the saved state entering it and writes the inputs'
+    gradients into buffers allocated before the loop; there the blocks between the first and the second-to-last
+    (full size, with the entering state's gradient, as every middle block) only hand on a state gradient.
 ``skip_repeated_block``
     Loops over blocks whose transients are freed before the next block and whose results go into buffers allocated
     before the loop: DeepSeek Sparse Attention's lightning indexer (``models/dsa.py``, always without autograd)
