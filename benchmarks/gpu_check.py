@@ -29,8 +29,9 @@ a. Exactness on the device (``--a-s``, default 100 s). For every model family th
    for the same tokens, max abs, pass at <= 1e-4 (float32) and DECODE_BF16 (bfloat16). Measured on the CPU
    (2026-12-04, smoke): float32 <= 5e-7, bfloat16 <= 4.8e-2 (glm_moe_dsa; dense 6e-3); a broken step is O(1).
    Routers that transformers initialises to zero are drawn at random (every expert would tie, and CPU and CUDA
-   ``topk`` break ties differently). ``--smoke`` runs bfloat16 for SMOKE_BF16 only (one family per architecture),
-   float32 for all.
+   ``topk`` break ties differently). Then LoRA (LORA_FAMILIES: a hybrid MoE and an MLA MoE, all-linear adapters and
+   the routed experts' ``target_parameters``, B drawn non-zero): the same checks, the gradients being the
+   adapters'. ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only, float32 for all.
 b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-s``, default 480 s): prefill tokens/s
    and MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
    seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches from
@@ -132,6 +133,14 @@ def family_config(model_type: str) -> dict:
     return {"model_type": model_type, **FAMILY_CONFIGS[model_type]}
 
 
+# a: LoRA entries (nothing of LoRA had run on a GPU): every linear layer and the routed experts' fused weights (the
+# grouped_mm path with the adapters' low-rank products on CUDA bf16), B drawn non-zero so the adapters change the
+# logits; the gradients checked are the adapters' (the base is frozen). Rank 8: 16-byte rows in bf16.
+LORA_FAMILIES = ("qwen3_5_moe_text", "deepseek_v3")
+LORA = dict(rank=8, alpha=16, target_modules="all-linear",
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
@@ -221,9 +230,11 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
     res["reference"] = "the same weights in float64 on the CPU (held to transformers by the test suite)"
     res["device"] = str(dev)
     entries = res.setdefault("entries", [])
-    for fam in FAMILY_CONFIGS:
+    res["lora"] = LORA
+    for fam, lora in [(f, False) for f in FAMILY_CONFIGS] + [(f, True) for f in LORA_FAMILIES]:
+        label = fam + (" + LoRA" if lora else "")
         if time.perf_counter() > deadline:
-            entries.append({"family": fam, "ok": False, "error": "section budget spent before this family"})
+            entries.append({"family": label, "ok": False, "error": "section budget spent before this family"})
             continue
         try:
             cfg = family_config(fam)
@@ -240,15 +251,21 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                 for n, p in ref_model.named_parameters():
                     if n.endswith("mlp.gate.weight") and not p.any():
                         p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+            if lora:
+                longstraw.add_lora(ref_model, **LORA, seed=0)
+                with torch.no_grad():  # PEFT's B = 0 leaves the model unchanged: draw B so the adapters act
+                    for n, p in ref_model.named_parameters():
+                        if ".lora_B." in n:
+                            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
             prompt, responses, adv = _group(cfg["vocab_size"], args.a_prompt, [4, 7], seed=2)
             ref = _logits_and_grads(ref_model, torch.device("cpu"), prompt, responses, adv, args.a_chunk)
         except Exception as e:
-            entries.append({"family": fam, "stage": "float64 reference", **_error(e)})
+            entries.append({"family": label, "stage": "float64 reference", **_error(e)})
             continue
         for dtype_name in ("float32", "bfloat16"):
-            if args.smoke and dtype_name == "bfloat16" and fam not in SMOKE_BF16:
+            if args.smoke and dtype_name == "bfloat16" and fam not in SMOKE_BF16 and not lora:
                 continue
-            entry = {"family": fam, "dtype": dtype_name}
+            entry = {"family": label, "dtype": dtype_name}
             try:
                 model = copy.deepcopy(ref_model).to(device=dev, dtype=getattr(torch, dtype_name))
                 got = _logits_and_grads(model, dev, prompt, responses, adv, args.a_chunk, DEVICE_MODES)
@@ -280,7 +297,7 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                 entry.update(_error(e))
             entries.append(entry)
             flush()
-            say(f"  a {fam:16s} {dtype_name:8s} " + (
+            say(f"  a {label:23s} {dtype_name:8s} " + (
                 f"logits {entry['logits']['norm']:.1e}, grads (all / worst param) exact "
                 f"{entry['exact']['all_params_norm']:.1e} / {entry['exact']['norm']:.1e}, detached "
                 f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e}, exact offloaded "
@@ -906,7 +923,7 @@ def main(argv=None) -> int:
     ap.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                     help="b: the memory planner's prediction beside each measured step, computed in worker "
                     "processes on the CPU while the GPU measures (default on; it models the torch delta rule, an "
-                    "upper bound where fla's backward runs)")
+                    "not fla's kernels)")
     ap.add_argument("--json", default="gpu_check.json")
     args = ap.parse_args(argv)
     for name, full, smoke in (("longest_s", 120.0, 20.0), ("budget_s", 480.0, 1800.0), ("a_s", 100.0, 900.0),
