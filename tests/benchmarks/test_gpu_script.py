@@ -26,7 +26,10 @@ def test_gpu_check_smoke(tmp_path):
         assert sec["ok"], (name, {k: v for k, v in sec.items() if k in ("error", "traceback")})
     a = res["sections"]["a"]
     fams = {e["family"] for e in a["entries"]}
-    assert len(fams) == 11 and all(e["ok"] for e in a["entries"])
+    assert len(fams) == 13 and all(e["ok"] for e in a["entries"])  # 11 families, and 2 with LoRA adapters
+    lora = [e for e in a["entries"] if e["family"].endswith(" + LoRA")]
+    assert {e["dtype"] for e in lora} == {"float32", "bfloat16"} and len(lora) == 4
+    assert all(e["exact"]["params"] > 0 and ".lora_" in e["exact"]["worst_param"] for e in lora)  # adapters only
     assert {e["dtype"] for e in a["entries"]} == {"float32", "bfloat16"}
     assert all(e["exact_offload"]["params"] == e["exact"]["params"] for e in a["entries"])  # held to exact's ref
     kernels = {e["family"]: e["delta_rule_kernel"] for e in a["entries"]}
@@ -44,7 +47,9 @@ def test_gpu_check_smoke(tmp_path):
     for method in ("naive", "prefix", "detached", "exact"):
         assert b["compare"]["methods"][method]["peak_bytes"] > 0, b["compare"]["methods"][method]
     assert "naive_over_detached_peak" in b["compare"] and "prefix_over_detached_peak" in b["compare"]
-    assert [r["block_tokens"] for r in b["rule_blocks"]["runs"]] == [None, 1024, 4096]
+    runs = b["rule_blocks"]["runs"]
+    assert [(r["block_tokens"], r["recompute"]) for r in runs] == [(None, False), (None, True), (1024, True),
+                                                                   (4096, True)]
     assert all(r["seconds"] > 0 for r in b["rule_blocks"]["runs"])
     for mode in ("detached", "exact"):
         assert b["longest"][mode]["measured_max"] >= 512 and b["longest"][mode]["stopped_by"]

@@ -25,6 +25,8 @@ tensors (``DTensor.full_tensor()``, a collective: call it on every rank).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from longstraw.distributed.context import ParallelContext
@@ -39,6 +41,17 @@ def compute_dtype_of(model: torch.nn.Module) -> torch.dtype:
         if p.is_floating_point():
             return p.dtype
     return torch.float32
+
+
+def _quiet_view_warning() -> None:
+    """Silence FSDP2's "returned a view tensor" warning (torch 2.12+, ``_fsdp_state._register_pre_backward_hook``) for
+    our units only. A decoder layer and the backbone return the layer's state pieces (K/V, latents: views of their
+    projections) beside the hidden state; FSDP2 warns because an in-place op on a returned view would drop the
+    pre-backward hook it registers there. The engine never modifies a returned piece in place (the state copies or
+    concatenates them; the hidden state carries the same hook), and FSDP2's gradients are tested equal to one
+    process's; without the filter every rank printed the warning for each unit class."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(DecoderLayer|Backbone)\) returned a "
+                            r"view tensor", category=UserWarning)
 
 
 def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: torch.dtype | None = None
@@ -82,6 +95,7 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
 
     ignored = {p for _, m in ep_modules(model) for p in m.parameters()}
     kw = {"ignored_params": ignored} if ignored else {}
+    _quiet_view_warning()
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     for unit in end_units(model):
