@@ -887,8 +887,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host"):
                 if k in d:
                     d[k] //= cp
-            if "prefill_chunk" in d:
-                d["prefill_chunk"] += mla_step
+            if "prefill_chunk" in d:  # the CP step's MLA term at this length (the search plans shorter prompts)
+                d["prefill_chunk"] += mla_step if p == prompt_len else _mla_cp_step(model, dt, cfg, cp, p, {})
             cache[p, state_only] = {**fixed, **d}
         return cache[p, state_only]
 
@@ -1011,6 +1011,16 @@ def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group:
                                          "reverse_host_to_device": int(grad_host)}}
 
 
+def _cp_piece(prompt_len: int, cp: int, chunk: int) -> int:
+    """The longest piece a rank processes in one CP prefill step of a ``prompt_len``-token prompt: the run's layout
+    (``distributed.cp_state.shard_layout``: balanced steps of about ``cp x chunk`` positions, each cut into ``cp``
+    pieces), so ``chunk`` for a long prompt and ``ceil((prompt_len - 1) / cp)`` for one shorter than a step."""
+    from longstraw.distributed.cp_state import shard_layout
+
+    layout = shard_layout(max(prompt_len - 1, cp), cp, chunk)
+    return max(e - s for step in layout.steps for s, e in step)
+
+
 def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:
     """Bytes a CP step's MLA attention adds per rank beyond one process's chunk (the dry run runs one process):
     the shipped queries and partials of one dense MLA layer (``distributed.cp_latent.mla_step_bytes``), or, where
@@ -1024,6 +1034,8 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
         return 0
     layer, chunk = mixers[0], cfg.prefill_chunk
     dense = [m for m in mixers if getattr(m, "index_topk", None) is None or prompt_len <= m.index_topk]
+    if cp > 1:  # a rank's piece of a step: the chunk, or less where the prompt is shorter than cp x chunk
+        chunk = _cp_piece(prompt_len, cp, chunk)
     if cp == 1:
         f = layer.attention_flops(1, chunk, [(1, prompt_len)])
         form = layer._pick(f, cfg.exact)
@@ -1040,7 +1052,7 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
         kept = 0 if cfg.checkpoint_layers else sum(sv for _, sv in per) - max(sv for _, sv in per)
         assumptions["mla_attention"] = (
             f"cp={cp}: DSA layers run the sparse path at this length (absorbed latents); per rank a step of "
-            f"{cp} x {chunk:,} tokens adds {format_bytes(peak)} in one layer (the sparse attention exchanged one "
+            f"{cp} x {chunk:,} tokens (a rank's piece) adds {format_bytes(peak)} in one layer (the sparse attention exchanged one "
             f"piece at a time, the indexer's top-k merged around the ring)"
             + (f", and the other layers' graphs keep {format_bytes(kept)}" if kept else "")
             + " (by formula, in prefill_chunk)")

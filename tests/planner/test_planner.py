@@ -761,3 +761,24 @@ def test_cli_ep(tmp_path):
     out = _cli("--model", str(tmp_path), "--prompt-len", "1K", "--response-len", "64", "--gpus", "4", "--ep", "4")
     assert out.returncode == 0, out.stderr
     assert "ep=4" in out.stdout and "all_to_all" in out.stdout and "+ all_to_all" in out.stdout
+
+
+def test_cp_mla_step_prices_a_ranks_piece_not_a_whole_chunk():
+    """Under CP a rank's piece of a step is the chunk for a long prompt and less for a prompt shorter than
+    ``cp x chunk`` (``cp_state.shard_layout``); the MLA exchange term prices that piece, so a short prompt is not
+    planned as a full ``cp x chunk`` step."""
+    from longstraw.distributed.cp_latent import mla_step_bytes
+    from longstraw.planner import _cp_piece, _meta_model
+
+    assert _cp_piece(601, 2, 1024) == 300 and _cp_piece(4097, 2, 1024) == 1024
+    assert _cp_piece(2 * 2**20, 32, 4096) == 4096 and _cp_piece(5000, 4, 4096) == 1250
+    kw = dict(response_len=16, group=2, dtype="float32", gpus=2, cp=2, cfg=GRPOConfig(prompt_grad="exact",
+                                                                                      prefill_chunk=1024))
+    short = plan(MLA, prompt_len=601, **kw)
+    assert "for a step of 2 x 300 tokens" in short.settings["assumptions"]["mla_attention"]
+    layer = next(m.mixer for m in _meta_model(MLA, torch.float32).layers)
+    want = mla_step_bytes(layer, 2, 300, 601, torch.float32, True)[1]
+    whole = mla_step_bytes(layer, 2, 1024, 601, torch.float32, True)[1]
+    assert want < whole
+    long = plan(MLA, prompt_len=4097, **kw)
+    assert "for a step of 2 x 1,024 tokens" in long.settings["assumptions"]["mla_attention"]
