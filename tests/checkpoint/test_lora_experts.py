@@ -284,18 +284,42 @@ def test_load_adapter_bad_files(edit, msg, tmp_path):
     _no_adapters_and_nothing_trainable_changed(fresh)
 
 
-def test_expert_parallel_refused():
-    """Expert adapters are not split over EP ranks yet: sharding the experts of a model that has them is refused
-    with what is allowed (before anything changes)."""
+def test_shard_experts_splits_the_adapters():
+    """shard_experts (as parallelize calls it, before FSDP) keeps each rank's experts' part of every expert adapter:
+    lora_A's contiguous rows, lora_B's columns of PEFT's interleaved layout, laid out again over the local experts;
+    the parts of all ranks join back into the whole (join_expert_pieces); add_adapters on an already split model
+    (seeded) draws the whole tensors and keeps the same part."""
     from longstraw.distributed.expert_parallel import shard_experts
+    from longstraw.models.lora import join_expert_pieces
 
-    model = with_experts("deepseek_v3")
-    ctx = types.SimpleNamespace(ep_size=2, world_size=2, ep_rank=0)
-    with pytest.raises(ValueError, match=r"ep=2: LoRA on routed experts \(target_parameters\) with expert "
-                                         r"parallelism \(ep > 1\) is not supported yet; allowed: expert adapters "
-                                         r"with ep=1"):
+    whole = with_experts("deepseek_v3")
+    want = {k: (a.lora_A.weight.detach().clone(), a.lora_B.weight.detach().clone(), a.factors())
+            for k, a in expert_adapters(whole).items()}
+    parts = []
+    for rank in range(4):
+        model = with_experts("deepseek_v3")
+        ctx = types.SimpleNamespace(ep_size=4, world_size=4, ep_rank=rank, ep=None, edp=None, ep_mesh=None)
         shard_experts(model, ctx)
-    assert all(type(m).__name__ == "Experts" for n, m in model.named_modules() if n.endswith("mlp.experts"))
+        got = expert_adapters(model)
+        assert set(got) == set(want)
+        for k, a in got.items():
+            assert (a.first, a.num_experts, a.total) == (2 * rank, 2, 8) and a.lora_A.weight.requires_grad
+            fa, fb = a.factors()
+            assert torch.equal(fa, want[k][2][0][2 * rank:2 * rank + 2])
+            assert torch.equal(fb, want[k][2][1][2 * rank:2 * rank + 2])
+        parts.append(got)
+        seeded = load("deepseek_v3")
+        shard_experts(seeded, ctx)
+        longstraw.add_lora(seeded, 3, 5, OTHER["deepseek_v3"], seed=1, target_parameters=BOTH)
+        one = load("deepseek_v3")
+        longstraw.add_lora(one, 3, 5, OTHER["deepseek_v3"], seed=1, target_parameters=BOTH)
+        for k, a in expert_adapters(seeded).items():
+            assert torch.equal(a.lora_A.weight, a.take("lora_A", expert_adapters(one)[k].lora_A.weight))
+            assert a.lora_A.weight.abs().max() > 0 and not a.lora_B.weight.any()
+    for k, (a_w, b_w, _) in want.items():
+        for which, w in (("lora_A", a_w), ("lora_B", b_w)):
+            pieces = torch.stack([getattr(p[k], which).weight for p in parts])
+            assert torch.equal(join_expert_pieces(which, pieces, 3), w), (k, which)
 
 
 def test_disabled_adapters_give_the_base():
@@ -313,75 +337,137 @@ def test_disabled_adapters_give_the_base():
 WORKER = r'''
 import sys, torch, longstraw
 from longstraw.models.mla import set_mla_mode
+from longstraw.distributed.expert_parallel import ep_modules
+from longstraw.rl.optim import clip_grad_norm
 torch.set_num_threads(1)
-ckpt, adapter, out, ep = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-ctx = longstraw.init_distributed(cp=1, fsdp=True, ep=ep, timeout_s=120)
+ckpt, adapter, out, ep, cp, mla, target = sys.argv[1:4] + [int(sys.argv[4]), int(sys.argv[5])] + sys.argv[6:8]
+ctx = longstraw.init_distributed(cp=cp, fsdp=True, ep=ep, timeout_s=120)
+
+
+def parts(model):  # this rank's expert adapters (its experts' part under EP)
+    return {f"{n}.{p}": (a.first, a.lora_A.weight.detach().clone(), a.lora_B.weight.detach().clone())
+            for n, m in model.named_modules() for p, a in (getattr(m, "lora_adapters", None) or {}).items()}
+
+
 try:
-    if ep > 1:
-        try:
-            longstraw.load_model(ckpt, dtype="float64", adapter=adapter)
-            res = "loaded"
-        except ValueError as e:
-            res = str(e)
-    else:
-        seeded = longstraw.load_model(ckpt, dtype="float64", lora=dict(rank=3, alpha=5, target_modules=["q_a_proj"],
-                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
-                                      lora_seed=4)
-        init = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach()  # a collective, in name order
-                for k, v in seeded.named_parameters() if v.requires_grad}
-        model = longstraw.load_model(ckpt, dtype="float64", adapter=adapter)
-        set_mla_mode(model, "absorbed", decompress_chunk=4)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, 53, (1, 17), generator=g)
-        with torch.no_grad():
-            logits = model(x)
-        prompt = torch.randint(0, 53, (14,), generator=g)
-        responses = [torch.randint(0, 53, (n,), generator=g) for n in (4, 1, 6)]
-        adv = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
-        cfg = longstraw.GRPOConfig(prompt_grad="exact", kl_coef=0.0, prefill_chunk=5)
+    seeded = longstraw.load_model(ckpt, dtype="float64", lora=dict(rank=3, alpha=5, target_modules=[target],
+                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+                                  lora_seed=4)
+    res = dict(seeded_parts=parts(seeded), ep_modules=len(ep_modules(seeded)))
+    longstraw.save_adapter(seeded, out + "/seeded")  # a collective, gathering every tensor whole
+    model = longstraw.load_model(ckpt, dtype="float64", adapter=adapter)
+    res["loaded_parts"] = parts(model)
+    if mla != "none":
+        set_mla_mode(model, mla, decompress_chunk=4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 53, (1, 17), generator=g)
+    with torch.no_grad():
+        res["logits"] = model(x)
+    prompt = torch.randint(0, 53, (14,), generator=g)
+    responses = [torch.randint(0, 53, (n,), generator=g) for n in (4, 1, 6)]
+    adv = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
+    for grad in ("exact", "detached"):
+        for p in model.parameters():
+            p.grad = None
+        cfg = longstraw.GRPOConfig(prompt_grad=grad, kl_coef=0.0, prefill_chunk=5)
         longstraw.grpo_backward(model, prompt, responses, adv, cfg)
-        res = dict(logits=logits, grads=longstraw.lora_grads(model), init=init)
-        longstraw.save_adapter(model, out + "/saved")
-    if ctx.rank == 0:
-        torch.save(res, out + "/res.pt")
+        res[grad] = longstraw.lora_grads(model)  # every rank joins the gathers
+        res[grad + "_hf"] = {k: v for k, v in longstraw.hf_grads(model).items() if ".lora_" in k}  # gathers too
+        res[grad + "_norm"] = clip_grad_norm([p for p in model.parameters() if p.requires_grad], 0.0)
+    longstraw.save_adapter(model, out + "/saved")
+    torch.save(res, out + f"/res{ctx.rank}.pt")
 finally:
     longstraw.shutdown_distributed()
 '''
 
 
-def test_fsdp_two_ranks_and_ep_refused(tmp_path):
-    """FSDP2 over 2 gloo ranks (ep=1): the expert adapters are sharded as any parameter; load_model(adapter=) gives
-    one process's logits and grpo_backward gradients (both ranks pass the same group: the one-process gradient),
-    save_adapter writes the same file, and load_model(lora=, lora_seed=) draws add_lora(seed=)'s A. ep=2 is refused
-    with the one message."""
-    from dist_launch import launch
+_TARGET = {"deepseek_v3": "q_a_proj", "qwen3_5_moe": "q_proj", "qwen3_next": "q_proj"}  # beside the experts
 
-    name = "deepseek_v3"
-    model = with_experts(name)
-    longstraw.save_adapter(model, tmp_path / "a")
-    (tmp_path / "w.py").write_text(WORKER)
-    ranks = launch(2, [str(tmp_path / "w.py"), str(pair(name)[1]), str(tmp_path / "a"), str(tmp_path), "1"])
-    assert all(r.returncode == 0 for r in ranks), ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
-    res = torch.load(tmp_path / "res.pt")
-    g = torch.Generator().manual_seed(0)
+
+def _one_process(name, x_seed=0):
+    """What every rank of the job must reproduce: the logits, the exact and detached grpo_backward gradients of
+    the adapters (lora_grads, PEFT's keys) and their global norm, for the model with_experts(name) saved."""
+    from longstraw.rl.optim import clip_grad_norm
+
+    model = with_experts(name, targets=[_TARGET[name]])
+    g = torch.Generator().manual_seed(x_seed)
     x = torch.randint(0, 53, (1, 17), generator=g)
-    assert max_err(res["logits"], our_logits(model, x)) <= 1e-12
+    out = {"logits": our_logits(model, x), "model": model}
     prompt = torch.randint(0, 53, (14,), generator=g)
     responses = [torch.randint(0, 53, (n,), generator=g) for n in (4, 1, 6)]
     adv = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
-    longstraw.grpo_backward(model, prompt, responses, adv,
-                            longstraw.GRPOConfig(prompt_grad="exact", kl_coef=0.0, prefill_chunk=5))
-    want = longstraw.lora_grads(model)
-    assert any(".experts." in k for k in want)
-    compare_grads(res["grads"], want, rel=1e-10)
-    a, b = load_file(tmp_path / "a" / "adapter_model.safetensors"), load_file(tmp_path / "saved" /
-                                                                               "adapter_model.safetensors")
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for grad in ("exact", "detached"):
+        for p in model.parameters():
+            p.grad = None
+        longstraw.grpo_backward(model, prompt, responses, adv,
+                                longstraw.GRPOConfig(prompt_grad=grad, kl_coef=0.0, prefill_chunk=5))
+        out[grad] = longstraw.lora_grads(model)
+        out[grad + "_hf"] = {k: v for k, v in longstraw.hf_grads(model).items() if ".lora_" in k}
+        out[grad + "_norm"] = clip_grad_norm([p for p in model.parameters() if p.requires_grad], 0.0)
+    return out
+
+
+def _same_file(a, b):
+    a, b = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a), \
+        [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+
+
+def _run_job(tmp_path, name, world, cp, ep):
+    """Launch WORKER on ``world`` gloo ranks (FSDP over all, ``cp``, ``ep``) and check everything against one
+    process: lora_seed's adapters (each rank's part and the gathered file), load_model(adapter=)'s parts, logits,
+    the adapters' exact and detached gradients and their norm, save_adapter's file (byte-equal tensors)."""
+    from dist_launch import launch
+
+    want = _one_process(name)
+    model = want.pop("model")
+    longstraw.save_adapter(model, tmp_path / "a")
+    (tmp_path / "w.py").write_text(WORKER)
+    mla = FAMILIES[name][2] or "none"
+    ranks = launch(world, [str(tmp_path / "w.py"), str(pair(name)[1]), str(tmp_path / "a"), str(tmp_path), str(ep),
+                           str(cp), mla, _TARGET[name]], timeout_s=600)
+    assert all(r.returncode == 0 for r in ranks), "".join(r.stderr[-3000:] for r in ranks)
     seeded = load(name)
-    longstraw.add_lora(seeded, 3, 5, ["q_a_proj"], seed=4, target_parameters=BOTH)
-    mine = {n: p for n, p in seeded.named_parameters() if p.requires_grad}
-    assert set(mine) == set(res["init"]) and all(torch.equal(mine[n], res["init"][n]) for n in mine)
-    ranks = launch(2, [str(tmp_path / "w.py"), str(pair(name)[1]), str(tmp_path / "a"), str(tmp_path), "2"])
-    assert all(r.returncode == 0 for r in ranks), ranks[0].stderr[-3000:]
-    assert torch.load(tmp_path / "res.pt").startswith("ep=2: LoRA on routed experts (target_parameters) with expert "
-                                                      "parallelism (ep > 1) is not supported yet")
+    longstraw.add_lora(seeded, 3, 5, [_TARGET[name]], seed=4, target_parameters=BOTH)
+    longstraw.save_adapter(seeded, tmp_path / "seeded1")
+    _same_file(tmp_path / "seeded", tmp_path / "seeded1")
+    _same_file(tmp_path / "saved", tmp_path / "a")
+    whole = {"seeded_parts": expert_adapters(seeded), "loaded_parts": expert_adapters(model)}
+    for rank in range(world):
+        res = torch.load(tmp_path / f"res{rank}.pt")
+        assert res["ep_modules"] == (0 if ep == 1 else len(whole["seeded_parts"]) // 2)
+        for what, adapters in whole.items() if ep > 1 else ():  # each rank's part: a slice of one process's
+            assert set(res[what]) == set(adapters)
+            for k, (first, a_w, b_w) in res[what].items():
+                full = adapters[k]
+                local = full.num_experts // ep
+                assert first == (rank % ep) * local, (what, k, first)
+                a, b = full.factors()
+                assert torch.equal(a_w.view(local, 3, -1), a[first:first + local]), (what, k)
+                assert torch.equal(b_w.view(b_w.shape[0], 3, local).permute(2, 0, 1), b[first:first + local])
+        assert max_err(res["logits"], want["logits"]) <= 1e-12
+        for grad in ("exact", "detached"):
+            assert any(".experts." in k for k in want[grad])
+            assert all(want[grad][k].abs().max() > 0 for k in want[grad] if ".experts." in k)
+            compare_grads(res[grad], want[grad], rel=1e-10)
+            assert any(".experts." in k for k in want[grad + "_hf"])  # hf_grads: whole expert adapters too
+            compare_grads(res[grad + "_hf"], want[grad + "_hf"], rel=1e-10)
+            assert abs(res[grad + "_norm"] - want[grad + "_norm"]) <= 1e-10 * want[grad + "_norm"]
+
+
+def test_fsdp_two_ranks(tmp_path):
+    """FSDP2 over 2 gloo ranks (ep=1): the expert adapters are sharded as any parameter; load_model(adapter=) gives
+    one process's logits and grpo_backward gradients (both ranks pass the same group: the one-process gradient),
+    save_adapter writes the same file, and load_model(lora=, lora_seed=) draws add_lora(seed=)'s A."""
+    _run_job(tmp_path, "deepseek_v3", 2, 1, 1)
+
+
+@pytest.mark.parametrize("name,world,cp,ep", [("deepseek_v3", 2, 1, 2), ("qwen3_5_moe", 2, 1, 2),
+                                              ("deepseek_v3", 4, 2, 2), ("qwen3_next", 4, 1, 4)])
+def test_expert_parallel(name, world, cp, ep, tmp_path):
+    """Expert adapters under expert parallelism (FSDP over the job, ep ranks per EP group; with world 4, cp=2: two
+    data-parallel replicas, each EP group one CP group, the adapters' gradients reduced over edp): each rank holds
+    its experts' part of every expert adapter, as lora_seed draws it and as load_model(adapter=) reads it; logits,
+    the exact and detached gradients (gathered by lora_grads) and their global norm equal one process's;
+    save_adapter writes the same tensors."""
+    _run_job(tmp_path, name, world, cp, ep)

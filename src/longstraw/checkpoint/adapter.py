@@ -17,6 +17,13 @@ Sharded models (FSDP2): adapters must exist before the model is sharded, so they
 already-sharded model is refused with that advice. :func:`load_adapter` then fills the adapters a sharded model
 already has (each rank its rows), and :func:`save_adapter` / :func:`lora_grads` gather each tensor whole in turn
 (collectives: call them on every rank).
+
+Expert parallelism (``ep > 1``): each rank's experts module holds its experts' part of each expert adapter
+(``models.lora.ExpertLoRA``: the rows of ``lora_A``, the columns of ``lora_B``'s interleaved layout), created by
+``load_model`` before ``shard_experts`` splits them like the fused weights (``lora_seed`` draws each whole tensor, so
+every layout starts from one process's values). :func:`save_adapter` / :func:`lora_grads` rebuild the whole
+``[E*r, in]`` / ``[out, r*E]`` tensors in PEFT's layout (an all-gather over the EP group), :func:`load_adapter` fills
+each rank's part.
 """
 
 from __future__ import annotations
@@ -50,6 +57,25 @@ def _check_model(model) -> None:
 
 def _sharded(model) -> bool:
     return any(is_sharded(p) for p in model.parameters())
+
+
+def _ep_adapters(model) -> dict:
+    """``{parameter name: (EP module, ExpertLoRA, "lora_A" | "lora_B")}`` of the adapters on expert-parallel experts
+    (each rank holds its experts' part; :func:`longstraw.distributed.expert_parallel.ep_adapter_params`)."""
+    from longstraw.distributed.expert_parallel import ep_adapter_params
+
+    return ep_adapter_params(model)
+
+
+def _whole(t: torch.Tensor, name: str, ep: dict) -> torch.Tensor:
+    """The full tensor of parameter ``name``'s ``t`` (itself or its gradient): gathered over FSDP (a DTensor) or,
+    for an adapter on expert-parallel experts (``ep``: :func:`_ep_adapters`), over the EP group in PEFT's layout;
+    either is a collective every rank joins."""
+    if name in ep:
+        from longstraw.distributed.expert_parallel import gather_adapter
+
+        return gather_adapter(*ep[name], t)
+    return _full(t)
 
 
 def add_lora(model, rank: int, alpha: float, target_modules: Sequence[str] | str, dropout: float = 0.0, *,
@@ -278,16 +304,18 @@ def save_adapter(model, path: str | os.PathLike) -> None:
     peft_names = _peft_names(model)
     tensors = {}
     trained = _trained_params(model)
+    ep = _ep_adapters(model)
     with torch.no_grad():
         for name, t in trained.items():
-            full = _full(t.detach())  # every rank joins each gather
+            full = _whole(t.detach(), name, ep)  # every rank joins each gather
             tensors[_key(wmap, peft_names.get(name, name), mm)] = full.to("cpu").contiguous()
     # a trained embedding tied to the LM head: PEFT keeps them tied only with ensure_weight_tying, and then reads
     # (and writes) the LM head's tensor too
     aliases = _tied_aliases(model, trained)
     for alias, name in aliases.items():
         tensors[_key(wmap, alias, mm)] = tensors[_key(wmap, name, mm)].clone()
-    rank = torch.distributed.get_rank() if _sharded(model) else 0
+    distributed = _sharded(model) or bool(ep)
+    rank = torch.distributed.get_rank() if distributed else 0
     if rank == 0:
         cfg = peft_config_dict(settings, getattr(model, "source_dir", None), tied=bool(aliases))
         tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
@@ -305,7 +333,7 @@ def save_adapter(model, path: str | os.PathLike) -> None:
         os.replace(tmp, p)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    if _sharded(model):
+    if distributed:
         torch.distributed.barrier()
 
 
@@ -359,13 +387,16 @@ def _describe(s: LoraSettings) -> str:
 
 
 def fill_adapter(model, path: Path) -> None:
-    """Copy the adapter file's tensors into the model's adapters (and ``modules_to_save`` parameters)."""
+    """Copy the adapter file's tensors into the model's adapters (and ``modules_to_save`` parameters); an adapter on
+    expert-parallel experts takes its experts' part of the whole tensor (``ExpertLoRA.take``)."""
     params = _trained_params(model)
-    handle, found = _check_file(model, path, {n: tuple(t.shape) for n, t in params.items()},
-                                _tied_aliases(model, params), _peft_names(model))
+    ep = _ep_adapters(model)
+    shapes = {n: ep[n][1].full_shape(ep[n][2]) if n in ep else tuple(t.shape) for n, t in params.items()}
+    handle, found = _check_file(model, path, shapes, _tied_aliases(model, params), _peft_names(model))
     with torch.no_grad():
         for name, k in found.items():
-            fill(params[name], handle.get_tensor(k))
+            full = handle.get_tensor(k)
+            fill(params[name], ep[name][1].take(ep[name][2], full) if name in ep else full)
 
 
 def _planned(model, settings: LoraSettings) -> tuple[dict[str, tuple], dict[str, str], dict[str, str]]:
@@ -471,10 +502,11 @@ def lora_grads(model) -> dict[str, torch.Tensor]:
     wmap = family_for(model.spec.model_type).weights(model.hf_config)
     mm = _multimodal_source(model)
     peft_names = _peft_names(model)
+    ep = _ep_adapters(model)
     out = {}
     for name, prm in _trained_params(model).items():
         if prm.grad is not None:
-            out[_key(wmap, peft_names.get(name, name), mm)] = _full(prm.grad)
+            out[_key(wmap, peft_names.get(name, name), mm)] = _whole(prm.grad, name, ep)
     return out
 
 
@@ -484,6 +516,10 @@ def merged_weights(model) -> dict[str, tuple]:
     out = {}
     for name, m in adapted_modules(model).items():
         out[f"{name}.weight"] = (tuple(m.weight.shape), m.weight.dtype, _merger(m, m.weight))
+    if _ep_adapters(model):  # save_model writes each EP rank's expert rows; merging them is not wired there
+        raise ValueError("save_model(merge_lora=True) with LoRA on routed experts under expert parallelism (ep > 1) "
+                         "is not supported; allowed: save_adapter, then merge in one process (load_model(adapter=) "
+                         "and save_model(merge_lora=True))")
     for name, m in expert_adapters(model).items():  # the fused expert weight [E, out, in], one at a time
         w = model.get_parameter(name)
         out[name] = (tuple(w.shape), w.dtype, _merger(m, w))

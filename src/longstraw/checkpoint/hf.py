@@ -584,9 +584,13 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Sharded (DTensor) gradients are gathered; parameters without a gradient are left out.
     """
     named = _hf_named(model, "hf_grads")
-    from longstraw.distributed.expert_parallel import ep_modules, gather_experts
+    from longstraw.distributed.expert_parallel import ep_modules, gather_adapter, gather_experts
 
     ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
+    # LoRA on expert-parallel experts: each rank holds its experts' part of lora_A / lora_B
+    parts = {id(w): (m, a, which) for _, m in ep_modules(model)
+             for a in (getattr(m, "lora_adapters", None) or {}).values()
+             for which, w in (("lora_A", a.lora_A.weight), ("lora_B", a.lora_B.weight))}
     out = {}
     for name, prm in named.items():
         if prm.grad is None:
@@ -596,5 +600,8 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             g = g.full_tensor()
         elif id(prm) in ep:  # expert-parallel: every EP rank's experts (a collective of the EP group)
             g = gather_experts(ep[id(prm)], g)
+        elif id(prm) in parts:  # an expert adapter's part: the whole tensor in PEFT's layout (a collective)
+            m, a, which = parts[id(prm)]
+            g = gather_adapter(m, a, which, g)
         out[name] = g
     return out

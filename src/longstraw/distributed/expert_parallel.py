@@ -29,6 +29,13 @@ expert weights), so each expert gradient is the sum over all ``W`` ranks, divide
 the rest of the model by (``W`` for the replay, the number of replicas in the CP reverse pass:
 ``cp_state.ShardedPromptState.backward_scope`` sets both). Expert weights are replicated over ``edp``, not further
 FSDP-sharded.
+
+LoRA on the experts (``target_parameters``, ``models.lora.ExpertLoRA``): :func:`shard_experts` keeps each adapter's
+part for this rank's experts (``ExpertLoRA.keep_experts``: ``lora_A``'s rows, ``lora_B``'s columns of PEFT's
+interleaved layout); the parts are per-rank parameters like the expert weights (FSDP's ``ignored_params``,
+:func:`ep_param_ids`, :func:`mark_params`), go through the same gradient identity (summed over ``edp``, divided by the
+same factor) and reach ``experts_forward`` as the local experts' factors. :func:`gather_adapter` rebuilds a whole
+adapter tensor (``save_adapter``, ``lora_grads``).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from longstraw.ops import meta
 from longstraw.ops.moe import combine_slots, experts_forward
 
 __all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
-           "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local"]
+           "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local", "ep_adapter_params",
+           "gather_adapter"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -64,23 +72,52 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _ExpertGrad(torch.autograd.Function):
-    """Identity on the local expert weights; backward: sum over the expert-data-parallel group (the ranks holding
-    the same experts), divided by the module's current factor (module docstring)."""
+    """Identity on the local expert tensors that are trained (the fused weights, or their LoRA adapters' ``lora_A``
+    / ``lora_B``); backward: their gradients, in one flat buffer, summed over the expert-data-parallel group (the
+    ranks holding the same experts) and divided by the module's current factor (module docstring)."""
 
     @staticmethod
-    def forward(ctx, module: ExpertParallelExperts, gate_up: Tensor, down: Tensor):
+    def forward(ctx, module: ExpertParallelExperts, *tensors: Tensor):
         ctx.module = module
-        return gate_up.view_as(gate_up), down.view_as(down)
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, g_gu: Tensor, g_dn: Tensor):
+    def backward(ctx, *grads: Tensor):
         m = ctx.module
-        flat = torch.cat([g_gu.reshape(-1), g_dn.reshape(-1)])
+        flat = torch.cat([g.reshape(-1) for g in grads])  # unused outputs' gradients come as zeros
         if m.edp is not None and m.edp.size > 1:
             m.edp.all_reduce(flat)
         flat = flat / m.divide_factor
-        n = g_gu.numel()
-        return None, flat[:n].view_as(g_gu), flat[n:].view_as(g_dn)
+        out, at = [], 0
+        for g in grads:
+            out.append(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
+        return (None, *out)
+
+
+def _trained_local(m: ExpertParallelExperts, tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` with those that require a gradient passed through :class:`_ExpertGrad` (one call, one
+    reduction); frozen ones as they are (LoRA: the base experts get no gradient, and none is computed for them)."""
+    idx = [i for i, t in enumerate(tensors) if t.requires_grad]
+    if not idx:
+        return tensors
+    views = _ExpertGrad.apply(m, *(tensors[i] for i in idx))
+    out = list(tensors)
+    for i, v in zip(idx, views):
+        out[i] = v
+    return out
+
+
+def _adapters(m: nn.Module) -> list:
+    """``[(fused parameter name, ExpertLoRA)]`` of an experts module's active LoRA adapters (``models.lora``)."""
+    return [(p, a) for p, a in (getattr(m, "lora_adapters", None) or {}).items() if not a.disabled]
+
+
+def _local_params(m: nn.Module) -> list[nn.Parameter]:
+    """The per-rank parameters of an expert-parallel module: its fused weights' rows and, with LoRA on them, its
+    adapters' parts (``lora_A`` / ``lora_B`` of its experts)."""
+    adapters = (getattr(m, "lora_adapters", None) or {}).values()
+    return [m.gate_up_proj, m.down_proj] + [w for a in adapters for w in (a.lora_A.weight, a.lora_B.weight)]
 
 
 class ExpertParallelExperts(Experts):
@@ -95,10 +132,14 @@ class ExpertParallelExperts(Experts):
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         gu, dn = self.gate_up_proj, self.down_proj
+        adapters = _adapters(self)
         if meta.is_meta(x):  # the planner's dry run: shapes only (as one process with all experts)
             full_gu = gu.new_empty((self.num_experts, *gu.shape[1:]), device="meta")
             full_dn = dn.new_empty((self.num_experts, *dn.shape[1:]), device="meta")
-            return experts_forward(x, expert_ids, weights, full_gu, full_dn, self.act)
+            lora = {p: (a.lora_A.weight.new_empty((self.num_experts, a.r, a.in_features), device="meta"),
+                        a.lora_B.weight.new_empty((self.num_experts, a.out_features, a.r), device="meta"),
+                        a.scaling) for p, a in adapters}
+            return experts_forward(x, expert_ids, weights, full_gu, full_dn, self.act, lora=lora or None)
         n, k = expert_ids.shape
         local, size = gu.shape[0], self.ep.size
         flat = expert_ids.reshape(-1)
@@ -114,12 +155,17 @@ class ExpertParallelExperts(Experts):
                                                 recv.reshape(-1)).unsqueeze(1)
         token_idx = order // k
         xr = _AllToAll.apply(x[token_idx], self.ep.group, out_splits, in_splits)  # [received, H]
-        gu, dn = _ExpertGrad.apply(self, gu, dn)
+        # the trained local tensors (the experts, or with LoRA their adapters' parts A [local*r, in], B [out,
+        # r*local]) through the identity whose backward reduces their gradients over edp
+        gu, dn, *ab = _trained_local(self, [gu, dn] + [w for _, a in adapters for w in (a.lora_A.weight,
+                                                                                         a.lora_B.weight)])
+        lora = {p: (*a.factors(ab[2 * i], ab[2 * i + 1]), a.scaling) for i, (p, a) in enumerate(adapters)}
         if gu.dtype != x.dtype:  # fp32 master experts under a low-precision compute dtype: compute in x's
-            gu, dn = gu.to(x.dtype), dn.to(x.dtype)
-        yr = experts_forward(xr, local_ids, xr.new_ones(local_ids.shape), gu, dn, self.act)
-        if yr.shape[0] == 0:  # nothing received: keep the received rows and the weights in the graph, so this
-            yr = yr + 0 * (xr.sum() + gu.sum() + dn.sum())  # rank's backward runs the same collectives as the others
+            gu, dn = gu.to(x.dtype), dn.to(x.dtype)  # (experts_forward casts the adapters' factors itself)
+        yr = experts_forward(xr, local_ids, xr.new_ones(local_ids.shape), gu, dn, self.act, lora=lora or None)
+        if yr.shape[0] == 0:  # nothing received: keep the received rows and the trained tensors in the graph, so
+            # this rank's backward runs the same collectives as the others
+            yr = yr + 0 * (xr.sum() + sum(t.sum() for t in [gu, dn, *ab]))
         ys = _AllToAll.apply(yr, self.ep.group, in_splits, out_splits)  # back in the order of x[token_idx]
         return combine_slots(ys, weights.reshape(-1)[order], token_idx, n, x.dtype)
 
@@ -134,8 +180,9 @@ def ep_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
 
 
 def ep_param_ids(model: nn.Module) -> set[int]:
-    """``id`` of every expert-parallel parameter (local slices: whole tensors that differ between EP ranks)."""
-    return {id(p) for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
+    """``id`` of every expert-parallel parameter (local slices: whole tensors that differ between EP ranks; the
+    experts' LoRA adapters' parts too)."""
+    return {id(p) for _, m in ep_modules(model) for p in _local_params(m)}
 
 
 def ep_param_rows(model: nn.Module) -> dict[str, tuple[int, int, int]]:
@@ -154,7 +201,7 @@ def mark_params(model: nn.Module) -> None:
     only parameters (``rl.optim.clip_grad_norm``) can sum their norms over the EP group. ``shard_experts`` tags them;
     call again after the parameters are replaced (``load_model`` does, after allocating them)."""
     for _, m in ep_modules(model):
-        for p in (m.gate_up_proj, m.down_proj):
+        for p in _local_params(m):
             p._longstraw_ep = m.ep
 
 
@@ -167,6 +214,25 @@ def set_ep_divide_factor(model: nn.Module, factor: float) -> None:
 def gather_experts(module: ExpertParallelExperts, t: Tensor) -> Tensor:
     """The full ``[num_experts, ...]`` tensor from every EP rank's local ``t`` (a collective of the EP group)."""
     return module.ep.all_gather(t.detach()).reshape(module.num_experts, *t.shape[1:])
+
+
+def ep_adapter_params(model: nn.Module) -> dict[str, tuple[ExpertParallelExperts, object, str]]:
+    """``{parameter name: (its expert-parallel module, its ExpertLoRA, "lora_A" | "lora_B")}`` of the LoRA adapters
+    on expert-parallel experts (each rank holds its experts' part: ``models.lora.ExpertLoRA.take``)."""
+    out = {}
+    for name, m in ep_modules(model):
+        for pname, a in (getattr(m, "lora_adapters", None) or {}).items():
+            for which in ("lora_A", "lora_B"):
+                out[f"{name}.lora_adapters.{pname}.{which}.weight"] = (m, a, which)
+    return out
+
+
+def gather_adapter(module: ExpertParallelExperts, adapter, which: str, t: Tensor) -> Tensor:
+    """The whole adapter tensor of ``which`` (``[total*r, in]`` / ``[out, r*total]``, PEFT's layout) from every EP
+    rank's part ``t`` (this rank's ``lora_A`` / ``lora_B`` or its gradient): a collective of the EP group."""
+    from longstraw.models.lora import join_expert_pieces
+
+    return join_expert_pieces(which, module.ep.all_gather(t.detach()), adapter.r)
 
 
 def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
@@ -182,15 +248,14 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         if n % size:
             raise ValueError(f"ep={size} does not divide the {n} routed experts of {name}; allowed: "
                              f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0 and ctx.world_size % d == 0)}")
-        if getattr(m, "lora_adapters", None):  # not split over EP yet (models.lora's message says what is allowed)
-            from longstraw.models.lora import EXPERT_EP_REFUSED
-            raise ValueError(f"ep={size}: {EXPERT_EP_REFUSED}")
         local = n // size
         a = ctx.ep_rank * local
         with torch.no_grad():
             for pname in ("gate_up_proj", "down_proj"):
                 p = getattr(m, pname)
                 setattr(m, pname, nn.Parameter(p[a:a + local].clone(), requires_grad=p.requires_grad))
+        for adapter in (getattr(m, "lora_adapters", None) or {}).values():  # LoRA on the experts: their parts
+            adapter.keep_experts(a, local)
         m.__class__ = ExpertParallelExperts
         m.ep, m.edp, m.first, m.mesh = ctx.ep, ctx.edp, a, ctx.ep_mesh
         m.divide_factor = float(ctx.world_size)

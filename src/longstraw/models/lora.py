@@ -217,13 +217,19 @@ that order: the first targeted parameter innermost)."""
 class ExpertLoRA(nn.Module):
     """LoRA on one fused expert parameter ``W [E, out, in]`` in PEFT's ``ParamWrapper`` layout (module docstring):
     ``lora_A.weight [E*r, in]``, ``lora_B.weight [out, r*E]``; expert ``e`` computes with ``W[e] + s B_e A_e``.
-    Holds only the adapter (the experts module keeps ``W``); ``ops.moe.experts_forward`` applies it."""
+    Holds only the adapter (the experts module keeps ``W``); ``ops.moe.experts_forward`` applies it.
+
+    Under expert parallelism (``distributed.expert_parallel``) an adapter holds experts ``[first, first + E)`` of
+    ``total`` only: ``lora_A`` the rows of those experts, ``lora_B`` their columns of PEFT's interleaved layout, laid
+    out again as PEFT's layout over the local experts (:meth:`take`; :func:`join_expert_pieces` rebuilds the whole);
+    ``num_experts`` is the local count. A whole adapter has ``first = 0``, ``total = num_experts``."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, r: int, alpha: float, scaling: float,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, first: int = 0, total: int | None = None):
         super().__init__()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.r, self.lora_alpha, self.scaling = r, alpha, scaling
+        self.first, self.total = first, num_experts if total is None else total  # experts [first, first + E) of total
         dd = dict(device=device, dtype=dtype)
         self.lora_A = nn.Linear(in_features, r * num_experts, bias=False, **dd)  # PEFT's modules, PEFT's names
         self.lora_B = nn.Linear(r * num_experts, out_features, bias=False, **dd)
@@ -234,14 +240,63 @@ class ExpertLoRA(nn.Module):
 
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
         """PEFT's default initialisation (as :meth:`LoRALinear.reset_lora_parameters`: ``A`` Kaiming-uniform over
-        its ``in`` columns, ``B = 0``)."""
-        LoRALinear.reset_lora_parameters(self, generator)
+        its ``in`` columns, ``B = 0``). A part of the experts (expert parallelism) draws the whole ``[total*r, in]``
+        and keeps its rows, so every layout starts from the values one process draws."""
+        if self.total == self.num_experts:
+            LoRALinear.reset_lora_parameters(self, generator)
+            return
+        with torch.no_grad():
+            a = self.lora_A.weight
+            if generator is None:
+                full = torch.empty(self.full_shape("lora_A"), dtype=a.dtype, device=a.device)
+                nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+            else:  # as LoRALinear: float64 on the CPU, from the generator
+                bound = 1.0 / math.sqrt(self.in_features)
+                full = torch.empty(self.full_shape("lora_A"), dtype=torch.float64).uniform_(-bound, bound,
+                                                                                            generator=generator)
+            a.copy_(self.take("lora_A", full))
+            self.lora_B.weight.zero_()
 
-    def factors(self) -> tuple[Tensor, Tensor]:
-        """Per-expert views ``(A [E, r, in], B [E, out, r])`` of the two weights (differentiable, no copy)."""
+    def full_shape(self, which: str) -> tuple[int, int]:
+        """The whole adapter's shape of ``which``: ``"lora_A"`` ``[total*r, in]``, ``"lora_B"`` ``[out, r*total]``."""
+        if which == "lora_A":
+            return self.total * self.r, self.in_features
+        return self.out_features, self.r * self.total
+
+    def take(self, which: str, full: Tensor) -> Tensor:
+        """This adapter's part of the whole tensor ``full`` of ``which`` (:meth:`full_shape`; a view where it can be):
+        ``lora_A`` rows ``[first*r, (first+E)*r)``; ``lora_B`` ``[out, r, total]`` columns ``first..first+E-1``
+        of each ``j``, as ``[out, r*E]`` (column ``j*E + e``: PEFT's layout over the local experts)."""
+        a, e, r = self.first, self.num_experts, self.r
+        if which == "lora_A":
+            return full[a * r:(a + e) * r]
+        return full.reshape(self.out_features, r, self.total)[:, :, a:a + e].reshape(self.out_features, r * e)
+
+    def keep_experts(self, first: int, count: int) -> None:
+        """In place: keep only experts ``[first, first + count)`` of this whole adapter (its values as they are, on
+        meta or real tensors; ``requires_grad`` kept), as :func:`distributed.expert_parallel.shard_experts` keeps the
+        fused weights' rows."""
+        if self.total != self.num_experts or self.first != 0:
+            raise ValueError(f"expert adapter already holds experts {self.first}..{self.first + self.num_experts - 1} "
+                             f"of {self.total}; only a whole adapter is split")
+        if first < 0 or count < 1 or first + count > self.total:
+            raise ValueError(f"experts [{first}, {first + count}) are not within the adapter's {self.total}")
+        self.first, self.num_experts = first, count
+        with torch.no_grad():
+            for which in ("lora_A", "lora_B"):
+                lin = getattr(self, which)
+                w = lin.weight
+                lin.weight = nn.Parameter(self.take(which, w).clone(), requires_grad=w.requires_grad)
+                lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
+
+    def factors(self, a_weight: Tensor | None = None, b_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Per-expert views ``(A [E, r, in], B [E, out, r])`` of the two weights (differentiable, no copy);
+        ``a_weight`` / ``b_weight``: views of them to use instead (the EP module's gradient-reducing identity)."""
         e = self.num_experts
-        a = self.lora_A.weight.view(e, self.r, self.in_features)  # rows e*r + j
-        b = self.lora_B.weight.view(self.out_features, self.r, e).permute(2, 0, 1)  # columns j*E + e
+        a_w = self.lora_A.weight if a_weight is None else a_weight  # [E*r, in]
+        b_w = self.lora_B.weight if b_weight is None else b_weight  # [out, r*E]
+        a = a_w.view(e, self.r, self.in_features)  # rows e*r + j
+        b = b_w.view(self.out_features, self.r, e).permute(2, 0, 1)  # columns j*E + e
         return a, b
 
     def delta_weight(self) -> Tensor:
@@ -250,8 +305,23 @@ class ExpertLoRA(nn.Module):
         return torch.bmm(b, a) * self.scaling
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, r={self.r}, " \
+        part = f" ({self.first}..{self.first + self.num_experts - 1} of {self.total})" \
+            if self.total != self.num_experts else ""
+        return f"experts={self.num_experts}{part}, in={self.in_features}, out={self.out_features}, r={self.r}, " \
                f"lora_alpha={self.lora_alpha}"
+
+
+def join_expert_pieces(which: str, pieces: Tensor, r: int) -> Tensor:
+    """The whole adapter tensor of ``which`` from every part's, ``pieces [P, ...]`` (part ``p`` holds the ``p``-th
+    contiguous run of experts, equal runs, as expert parallelism splits them; :meth:`ExpertLoRA.take` inverted):
+    ``lora_A`` ``[P, n*r, in] -> [P*n*r, in]``; ``lora_B`` ``[P, out, r*n] -> [out, r*P*n]`` in PEFT's interleaved
+    layout (column ``j*P*n + p*n + l`` is part ``p``'s column ``j*n + l``)."""
+    size = pieces.shape[0]
+    if which == "lora_A":
+        return pieces.reshape(-1, pieces.shape[-1])
+    out, rn = pieces.shape[1], pieces.shape[2]
+    n = rn // r
+    return pieces.reshape(size, out, r, n).permute(1, 2, 0, 3).reshape(out, r * size * n)
 
 
 def expert_lora(experts: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]] | None:
@@ -318,10 +388,12 @@ def expert_peft_names(targets: Iterable[str]) -> dict[str, str]:
 
 
 def expert_adapter_shapes(model: nn.Module, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
-    """The shapes of the expert adapters ``settings`` puts on ``model``, by our parameter name."""
+    """The shapes of the expert adapters ``settings`` puts on ``model``, by our parameter name: the whole adapters'
+    (PEFT's file), also on an expert-parallel model, whose modules hold part of the experts."""
     shapes = {}
     for key in expert_targets(model, settings):
-        e, out_f, in_f = model.get_parameter(key).shape
+        _, out_f, in_f = model.get_parameter(key).shape
+        e = model.get_submodule(key.rpartition(".")[0]).num_experts  # the model's, not this rank's share
         r, _ = settings.rank_alpha(key)
         module, _, pname = key.rpartition(".")
         shapes[f"{module}.lora_adapters.{pname}.lora_A.weight"] = (e * r, in_f)
@@ -444,8 +516,6 @@ def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Gene
     targets = lora_targets(model, settings)
     params = expert_targets(model, settings)
     kept_modules(model, settings.modules_to_save)  # checked before anything changes
-    if params and any(type(m).__name__ == "ExpertParallelExperts" for m in model.modules()):
-        raise ValueError(EXPERT_EP_REFUSED)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -461,8 +531,12 @@ def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Gene
         r, alpha = settings.rank_alpha(key)  # PEFT matches the patterns against the parameter's name
         if getattr(experts, "lora_adapters", None) is None:
             experts.lora_adapters = nn.ModuleDict()
+        # an expert-parallel module (distributed.expert_parallel) holds experts [first, first + local) of
+        # num_experts: the adapter holds those (drawn whole, then sliced: the values of one process)
         experts.lora_adapters[pname] = ExpertLoRA(w.shape[0], w.shape[2], w.shape[1], r, alpha,
-                                                  settings.scaling(r, alpha), device=w.device, dtype=w.dtype)
+                                                  settings.scaling(r, alpha), device=w.device, dtype=w.dtype,
+                                                  first=getattr(experts, "first", 0),
+                                                  total=getattr(experts, "num_experts", w.shape[0]))
     if generator is not None and next(model.parameters()).device.type != "meta":
         reset_adapters(model, generator)  # in name order, as checkpoint.adapter.init_adapters draws them
     _frozen_except(model, settings.modules_to_save)
@@ -479,12 +553,6 @@ def reset_adapters(model: nn.Module, generator: torch.Generator | None = None) -
 def all_adapters(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
     """Every adapter module of ``model`` (projections' and experts'), by module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, ExpertLoRA))}
-
-
-EXPERT_EP_REFUSED = ("LoRA on routed experts (target_parameters) with expert parallelism (ep > 1) is not supported "
-                     "yet; allowed: expert adapters with ep=1 (one process, FSDP, context parallelism), or ep > 1 "
-                     "with adapters on target_modules only")
-"""Expert adapters are whole on every rank; an EP rank holds only its experts' weights (not split yet)."""
 
 
 def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:

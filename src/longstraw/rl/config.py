@@ -731,8 +731,9 @@ def validate(cfg: RunConfig) -> None:
                  "update has no per-input dropout (PEFT refuses it too); set lora.dropout = 0")
         _require(not tp or cfg.parallel.ep == 1,
                  f"lora.target_parameters={tp} (adapters on routed experts) with parallel.ep={cfg.parallel.ep}: "
-                 "not supported yet (an expert-parallel rank holds only its experts; the adapters are whole); "
-                 "allowed: parallel.ep = 1 (FSDP and context parallelism are fine), or lora.target_parameters = []")
+                 "not supported yet in the trainer (its checkpoints' optimizer state does not hold each rank's part "
+                 "of the expert adapters; the library's load_model, grpo_backward and save_adapter do); allowed: "
+                 "parallel.ep = 1 (FSDP and context parallelism are fine), or lora.target_parameters = []")
         try:
             t_ = "all-linear" if tuple(lo.target_modules) == ("all-linear",) else tuple(lo.target_modules)
             LoraSettings(r=lo.rank, lora_alpha=lo.alpha or 2.0 * lo.rank, target_modules=t_, lora_dropout=lo.dropout,
