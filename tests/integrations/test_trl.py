@@ -7,6 +7,9 @@
   gradients TRL's optimiser sees agree; with LongStraw's own sampling, steps run, TRL logs and calls back, and
   ``max_grad_norm`` clips.
 * Settings the engine cannot honour are refused with one line naming them.
+* LoRA (``peft_config=LoraConfig(...)``) against stock TRL + PEFT in float64: the adapters' gradients and weights
+  after a real optimiser step, with ``beta = 0`` and with ``beta > 0`` (reference = adapters off), the checkpoint
+  (PEFT's files, keys and values; stock PEFT loads it), resuming, and the refusals.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 import longstraw  # noqa: E402
+from hf_reference import float32_rope, true_float64  # noqa: E402
 from longstraw.integrations.trl import LOSS_TYPES, LongStrawGRPOTrainer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -418,13 +422,6 @@ def test_constructor_arguments_it_cannot_honour_are_refused(tiny_dir, tmp_path):
 
     with pytest.raises(ValueError, match=r"tools=\['tool'\]"):
         LongStrawGRPOTrainer(model=tiny_dir, tools=[tool], **common)
-    peft = pytest.importorskip("peft")
-    with pytest.raises(ValueError, match="peft_config='LoraConfig'"):
-        LongStrawGRPOTrainer(model=tiny_dir, peft_config=peft.LoraConfig(r=4), **common)
-    # adapters on routed experts neither: the refusal names where they are trained ([lora] target_parameters)
-    experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"])
-    with pytest.raises(ValueError, match=r"peft_config='LoraConfig': allowed: None .*target_parameters.*\[lora\]"):
-        LongStrawGRPOTrainer(model=tiny_dir, peft_config=experts, **common)
 
 
 def test_accepts_every_argument_of_trl_grpo_trainer():
@@ -438,3 +435,254 @@ def test_accepts_every_argument_of_trl_grpo_trainer():
     assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk", "offload_state_grad",
                      "graph_budget_bytes"]
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra) and ours["prompt_grad"].default == "exact"
+
+
+# ------------------------------------------------------------------------------------------------------------ LoRA
+LORA = dict(r=4, lora_alpha=8, target_modules="all-linear")
+
+
+class _LoraGradRecorder(transformers.TrainerCallback):
+    """The adapters' gradients as the optimiser receives them, under PEFT's saved keys (``lora_A.weight``)."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(longstraw.lora_grads(model) if hasattr(model, "spec") else {
+            n.replace(".default.", "."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _adapter_weights(model) -> dict:
+    """The trained tensors under PEFT's saved keys (stock PeftModel or LongStraw model)."""
+    if hasattr(model, "spec"):  # routed experts' adapters: PEFT nests them (models.lora.expert_peft_names)
+        theirs = longstraw.models.lora.expert_peft_names(longstraw.models.lora.expert_adapters(model))
+        return {"base_model.model." + theirs.get(n, n): p.detach().clone() for n, p in model.named_parameters()
+                if p.requires_grad}
+    return {n.replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _copy_stock_adapters(stock, ours, tmp_path, seed=1):
+    """Random non-zero B in stock's adapters (B = 0 would leave A's gradient zero and the reference equal to the
+    policy), then stock's adapters copied into ours by PEFT's keys (its saved adapter file)."""
+    from longstraw.checkpoint.adapter import fill_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in sorted(stock.model.named_parameters()):
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    d = tmp_path / "stock_init"
+    stock.model.save_pretrained(d)
+    fill_adapter(ours.model, d)
+
+
+def _lora_pair(tiny_dir, tmp_path, peft_kw=LORA, load_kw=None, **kw):
+    """Stock TRL + PEFT and LongStrawGRPOTrainer, both float64 with peft_config, set for one SGD step on the fixed
+    completions, with the same initial adapters; returns (stock, ours, their gradient recorders)."""
+    peft = pytest.importorskip("peft")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    args = dict(max_steps=1, learning_rate=0.5, max_grad_norm=0.0, optim="sgd")
+    args.update(kw)
+    trainers, recs = [], []
+    for cls, name in ((trl.GRPOTrainer, "stock"), (LongStrawGRPOTrainer, "ls")):
+        hf = float32_rope(transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float64,
+                                                                            **(load_kw or {})))
+        rec = _LoraGradRecorder()
+        trainers.append(cls(model=hf, reward_funcs=_reward_len, args=_args(tmp_path / name, **args),
+                            train_dataset=_dataset(4), processing_class=tok, rollout_func=_fixed_rollout(tok),
+                            callbacks=[rec], peft_config=peft.LoraConfig(**peft_kw)))
+        recs.append(rec)
+    _copy_stock_adapters(*trainers, tmp_path)
+    return (*trainers, recs)
+
+
+class _LogProb64:
+    """Stand-in for TRL 1.16's chunked log-prob kernel (``trl.kernels.ChunkedLogProbFunction``, which keeps its
+    softmax statistics in float32 whatever the model's dtype) computing the same outputs in the model's dtype with
+    plain autograd: so stock TRL runs wholly in float64 and can be compared to ~1e-8."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None, logit_scale=1.0,
+              outputs=("entropy",)):
+        z = torch.nn.functional.linear(hidden, weight, bias) * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        lsm = (z / temperature).log_softmax(-1)
+        lp = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ent = -(lsm.exp() * lsm).sum(-1) if "entropy" in outputs else None
+        lss = torch.logsumexp(2 * lsm, -1).detach() if "log_sum_sq_probs" in outputs else None
+        mean = (z / temperature).mean(-1).detach() if "mean_logits" in outputs else None
+        top1 = (z.argmax(-1) == targets) if "is_top1" in outputs else None
+        return lp, ent, lss, mean, top1
+
+
+def _assert_close64(ref: dict, got: dict, tol=1e-8):
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=tol, atol=tol * float(ref[n].abs().max()) + 1e-15,
+                                   msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.2])
+def test_lora_step_equals_stock_trl_peft(tiny_dir, tmp_path, beta, monkeypatch):
+    """peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"): the same trained tensors as stock
+    TRL's PeftModel, the adapters' gradients and their values after one optimiser step equal in float64; with
+    beta > 0 TRL's reference is the model with the adapters off (no model copy), so the KL is not zero. The step's
+    checkpoint holds PEFT's files with stock's keys and values, stock PEFT loads it with stock's logits, and resuming
+    reads it back."""
+    peft = pytest.importorskip("peft")
+    stock, ours, (rec_stock, rec_ours) = _lora_pair(tiny_dir, tmp_path, beta=beta, save_strategy="steps",
+                                                    save_steps=1)
+    assert ours.ref_model is None and isinstance(ours.model, longstraw.models.transformer.CausalLM)
+    before = _adapter_weights(ours.model)
+    _assert_close64(_adapter_weights(stock.model), before, tol=0)  # the same trained tensors, the same values
+    base = {n: p.detach().clone() for n, p in ours.model.named_parameters() if not p.requires_grad}
+    monkeypatch.setattr("trl.trainer.utils._ChunkedLogProbFunction", _LogProb64)  # stock wholly in float64
+    with true_float64():  # transformers' float32 casts in a float64 model (RMSNorm) made no-ops
+        stock.train()
+    ours.train()
+    assert len(rec_stock.grads) == len(rec_ours.grads) == 1
+    _assert_close64(rec_stock.grads[0], rec_ours.grads[0])
+    assert all(float(g.abs().max()) > 0 for g in rec_ours.grads[0].values())
+    after = _adapter_weights(ours.model)
+    _assert_close64(_adapter_weights(stock.model), after)
+    assert all(not torch.equal(after[n], before[n]) for n in after)  # every adapter trained
+    assert all(torch.equal(p, base[n]) for n, p in ours.model.named_parameters() if not p.requires_grad)
+    logged = [h for h in ours.state.log_history if "loss" in h][0]
+    ref_logged = [h for h in stock.state.log_history if "loss" in h][0]
+    assert (beta == 0.0 and "kl" not in logged) or logged["kl"] > 1e-4  # adapters off: the reference differs
+    assert math.isclose(logged["loss"], ref_logged["loss"], rel_tol=1e-9)
+    if beta:
+        assert math.isclose(logged["kl"], ref_logged["kl"], rel_tol=1e-9)
+
+    ckpt, stock_ckpt = tmp_path / "ls" / "out" / "checkpoint-1", tmp_path / "stock" / "out" / "checkpoint-1"
+    for f in ("adapter_config.json", "adapter_model.safetensors", "training_args.bin", "tokenizer.json"):
+        assert (ckpt / f).is_file(), f
+    assert not (ckpt / "model.safetensors").exists()
+    from safetensors.torch import load_file
+    _assert_close64(load_file(stock_ckpt / "adapter_model.safetensors"), load_file(ckpt / "adapter_model.safetensors"))
+    hf = float32_rope(transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float64))
+    loaded = peft.PeftModel.from_pretrained(hf, str(ckpt)).eval()
+    x = torch.tensor([[5, 17, 42, 8, 99, 23]])
+    with torch.no_grad(), true_float64():
+        want = stock.model.eval()(x).logits
+        torch.testing.assert_close(loaded(x).logits, want, rtol=1e-9, atol=1e-9)
+
+    # resuming: the checkpoint's adapter read back into a fresh trainer's adapters
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    again = LongStrawGRPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float64),
+                                 reward_funcs=_reward_len, args=_args(tmp_path / "again", beta=beta),
+                                 train_dataset=_dataset(4), processing_class=tok, peft_config=peft.LoraConfig(**LORA))
+    again._load_from_checkpoint(str(ckpt))
+    _assert_close64(after, _adapter_weights(again.model), tol=0)
+
+
+def test_lora_reference_is_the_base_model(tiny_dir, tmp_path):
+    """The model's disable_adapter() (what TRL's PEFT branch scores the reference in): the base model's log-probs,
+    modules_to_save at their initial values even after they changed; outside it the adapters are back."""
+    peft = pytest.importorskip("peft")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(reward_funcs=_reward_len, train_dataset=_dataset(), processing_class=tok)
+    plain = LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path / "a"), **common)
+    tr = LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path / "b", beta=0.1), **common,
+                              peft_config=peft.LoraConfig(**LORA, modules_to_save=["lm_head"]))
+    assert tr.model.peft_config["default"].r == 4 and tr.ref_model is None
+    trained = {n for n, p in tr.model.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" in trained and all(".lora_" in n or n == "lm_head.weight" for n in trained)
+    with torch.no_grad():
+        for n, p in tr.model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    batch = _batch(tok)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+
+    k = batch["completion_ids"].size(1)
+
+    def lp(trainer):
+        return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k)[0]
+
+    policy = lp(tr)
+    with tr.model.disable_adapter():
+        ref = lp(tr)
+    torch.testing.assert_close(ref, lp(plain), rtol=0, atol=1e-6)
+    assert not torch.allclose(policy, ref, atol=1e-3)
+    torch.testing.assert_close(lp(tr), policy, rtol=0, atol=0)
+
+
+def test_lora_settings_it_cannot_honour_are_refused_in_one_line(tiny_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(reward_funcs=_reward_len, train_dataset=_dataset(), processing_class=tok)
+    cases = [
+        (dict(use_dora=True), "use_dora=True"),
+        (dict(bias="all"), "bias='all'"),
+        (dict(init_lora_weights="gaussian"), "init_lora_weights='gaussian'"),
+        (dict(init_lora_weights="pissa"), "init_lora_weights='pissa'"),
+        (dict(target_modules=["q_proj"], layers_to_transform=[0]), "layers_to_transform=[0]"),
+        (dict(target_modules=["q_proj", "foo_proj"]), "'foo_proj' matches no module"),
+        (dict(target_modules=["lm_head"]), "modules_to_save=['lm_head']"),
+        (dict(modules_to_save=["nothing_here"]), "'nothing_here' matches no module"),
+    ]
+    for kw, needle in cases:
+        with pytest.raises(ValueError) as ei:
+            LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path), peft_config=peft.LoraConfig(**{**LORA, **kw}),
+                                 **common)
+        msg = str(ei.value)
+        assert needle in msg and msg.startswith("LongStrawGRPOTrainer cannot honour peft_config") and "\n" not in msg
+    with pytest.raises(ValueError, match=r"peft_config='PrefixTuningConfig': allowed: None or a peft.LoraConfig"):
+        LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path), **common,
+                             peft_config=peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
+    opt = torch.optim.SGD(hf.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizers=.*with peft_config.*allowed: \(None, None\)"):
+        LongStrawGRPOTrainer(model=hf, args=_args(tmp_path), **common, optimizers=(opt, None),
+                             peft_config=peft.LoraConfig(**LORA))
+    drop = peft.LoraConfig(**LORA, lora_dropout=0.1)
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1 with disable_dropout=False and prompt_grad='exact'"):
+        LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path, disable_dropout=False), **common, peft_config=drop)
+    # disable_dropout=True switches LoRA dropout off (as TRL does on its PeftModel); detached takes dropout
+    on = LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path, disable_dropout=True), **common, peft_config=drop)
+    assert not longstraw.models.lora.active_dropout(on.model)
+    on.current_gradient_accumulation_steps = 1
+    on.longstraw_backward(_batch(tok))  # exact mode runs: no dropout left
+    assert longstraw.lora_grads(on.model)
+    det = LongStrawGRPOTrainer(model=tiny_dir, args=_args(tmp_path, disable_dropout=False), **common,
+                               peft_config=drop, prompt_grad="detached")
+    assert longstraw.models.lora.active_dropout(det.model)
+    with pytest.raises(ValueError, match=r"model='PeftModel'"):
+        LongStrawGRPOTrainer(model=peft.get_peft_model(hf, peft.LoraConfig(**LORA)), args=_args(tmp_path), **common)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tiny_dir, tmp_path_factory):
+    """A random tiny GLM-4 MoE checkpoint (float64, routed experts as fused 3-D weights) with tiny_dir's tokenizer."""
+    from hf_reference import save_tiny, tiny_moe_hf
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    cfg = transformers.Glm4MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.7, max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
+    d = save_tiny(tiny_moe_hf(cfg, seed=7))
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def test_lora_on_routed_experts_equals_stock_trl_peft(tiny_moe_dir, tmp_path, monkeypatch):
+    """target_parameters (routed experts' fused weights, PEFT's ParamWrapper layout) beside target_modules, with
+    beta > 0: the same adapter gradients and weights after one step as stock TRL + PEFT, in float64."""
+    experts = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    stock, ours, (rec_stock, rec_ours) = _lora_pair(tiny_moe_dir, tmp_path, peft_kw=experts, beta=0.1,
+                                                    load_kw=dict(experts_implementation="eager"))
+    assert longstraw.models.lora.expert_adapters(ours.model)
+    _assert_close64(_adapter_weights(stock.model), _adapter_weights(ours.model), tol=0)
+    monkeypatch.setattr("trl.trainer.utils._ChunkedLogProbFunction", _LogProb64)
+    with true_float64():
+        stock.train()
+    ours.train()
+    _assert_close64(rec_stock.grads[0], rec_ours.grads[0])
+    assert any("experts" in n for n in rec_ours.grads[0])
+    _assert_close64(_adapter_weights(stock.model), _adapter_weights(ours.model))

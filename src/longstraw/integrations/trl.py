@@ -19,6 +19,14 @@ work, which TRL does on ``G x (prompt + completion)`` rows with autograd:
   so the gradient is TRL's. ``training_step`` returns the detached loss for TRL's logging; Trainer's own
   ``backward`` is not run.
 
+LoRA (``peft_config=peft.LoraConfig(...)``, as stock TRL): TRL's transformers model is not wrapped in PEFT; the
+config's adapters are added to the LongStraw model (:func:`longstraw.add_lora`, PEFT's initialisation, ``B = 0``,
+base frozen), so the optimiser Trainer builds trains the adapters (and ``modules_to_save``) only. With
+``beta != 0`` the reference log-probs are the policy's with the adapters off (the model's ``disable_adapter()``,
+what TRL's PEFT branch calls; ``modules_to_save`` at their initial values, as PEFT's), no model copy. Checkpoints are
+PEFT adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``) that
+``peft.PeftModel.from_pretrained`` loads onto the transformers model.
+
 TRL settings map onto the engine's :class:`longstraw.GRPOConfig` (:func:`engine_config`); a setting whose effect
 the engine cannot reproduce is refused at construction with one line naming it, its value and what is allowed.
 See docs/INTEGRATIONS.md for the table.
@@ -26,7 +34,9 @@ See docs/INTEGRATIONS.md for the table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import tempfile
 import time
@@ -36,7 +46,9 @@ import torch
 
 import longstraw
 from longstraw import GRPOConfig, LossAggMode, SamplingConfig
+from longstraw.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_settings, lora_settings
 from longstraw.checkpoint.hf import hf_parameters
+from longstraw.models.lora import LoraSettings, adapted_modules, adapters_disabled, is_adapter_param
 from longstraw.models.transformer import CausalLM
 
 try:
@@ -151,16 +163,11 @@ def _active_dropout(config) -> list[str]:
             if any(d in k for d in _DROPOUT_KEYS) and isinstance(v, float) and v > 0]
 
 
-def _check_constructor(model, quantization_config, peft_config, tools, environment_factory) -> None:
-    # PEFT adapters are not mapped onto the LongStraw model here (TRL would train its own PeftModel's); LoRA,
-    # routed experts' target_parameters included, is trained by longstraw's trainer ([lora]) or add_lora
-    if peft_config is not None:
-        raise _refuse("peft_config", type(peft_config).__name__,
-                      "allowed: None (train LoRA adapters, routed experts' target_parameters included, with "
-                      "longstraw's own trainer: its [lora] section; or longstraw.add_lora + longstraw.grpo_backward)")
+def _check_constructor(model, quantization_config, tools, environment_factory) -> None:
     if getattr(model, "peft_config", None) is not None:
         raise _refuse("model", type(model).__name__, "allowed: a model id, a directory or a transformers model "
-                      "without PEFT adapters (LoRA: longstraw's own trainer, [lora])")
+                      "without PEFT adapters (LoRA: pass peft_config=LoraConfig(...); continuing a trained adapter: "
+                      "longstraw's own trainer, [lora] adapter=...)")
     if quantization_config is not None:
         raise _refuse("quantization_config", type(quantization_config).__name__, "allowed: None")
     if tools:
@@ -168,6 +175,58 @@ def _check_constructor(model, quantization_config, peft_config, tools, environme
                       "allowed: None (tool tokens are masked per token; the engine weights whole completions)")
     if environment_factory is not None:
         raise _refuse("environment_factory", environment_factory, "allowed: None (as tools)")
+
+
+# LoraConfig fields a loaded adapter may carry (checkpoint.adapter accepts them) but a fresh one trained here may not:
+# the adapters are initialised as PEFT's default (B = 0), and the LoRA variants below compute something else
+_FRESH_ONLY = {"init_lora_weights": (True,), "inference_mode": (False,), "use_bdlora": (None, False),
+               "velora_config": (None,), "monteclora_config": (None,), "kasa_config": (None,)}
+
+
+def _peft_refusal(detail: str) -> ValueError:
+    return ValueError(f"LongStrawGRPOTrainer cannot honour peft_config (LoraConfig): {detail}")
+
+
+def lora_settings_of(peft_config) -> LoraSettings:
+    """The :class:`longstraw.models.lora.LoraSettings` of a ``peft.LoraConfig`` TRL would apply, or one ValueError
+    naming the first field the LongStraw model cannot train as PEFT would.
+
+    The config is written as PEFT writes it (``adapter_config.json``) and read back with
+    :func:`longstraw.checkpoint.adapter.adapter_settings`, so the rules are ``load_adapter``'s (no DoRA, biases,
+    ``fan_in_fan_out``, layer selection, base-rewriting initialisations...); a fresh adapter also needs PEFT's default
+    initialisation (``init_lora_weights=True``) and no other LoRA variant (:data:`_FRESH_ONLY`). Whether the targets
+    exist is checked when the adapters are added."""
+    try:
+        from peft import LoraConfig
+    except ImportError as e:  # pragma: no cover - TRL's peft extra is missing
+        raise ImportError("peft_config needs PEFT: pip install peft") from e
+    if not isinstance(peft_config, LoraConfig):
+        raise _refuse("peft_config", type(peft_config).__name__, "allowed: None or a peft.LoraConfig (LoRA is the "
+                      "adapter type LongStraw trains)")
+    for key, ok in _FRESH_ONLY.items():
+        v = getattr(peft_config, key, ok[0])
+        if v not in ok:
+            raise _peft_refusal(f"{key}={v!r} (allowed: {ok[0]!r}: adapters are initialised as PEFT's default, "
+                                "B = 0, and trained as plain LoRA)")
+    with tempfile.TemporaryDirectory(prefix="longstraw-trl-peft-") as d:
+        peft_config.save_pretrained(d)
+        try:
+            return adapter_settings(d)
+        except ValueError as e:
+            raise _peft_refusal(str(e).split(f"{ADAPTER_CONFIG}: ", 1)[-1]) from None
+
+
+def _check_lora_training(lora: LoraSettings, args, cfg: GRPOConfig, optimizers) -> None:
+    """Refuse, before TRL loads anything, a LoRA run the engine cannot do as TRL + PEFT would."""
+    if optimizers[0] is not None:
+        raise _refuse("optimizers", f"({type(optimizers[0]).__name__}, ...) with peft_config", "allowed: (None, None) "
+                      "with peft_config (an optimiser built before the adapters exist holds the transformers model's "
+                      "parameters, none of them trained with LoRA; set args.optim, learning_rate, ... instead)")
+    if lora.lora_dropout > 0 and not args.disable_dropout and cfg.exact:
+        raise _peft_refusal(f"lora_dropout={lora.lora_dropout} with disable_dropout=False and prompt_grad='exact' "
+                            "(allowed: lora_dropout=0; disable_dropout=True, which switches LoRA dropout off as TRL "
+                            "does on its PEFT model; or prompt_grad='detached': the exact reverse pass replays the "
+                            "prompt and cannot replay its dropout masks)")
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, hf_model: torch.nn.Module, model: CausalLM) -> None:
@@ -228,6 +287,11 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
     gradient in host memory) and ``graph_budget_bytes`` (exact mode: prompt-step graphs kept from the prefill); see
     :class:`longstraw.GRPOConfig`. An optimiser passed in ``optimizers`` (built over the transformers model's
     parameters, as for ``trl.GRPOTrainer``) is moved onto the LongStraw model's parameters of the same names.
+
+    ``peft_config``: a ``peft.LoraConfig`` (checked by :func:`lora_settings_of`); its adapters go on the LongStraw
+    model (A drawn from a generator seeded with ``args.seed``, B = 0), the reference for ``beta != 0`` is the model
+    with them off, and checkpoints are PEFT adapter directories (module docstring). Not with ``optimizers``: that
+    optimiser would hold the transformers model's parameters, which have no adapters.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
@@ -238,15 +302,19 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = trl.GRPOConfig(f"{Path(str(name)).name}-GRPO")
-        _check_constructor(model, quantization_config, peft_config, tools, environment_factory)
+        _check_constructor(model, quantization_config, tools, environment_factory)
         self.engine_config = engine_config(args, prompt_grad=prompt_grad, prefill_chunk=prefill_chunk,
                                            branch_batch=branch_batch, logprob_chunk=logprob_chunk,
                                            offload_state_grad=offload_state_grad,
                                            graph_budget_bytes=graph_budget_bytes)
+        lora = None if peft_config is None else lora_settings_of(peft_config)
+        if lora is not None:
+            _check_lora_training(lora, args, self.engine_config, optimizers)
+        # TRL's transformers model stays unwrapped (peft_config=None): the adapters go on the LongStraw model below
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
-                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
+                         optimizers=optimizers, quantization_config=quantization_config, peft_config=None,
                          tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
         if self.aux_loss_enabled:
             raise _refuse("router_aux_loss_coef", self.router_aux_loss_coef, "allowed: 0.0 (no MoE load-balancing "
@@ -259,12 +327,60 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             raise _refuse("disable_dropout", args.disable_dropout, f"allowed: True for a model with dropout "
                           f"({', '.join(dropout)}): the engine has none, so training would differ from TRL's")
         self.model = self.model_wrapped = self._load_longstraw(model, hf_model)
+        self._base_model_name = getattr(hf_model.config, "_name_or_path", None) or None
+        if lora is not None:
+            self._add_lora(lora, peft_config, args)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler) over the transformers model's parameters
             _move_optimizer(self.optimizer, hf_model, self.model)
         self.callback_handler.model = self.model
-        if self.ref_model is not None:  # TRL built a transformers copy of the initial weights; ours replaces it
+        if lora is not None:  # TRL's PEFT branch: the reference is the policy with its adapters off (disable_adapter)
+            self.ref_model = None
+        elif self.ref_model is not None:  # TRL built a transformers copy of the initial weights; ours replaces it
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
         del hf_model
+
+    def _add_lora(self, lora: LoraSettings, peft_config, args) -> None:
+        """Put ``lora``'s adapters on the LongStraw model as ``get_peft_model`` puts them on TRL's (PEFT's init,
+        base frozen, ``modules_to_save`` trained whole), and give the model what TRL's PEFT branch reads:
+        ``peft_config`` (``{"default": config}``, no ``"ref"`` adapter) and ``disable_adapter()`` for the reference
+        log-probs (:meth:`adapters_off`). ``disable_dropout=True`` switches LoRA dropout off, as TRL's
+        ``disable_dropout_in_model`` does on its PEFT model."""
+        ls = self.model
+        try:
+            longstraw.add_lora(ls, lora.r, lora.lora_alpha, lora.target_modules, lora.lora_dropout,
+                               use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save,
+                               rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern, seed=args.seed,
+                               target_parameters=lora.target_parameters)
+        except ValueError as e:  # a target this model lacks, a modules_to_save entry that names nothing, ...
+            raise _peft_refusal(str(e)) from None
+        if args.disable_dropout:
+            for m in adapted_modules(ls).values():
+                if isinstance(m.lora_dropout, torch.nn.Dropout):
+                    m.lora_dropout = torch.nn.Identity()
+        # modules_to_save at their initial values: PEFT's disable_adapter() runs their original modules
+        self._lora_initial = {} if self.beta == 0.0 else {
+            n: p.detach().clone() for n, p in ls.named_parameters() if p.requires_grad and not is_adapter_param(n)}
+        ls.peft_config = {"default": peft_config}
+        ls.disable_adapter = self.adapters_off
+
+    @contextlib.contextmanager
+    def adapters_off(self):
+        """Within it the LongStraw model computes as the base it was built from: every adapter skipped
+        (:func:`longstraw.models.lora.adapters_disabled`) and the ``modules_to_save`` parameters at their initial
+        values. PEFT's ``disable_adapter()``; TRL's PEFT branch scores the reference (``beta != 0``) inside it."""
+        model = self.model
+        params = dict(model.named_parameters())
+        saved = {}
+        try:
+            with torch.no_grad():
+                for n, initial in self._lora_initial.items():
+                    saved[n] = params[n].data
+                    params[n].data = initial
+            with adapters_disabled(model):
+                yield model
+        finally:
+            for n, data in saved.items():
+                params[n].data = data
 
     def _load_longstraw(self, source, hf_model) -> CausalLM:
         """The LongStraw model with the weights of TRL's transformers model (read from its directory when TRL
@@ -424,15 +540,42 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
     # -------------------------------------------------------------------------------------------- saving
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """An HF checkpoint directory (``longstraw.save_model``) with the tokenizer and the training arguments."""
+        """A checkpoint directory with the tokenizer and the training arguments, and the model as stock TRL saves
+        it: with LoRA the PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
+        :func:`longstraw.save_adapter`; ``base_model_name_or_path`` TRL's model id or directory), else an HF
+        checkpoint (``longstraw.save_model``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
-        longstraw.save_model(self.model, output_dir)
+        if lora_settings(self.model) is not None:
+            self._save_adapter(Path(output_dir))
+        else:
+            longstraw.save_model(self.model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_adapter(self, out: Path) -> None:
+        """The adapter's two files into ``out`` (``save_adapter`` writes a directory of its own, replacing it whole:
+        it is written beside them first, so the checkpoint's other files, or an output_dir holding checkpoints,
+        stay)."""
+        with tempfile.TemporaryDirectory(dir=out, prefix=".adapter-") as d:
+            tmp = Path(d) / "adapter"
+            longstraw.save_adapter(self.model, tmp)
+            cfg = json.loads((tmp / ADAPTER_CONFIG).read_text())
+            if cfg.get("base_model_name_or_path") is None and self._base_model_name:
+                cfg["base_model_name_or_path"] = self._base_model_name  # as PEFT records it (the model's id)
+                (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+                os.replace(tmp / name, out / name)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Resuming a LoRA run: the checkpoint's adapter into the LongStraw model's adapters
+        (:func:`longstraw.load_adapter`; the same settings or a one-line error). Without LoRA, Trainer's."""
+        if lora_settings(self.model) is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        longstraw.load_adapter(self.model, resume_from_checkpoint)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """No model card: TRL's reads a transformers config the LongStraw model does not have."""
