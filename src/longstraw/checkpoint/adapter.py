@@ -188,7 +188,10 @@ def _peft_config(path: Path) -> tuple[LoraSettings, dict]:
                    "trainable_token_indices": (None,), "lora_bias": (False, None), "use_qalora": (False, None),
                    "megatron_config": (None,), "alora_invocation_tokens": (None,), "arrow_config": (None,)}
     unsupported.update({"exclude_modules": (None, [], ""), "layer_replication": (None, []),
-                        "task_type": (None, "CAUSAL_LM")})
+                        "task_type": (None, "CAUSAL_LM"),
+                        # PEFT 0.21 variants whose adapter is not the plain W + s B A this module computes:
+                        # block-diagonal BD-LoRA, MonteCLoRA's sampled factors, KaSA's SVD-truncated base
+                        "use_bdlora": (None, False), "monteclora_config": (None,), "kasa_config": (None,)})
     for key, ok in unsupported.items():
         if key in cfg and cfg[key] not in ok:
             if key == "use_dora" and cfg.get("target_parameters"):
