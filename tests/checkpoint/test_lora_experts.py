@@ -375,6 +375,7 @@ try:
         res[grad + "_hf"] = {k: v for k, v in longstraw.hf_grads(model).items() if ".lora_" in k}  # gathers too
         res[grad + "_norm"] = clip_grad_norm([p for p in model.parameters() if p.requires_grad], 0.0)
     longstraw.save_adapter(model, out + "/saved")
+    longstraw.save_model(model, out + "/merged", merge_lora=True)  # each EP rank merges and writes its experts
     torch.save(res, out + f"/res{ctx.rank}.pt")
 finally:
     longstraw.shutdown_distributed()
@@ -407,6 +408,14 @@ def _one_process(name, x_seed=0):
     return out
 
 
+def _all_tensors(directory) -> dict:
+    """Every tensor of an HF checkpoint directory, by name (one file or several)."""
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def _same_file(a, b):
     a, b = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
     assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a), \
@@ -432,6 +441,11 @@ def _run_job(tmp_path, name, world, cp, ep):
     longstraw.save_adapter(seeded, tmp_path / "seeded1")
     _same_file(tmp_path / "seeded", tmp_path / "seeded1")
     _same_file(tmp_path / "saved", tmp_path / "a")
+    longstraw.save_model(model, tmp_path / "merged1", merge_lora=True)
+    got, ref = _all_tensors(tmp_path / "merged"), _all_tensors(tmp_path / "merged1")
+    assert set(got) == set(ref) and any(".experts." in k for k in ref)
+    for k in ref:  # the merged experts (per expert B_e A_e, on each EP rank's rows) as one process merges them
+        assert got[k].dtype == ref[k].dtype and torch.allclose(got[k], ref[k], rtol=1e-13, atol=1e-13), k
     whole = {"seeded_parts": expert_adapters(seeded), "loaded_parts": expert_adapters(model)}
     for rank in range(world):
         res = torch.load(tmp_path / f"res{rank}.pt")

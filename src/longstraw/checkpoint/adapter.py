@@ -515,15 +515,14 @@ def lora_grads(model) -> dict[str, torch.Tensor]:
 
 def merged_weights(model) -> dict[str, tuple]:
     """For :func:`longstraw.save_model` with ``merge_lora=True``: ``{weight name: (shape, dtype, make)}`` where
-    ``make()`` returns the merged full weight ``W + s B A`` (a collective on a sharded model)."""
+    ``make()`` returns the merged full weight ``W + s B A`` (a collective on a sharded model); for routed experts
+    split by expert parallelism, this rank's rows merged with its experts' adapter part (no collective)."""
     out = {}
     for name, m in adapted_modules(model).items():
         out[f"{name}.weight"] = (tuple(m.weight.shape), m.weight.dtype, _merger(m, m.weight))
-    if _ep_adapters(model):  # save_model writes each EP rank's expert rows; merging them is not wired there
-        raise ValueError("save_model(merge_lora=True) with LoRA on routed experts under expert parallelism (ep > 1) "
-                         "is not supported; allowed: save_adapter, then merge in one process (load_model(adapter=) "
-                         "and save_model(merge_lora=True))")
-    for name, m in expert_adapters(model).items():  # the fused expert weight [E, out, in], one at a time
+    # the fused expert weight [E, out, in], one at a time; under expert parallelism this rank's rows [local, out, in]
+    # with its experts' part of the adapter (save_model writes each EP rank's rows itself)
+    for name, m in expert_adapters(model).items():
         w = model.get_parameter(name)
         out[name] = (tuple(w.shape), w.dtype, _merger(m, w))
     return out

@@ -182,13 +182,16 @@ def _is_sharded(t: torch.Tensor) -> bool:
 class ExpertRows:
     """Rows ``[first, first + shape[0])`` of a fused expert parameter split over expert-parallel ranks: written by a
     rank that holds them (``local``: this rank's tensor of those rows, None elsewhere), without a gather. ``holders``:
-    the ranks that hold them (the same EP coordinate in every expert-data-parallel group)."""
+    the ranks that hold them (the same EP coordinate in every expert-data-parallel group). ``make``: a function
+    returning the rows to write instead of ``local`` (``save_model(merge_lora=True)``: its experts' LoRA merged in,
+    made when the rows' turn comes, one slice at a time)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     first: int
     holders: tuple[int, ...]
     local: torch.Tensor | None = field(default=None, repr=False)
+    make: object = field(default=None, repr=False)  # local rows made when written (a LoRA merge), else ``local``
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,8 @@ def write_export(named: list[tuple[str, torch.Tensor]], wmap, items: list[Item],
         if isinstance(t, ExpertRows):  # this rank's own experts, if it writes them: no collective, no gather
             if it.owner != rank or err is not None:
                 continue
-            full, pairs = None, wmap.save_rows(name, _cast(t.local.detach(), dt), t.first)
+            rows = t.local if t.make is None else t.make()
+            full, pairs = None, wmap.save_rows(name, _cast(rows.detach(), dt), t.first)
         else:
             full = _whole(t)
             if it.owner != rank or err is not None:

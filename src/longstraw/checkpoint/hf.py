@@ -473,14 +473,15 @@ def _export_dtypes(model: CausalLM, named: list, dtype: torch.dtype) -> list[tor
     return [None if n in buffers or n in fp32 or not t.dtype.is_floating_point else dtype for n, t in named]
 
 
-def _expert_slices(t: torch.Tensor, m) -> list:
+def _expert_slices(t: torch.Tensor, m, make=None) -> list:
     """The EP slices of a split expert parameter ``t`` (this rank's rows) of module ``m``, as export items: every
-    rank lists all of them (the same plan everywhere), holding the tensor of its own."""
+    rank lists all of them (the same plan everywhere), holding the tensor of its own (``make``: its rows with the
+    experts' LoRA merged, made when written)."""
     from longstraw.checkpoint.export import ExpertRows
 
     local, size, world = t.shape[0], m.ep.size, torch.distributed.get_world_size()
     return [ExpertRows((local, *t.shape[1:]), t.dtype, j * local, tuple(range(j, world, size)),
-                       t if j == m.ep.rank else None) for j in range(size)]
+                       t if j == m.ep.rank else None, make if j == m.ep.rank else None) for j in range(size)]
 
 
 def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
@@ -528,15 +529,17 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
     sharded = any(is_sharded(t) for _, t in named)
     ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
-    if ep:  # expert-parallel experts: one item per EP slice, written by a rank that holds it (no gather)
-        named = [(n, s) for n, t in named for s in (_expert_slices(t, ep[id(t)]) if id(t) in ep else [t])]
+    merged = {}
     if merge_lora:
         from longstraw.checkpoint.adapter import merged_weights
 
-        merged = merged_weights(model)
+        merged = merged_weights(model)  # {name: (shape, dtype, make)}; an expert-parallel one merges this rank's rows
         if not merged:
             raise ValueError("save_model(merge_lora=True): the model has no LoRA adapters to merge")
-        named = [(n, Computed(*merged[n]) if n in merged else t) for n, t in named]
+    if ep:  # expert-parallel experts: one item per EP slice, written by a rank that holds it (no gather)
+        named = [(n, s) for n, t in named for s in (_expert_slices(t, ep[id(t)], merged.pop(n, (None,) * 3)[2])
+                                                     if id(t) in ep else [t])]
+    named = [(n, Computed(*merged[n]) if n in merged else t) for n, t in named]
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if sharded else (0, 1)
     dtypes = _export_dtypes(model, named, out_dtype) if out_dtype is not None else None
     items, files = plan_export(named, wmap, world, limit, dtypes)
