@@ -358,9 +358,7 @@ def chunk_gated_delta_rule(
         S = initial_state.to(cdt)
     if T == 0:
         return torch.zeros(B, 0, H, Dv, dtype=out_dtype, device=q.device), (S if output_final_state else None)
-    if recompute is None:
-        recompute = needs_grad(q, k, v, g, beta, initial_state)
-    if recompute and needs_grad(q, k, v, g, beta, initial_state):
+    if needs_grad(q, k, v, g, beta, initial_state) and recompute is not False:  # None: recompute when recording
         init = initial_state if initial_state is not None else S  # a fresh zero state takes no gradient
         o, S = _RecomputedBlocks.apply(q, k, v, g, beta, init, scale, use_qk_l2norm, C, blk, out_dtype, cdt)
     else:
