@@ -16,11 +16,13 @@ reverse-pass steps that can set its peak (:func:`peak_steps`: the first and the 
 the second-to-last with a shorter prefix). Tests hold both to a full dry run. And not every layer: a few layers (the
 first and the last of each layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in
 a few small models and the runs combined for the whole depth (byte-exact on test models, the exact-mode transients
-within a few percent). Beyond two chunks and one attention block the prompt's length enters only through the state
-(see below), so a plan at any length costs about the same: ~2 x (number of layer kinds + 1) dry runs of 4-6 layers
-(more when ``max_prompt_len`` lies below those two lengths: an interpolation search over dry runs). What a dry run
-costs is mostly torch's meta kernels, which :class:`LiveBytes` memoises per op and argument layout (the same
-storages, fewer Python calls: :data:`MEMO_OPS`, held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
+within a few percent), each phase's peak counted apart while the embedding or the LM head runs and while the layers
+do (:func:`_segments`: which of them sets the peak may change with the depth). Beyond two chunks and one attention
+block the prompt's length enters only through the state (see below), so a plan at any length costs about the same:
+~2 x (number of layer kinds + 1) dry runs of 4-6 layers (more when ``max_prompt_len`` lies below those two lengths:
+an interpolation search over dry runs). What a dry run costs is mostly torch's meta kernels, which
+:class:`LiveBytes` memoises per op and argument layout (the same storages, fewer Python calls: :data:`MEMO_OPS`,
+held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
 
 Breakdown (bytes per device):
 
@@ -228,12 +230,27 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live = 0
-        self.peak = 0
+        self.peak = 0  # the current segment's peak (one segment unless :meth:`set_segment` is called)
+        self.segment = LAYERS
+        self._peaks: dict[str, int] = {}  # the other segments' peaks since :meth:`reset_peak`
         self._ids: dict[int, weakref.ref] = {}  # the tracked storages' ids -> a weak reference that frees them
         self._memo = _MEMO  # shared by every dry run of the process (what it holds is true of any)
 
     def reset_peak(self) -> None:
+        self._peaks = {}
         self.peak = self.live
+
+    def set_segment(self, name: str) -> None:
+        """Count the peak from now on under segment ``name`` (:func:`_segments`): each segment keeps its own peak
+        since :meth:`reset_peak`, and ``peak`` is the current one's (the op hot path is unchanged)."""
+        if name != self.segment:
+            self._peaks[self.segment] = self.peak
+            self.segment = name
+            self.peak = max(self._peaks.get(name, 0), self.live)
+
+    def segment_peaks(self) -> dict[str, int]:
+        """``{segment: its peak since reset_peak}`` of every segment that ran (the current one included)."""
+        return {**self._peaks, self.segment: max(self.peak, self._peaks.get(self.segment, 0))}
 
     def _free(self, key: int, nbytes: int) -> None:
         self._ids.pop(key, None)
@@ -333,6 +350,7 @@ class LiveMeter:
         self.start: dict[str, int] = {}
         self.end: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.segment_peak: dict[str, dict[str, int]] = {}  # phase -> {segment: its peak} (:func:`_segments`)
         self.seconds: dict[str, float] = {}
         self.peak_bytes = self.peak
         self.on_start = None  # called with each phase's name as it starts
@@ -346,15 +364,20 @@ class LiveMeter:
         try:
             yield lambda done, total: None
         finally:
-            self.end[name], self.peak[name] = self.lb.live, self.lb.peak
+            peaks = self.segment_peak[name] = self.lb.segment_peaks()
+            self.end[name], self.peak[name] = self.lb.live, max(peaks.values())
 
-    def transient(self, name: str) -> int:
-        """Peak above what the phase left alive at its end (what it needed only while it ran)."""
-        return max(0, self.peak.get(name, 0) - self.end.get(name, 0))
+    def _peak(self, name: str, segment: str | None) -> int:
+        return self.peak.get(name, 0) if segment is None else self.segment_peak.get(name, {}).get(segment, 0)
 
-    def above_start(self, name: str) -> int:
-        """Peak above what was alive when the phase started."""
-        return max(0, self.peak.get(name, 0) - self.start.get(name, 0))
+    def transient(self, name: str, segment: str | None = None) -> int:
+        """Peak (of ``segment``, default: all) above what the phase left alive at its end (what it needed only while
+        it ran)."""
+        return max(0, self._peak(name, segment) - self.end.get(name, 0))
+
+    def above_start(self, name: str, segment: str | None = None) -> int:
+        """Peak (of ``segment``, default: all) above what was alive when the phase started."""
+        return max(0, self._peak(name, segment) - self.start.get(name, 0))
 
 
 @dataclass
@@ -414,6 +437,45 @@ def peak_steps(steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [steps[0]] + steps[-2:] if len(steps) > 3 else list(steps)
 
 
+LAYERS, ENDS = "layers", "ends"  # a dry run's peak segments (:func:`_segments`)
+
+
+@contextmanager
+def _segments(model, lb: LiveBytes):
+    """Count a dry run's peaks in two segments (``lb.set_segment``): ``ENDS`` while the embedding runs (forward, and
+    backward from the moment its output's gradient arrives until the next layer starts) and while the final norm and
+    the LM head run (from the norm's forward until the gradient of its input arrives), ``LAYERS`` otherwise.
+
+    Why: layer sampling (:func:`layer_samples`) combines dry runs of a few layers linearly, which holds for each
+    moment's bytes (a sum over the layers plus the ends) but not for a maximum over moments whose winner changes
+    with the depth: a full-FT step whose embedding's dense ``[V, H]`` gradient sets the reverse pass's peak in a
+    sampled run of 4-6 layers while, at 64 layers, the checkpointed inputs of every layer plus one layer's graph
+    set it (27B hybrid: 3.2 GiB planned where a dry run of every layer has ~4.6). Within a segment the winner no
+    longer depends on the depth; the segments' peaks are combined apart, then the larger taken (:func:`_finish`)."""
+    backbone = model.model
+    grad_hook = lambda name: (lambda g: lb.set_segment(name))  # noqa: E731
+
+    def embed_out(_m, _args, out):
+        if out.requires_grad:
+            out.register_hook(grad_hook(ENDS))  # the embedding's backward follows
+
+    def norm_in(_m, args):
+        lb.set_segment(ENDS)
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(grad_hook(LAYERS))  # the head's backward done: the top layer's follows
+
+    handles = [backbone.embed_tokens.register_forward_pre_hook(lambda *_: lb.set_segment(ENDS)),
+               backbone.embed_tokens.register_forward_hook(embed_out),
+               backbone.norm.register_forward_pre_hook(norm_in)]
+    handles += [layer.register_forward_pre_hook(lambda *_: lb.set_segment(LAYERS)) for layer in backbone.layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        lb.set_segment(LAYERS)
+
+
 def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, state_only: bool = False
                  ) -> dict[str, int]:
     """The tracked bytes of one dry run before they are combined into breakdown terms (:func:`_finish`): every
@@ -444,7 +506,7 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         if p.requires_grad:  # (a LoRA model's frozen base has none)
             p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
     marks: dict[str, int] = {}
-    with meter.lb:
+    with meter.lb, _segments(model, meter.lb):
         with meter.phase("prompt_state"):
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
         state_bytes = state.nbytes()
@@ -461,9 +523,11 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         p.grad = None
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
             "grad_at_replay": marks.get("replay", 0), "grad_host": stats.prompt_state_grad_host_bytes,
-            "prefill": meter.transient("prompt_state"),
-            "recompute": meter.above_start("prompt_backward") if cfg.exact else 0,
-            "replay": meter.above_start("replay"),
+            # each phase's peak per segment (:func:`_segments`): combined apart over layer samples
+            "prefill": meter.transient("prompt_state", LAYERS), "prefill_ends": meter.transient("prompt_state", ENDS),
+            "recompute": meter.above_start("prompt_backward", LAYERS) if cfg.exact else 0,
+            "recompute_ends": meter.above_start("prompt_backward", ENDS) if cfg.exact else 0,
+            "replay": meter.above_start("replay", LAYERS), "replay_ends": meter.above_start("replay", ENDS),
             # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound): no layer in it
             "logits": 3 * tokens * vocab * acc}
 
@@ -472,9 +536,11 @@ def _finish(raw: dict[str, int]) -> dict[str, int]:
     if "logits" not in raw:  # a state-only run
         return dict(raw)
     logits = raw["logits"]
+    replay = max(raw["replay"], raw["replay_ends"])
+    prefill = max(raw["prefill"], raw["prefill_ends"], raw["recompute"], raw["recompute_ends"])
     return {"grad_at_replay": raw["grad_at_replay"], "grad_host": raw["grad_host"], "prompt_state": raw["prompt_state"],
-            "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": max(raw["prefill"], raw["recompute"]),
-            "branch_graph": max(0, raw["replay"] - logits), "logits": min(logits, raw["replay"])}
+            "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": prefill,
+            "branch_graph": max(0, replay - logits), "logits": min(logits, replay)}
 
 
 def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_only: bool = False

@@ -689,6 +689,29 @@ def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     assert fast == full
 
 
+def test_sampled_layers_follow_a_peak_that_moves_from_the_embedding_to_the_layers(monkeypatch):
+    """A full-FT exact step with checkpointed layers and a large untied vocabulary: in a dry run of a few layers the
+    reverse pass peaks at the embedding's dense [V, H] gradient, at 40 layers at the layers' checkpointed inputs plus
+    one layer's graph. Combining the sampled runs' overall peaks linearly planned 0.80x the full dry run (the
+    27B hybrid's case: 3.2 GiB where every layer gives ~4.6); the ends' and the layers' peaks are combined apart
+    (``planner._segments``)."""
+    import longstraw.planner as planner
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    kw = dict(prompt_len=8192, response_len=16, group=2, dtype="float32",
+              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=4096, checkpoint_layers=True))
+    few, deep = (tiny_config(vocab_size=330_000, tie_word_embeddings=False, num_hidden_layers=n) for n in (8, 40))
+    embedding_grad = 330_000 * 64 * 4
+    assert embedding_grad <= plan(few, **kw).breakdown["prefill_chunk"] <= 1.1 * embedding_grad  # the ends' peak
+    fast = plan(deep, **kw).breakdown
+    monkeypatch.setattr(planner, "SAMPLE_LAYERS", False)
+    full = plan(deep, **kw).breakdown
+    assert full["prefill_chunk"] > 1.25 * embedding_grad  # the layers' peak, at this depth
+    for k in ("branch_graph", "prefill_chunk"):
+        assert 0.98 * full[k] <= fast.pop(k) <= 1.04 * full.pop(k), k
+    assert fast == full
+
+
 def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
     """``--gpu-mem H200`` is the device's usable total; the verdict compares the peak with it less the reserve
     (CUDA context, NCCL with --gpus > 1, 5% fragmentation); ``--max-positions`` extends the config's positions;
