@@ -322,6 +322,59 @@ def test_shard_experts_splits_the_adapters():
             assert torch.equal(join_expert_pieces(which, pieces, 3), w), (k, which)
 
 
+def test_sharded_checkpoint_splits_lora_b_by_expert_and_reads_the_earlier_layout(tmp_path):
+    """``save_sharded_checkpoint`` (here one process: DCP without a process group) writes each expert adapter's
+    ``lora_B`` and its AdamW moments as ``[out, r, E]`` (an EP rank's experts are a block of its last dimension:
+    tests/rl/test_trainer_dist.py runs that), and ``load_sharded_state`` reads them back exactly; a checkpoint of the
+    earlier layout (``lora_B`` ``[out, r * E]``, written by DCP as the state dicts come) still loads."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, save
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    from longstraw.checkpoint.training import SHARDED_DIR, load_sharded_state, save_sharded_checkpoint
+
+    def stepped(seed):
+        model = with_experts("qwen3_5_moe", seed=seed)
+        opt = make_optimizer(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, eps=1e-8)
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+        return model, opt
+
+    def trained(model, opt):
+        return {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+                for n, p in model.named_parameters() if p.requires_grad}
+
+    model, opt = stepped(1)
+    want = trained(model, opt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        ckpt = save_sharded_checkpoint(tmp_path / "run", 1, model, opt, {"step": 1, "opt_step": 1})
+        meta = FileSystemReader(ckpt / SHARDED_DIR).read_metadata().state_dict_metadata
+        b = [n for n in want if ".lora_adapters." in n and n.endswith("lora_B.weight")]
+        assert b and all(tuple(meta[f"model.{n}"].size) == (want[n][0].shape[0], 3, 4) for n in b)  # r=3, E=4
+        assert all(tuple(meta[f"optimizer.state.{n}.exp_avg"].size) == tuple(meta[f"model.{n}"].size) for n in b)
+        # the earlier layout: the state dicts as they come
+        opts = StateDictOptions(ignore_frozen_params=True)
+        save({"model": get_model_state_dict(model, options=opts),
+              "optimizer": get_optimizer_state_dict(model, opt, options=opts)},
+             storage_writer=FileSystemWriter(tmp_path / "old" / SHARDED_DIR))
+        assert len(FileSystemReader(tmp_path / "old" / SHARDED_DIR).read_metadata()
+                   .state_dict_metadata[f"model.{b[0]}"].size) == 2
+        for where in (ckpt, tmp_path / "old"):
+            fresh, fresh_opt = stepped(2)  # other values everywhere
+            load_sharded_state(where, fresh, fresh_opt)
+            got = trained(fresh, fresh_opt)
+            assert got.keys() == want.keys()
+            for n, (w, st) in want.items():
+                assert torch.equal(got[n][0], w) and st.keys() == got[n][1].keys(), (where, n)
+                assert all(torch.equal(got[n][1][k], v) for k, v in st.items()), (where, n)
+
+
 def test_disabled_adapters_give_the_base():
     model = with_experts("deepseek_v3")
     x = tokens(3)

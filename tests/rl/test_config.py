@@ -129,8 +129,6 @@ def test_sections_built_in_python_are_coerced_and_checked():
                                                 r"with lora.target_parameters"),
     (["lora.rank=4", 'lora.target_parameters=["mlp.experts.down_proj"]', "lora.dropout=0.1",
       'algorithm.prompt_grad="detached"'], r"lora.dropout=0.1 with lora.target_parameters=.* set lora.dropout = 0"),
-    (["lora.rank=4", 'lora.target_parameters=["mlp.experts.down_proj"]', "parallel.fsdp=true", "parallel.ep=2"],
-     r"lora.target_parameters=\['mlp.experts.down_proj'\] .* with parallel.ep=2: not supported yet"),
     (["lora.rank=4", 'lora.modules_to_save=[""]'], r"^lora.modules_to_save=\(''.*must be module names"),
 ])
 def test_bad_overrides(overrides, msg):

@@ -278,7 +278,8 @@ def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layo
     """parallel.ep: the built-in MoE model (8 routed experts per layer) on 4 ranks, 2 replicas x 2 CP, experts split
     over all 4 (2 per rank, tokens moved by all-to-all): the metrics (expert load included: summed over the ranks,
     it is the work of the job) and weights equal a one-process run; its sharded checkpoint stores each expert once
-    (DTensors on the (edp, ep) mesh) and resumes on 2 ranks with ep=2 and in one process."""
+    (DTensors on the (edp, ep) mesh) and resumes on 2 ranks with ep=2 and in one process; the one-process run's
+    checkpoint (its full optimiser state, cut to each rank's experts) resumes on 2 ranks with ep=2."""
     (tmp_path / "rw.py").write_text(REWARD)
     moe = ['model.builtin="tiny-moe"']
     _ok(train(0, _args(tmp_path / "one", *moe)), "MoE, one process")
@@ -289,9 +290,51 @@ def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layo
     _close([{k: v for k, v in r.items() if not k.startswith("expert_")} for r in four],
            [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])
     _close_weights(_weights(tmp_path / "four"), _weights(tmp_path / "one"))
-    for name, world, extra in (("two-ep2", 2, ["parallel.cp=1", "parallel.ep=2"]),
-                               ("single", 0, ["parallel.cp=1", "parallel.ep=1"])):
-        run = _resumed(tmp_path / "four", tmp_path / f"from-four-{name}", world, extra, f"MoE resume {name}")
+    for src, name, world, extra in (("four", "two-ep2", 2, ["parallel.cp=1", "parallel.ep=2"]),
+                                    ("four", "single", 0, ["parallel.cp=1", "parallel.ep=1"]),
+                                    ("one", "one-ep2", 2, ["parallel.cp=1", "parallel.ep=2"])):  # its full state cut
+        run = _resumed(tmp_path / src, tmp_path / f"from-{src}-{name}", world, extra, f"MoE resume {name}")
         _close([{k: v for k, v in r.items() if not k.startswith("expert_")} for r in read_metrics(run)],
                [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])
         _close_weights(_weights(run), _weights(tmp_path / "one"))
+
+
+def test_expert_adapters_under_expert_parallelism_give_the_one_process_run_and_resume_in_other_layouts(tmp_path):
+    """lora.target_parameters (adapters on every routed expert's fused weights, and on q_proj) with parallel.ep = 2
+    on 2 ranks (2 replicas, the experts split over both): metrics and adapters equal a one-process run. Its sharded
+    checkpoints hold each expert's adapter and AdamW moments once (``lora_B`` as [out, r, experts]: a rank's experts
+    are a block of that layout only), and resume on 2 ranks with ep = 2 (bit for bit), in one process, and on 2 ranks
+    without EP; the one-process run's checkpoint (full optimiser state) resumes on 2 ranks with ep = 2."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    lora = ['model.builtin="tiny-moe"', "lora.rank=4", "lora.alpha=8", 'lora.target_modules=["q_proj"]',
+            'lora.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]']
+    ep2 = ["parallel.cp=1", "parallel.ep=2"]
+    _ok(train(0, _args(tmp_path / "one", *lora)), "expert LoRA, one process")
+    _ok(train(2, _args(tmp_path / "ep2", *lora, *ep2)), "expert LoRA, 2 ranks, ep=2")
+
+    def same_as_one(run: Path) -> None:
+        strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in rows]  # noqa
+        _close(strip(read_metrics(run)), strip(read_metrics(tmp_path / "one")))
+        got, want = (load_file(checkpoint_dirs(r)[-1] / "adapter" / "adapter_model.safetensors")
+                     for r in (run, tmp_path / "one"))
+        _close_weights(got, want)
+
+    same_as_one(tmp_path / "ep2")
+    adapters = load_file(checkpoint_dirs(tmp_path / "one")[-1] / "adapter" / "adapter_model.safetensors")
+    assert any(".experts.base_layer.lora_B" in k or "experts.lora_B" in k for k in adapters), sorted(adapters)[:4]
+    assert all(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)  # every adapter was trained
+    ckpt = checkpoint_dirs(tmp_path / "ep2")[0] / "sharded"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    b = [k for k in meta if k.startswith("model.") and "lora_adapters" in k and k.endswith("lora_B.weight")]
+    assert b and all(len(meta[k].size) == 3 and meta[k].size[2] == 8 for k in b), b  # [out, r, all 8 experts]
+    assert all(f"optimizer.state.{k[len('model.'):]}.exp_avg" in meta for k in b)
+    same = _resumed(tmp_path / "ep2", tmp_path / "ep2-again", 2, ep2, "resumed with ep=2")
+    assert _stable(read_metrics(same)) == _stable(read_metrics(tmp_path / "ep2"))
+    assert all(torch.equal(v, load_file(checkpoint_dirs(tmp_path / "ep2")[-1] / "adapter" /
+                                        "adapter_model.safetensors")[k])
+               for k, v in load_file(checkpoint_dirs(same)[-1] / "adapter" / "adapter_model.safetensors").items())
+    for name, world, extra in (("single", 0, ["parallel.ep=1"]), ("fsdp", 2, ["parallel.ep=1"])):
+        same_as_one(_resumed(tmp_path / "ep2", tmp_path / f"ep2-{name}", world, extra, f"resumed: {name}"))
+    same_as_one(_resumed(tmp_path / "one", tmp_path / "one-ep2", 2, ep2, "one-process checkpoint, ep=2"))

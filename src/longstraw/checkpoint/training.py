@@ -161,13 +161,38 @@ def _ep_model(model) -> bool:
     return bool(ep_modules(model))
 
 
-def _ep_to_dtensors(model, state: dict) -> None:
+def _ep_to_dtensors(model, state: dict, split_b: bool = True) -> list:
     """Expert-parallel experts (plain per-rank tensors) described as DTensors, so DCP stores each expert once and
-    reads it into any layout (``longstraw.distributed.expert_parallel``)."""
-    if _ep_model(model):
-        from longstraw.distributed.expert_parallel import ep_state_to_dtensors
+    reads it into any layout, and the experts' LoRA adapters in the checkpoint's layout (``lora_B`` as ``[out, r,
+    experts]``, DTensors under expert parallelism; ``split_b``: see ``adapters_to_dcp``). Returns what
+    :func:`_ep_to_local` puts back (``longstraw.distributed.expert_parallel``)."""
+    from longstraw.distributed.expert_parallel import adapters_to_dcp, ep_state_to_dtensors
 
+    if _ep_model(model):
         ep_state_to_dtensors(model, state["model"], state.get("optimizer"))
+    return adapters_to_dcp(model, state["model"], state.get("optimizer"), split_b=split_b)
+
+
+def _ep_to_local(model, state: dict, undo: list) -> None:
+    """After DCP has read into them, the inverse of :func:`_ep_to_dtensors`: the model's own shapes and this rank's
+    parts as plain tensors, as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect."""
+    from longstraw.distributed.expert_parallel import adapters_from_dcp, ep_state_to_local
+
+    adapters_from_dcp(undo)
+    if _ep_model(model):
+        ep_state_to_local(model, state["model"], state.get("optimizer"))
+
+
+def _split_b(model, reader) -> bool:
+    """Whether the checkpoint holds the expert adapters' ``lora_B`` as ``[out, r, experts]`` (every checkpoint
+    written since that layout; ``[out, r * experts]`` before)."""
+    from longstraw.distributed.expert_parallel import expert_adapter_tensors
+
+    names = [n for n, (_, which, _) in expert_adapter_tensors(model).items() if which == "lora_B"]
+    if not names:
+        return True
+    size = getattr(reader.read_metadata().state_dict_metadata.get(f"model.{names[0]}"), "size", None)
+    return size is None or len(size) == 3
 
 
 def _dcp_error(what: str, e: BaseException) -> ValueError:
@@ -248,17 +273,20 @@ def load_sharded_state(ckpt_dir: str | Path, model, optimizer, *, optimizer_stat
     state = {"model": get_model_state_dict(model, options=opts)}
     if optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=opts)
-    _ep_to_dtensors(model, state)
+    reader = FileSystemReader(where)
+    try:
+        undo = _ep_to_dtensors(model, state, split_b=_split_b(model, reader))
+    except ValueError as e:  # an old layout this run cannot read
+        raise ValueError(f"checkpoint {str(ckpt_dir)!r}: {e}") from None
+    except OSError as e:  # no readable .metadata
+        raise damaged_checkpoint(ckpt_dir, f"{SHARDED_DIR}: {e}") from None
     try:
         with warnings.catch_warnings():  # one process: DCP says it assumes so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load(state, storage_reader=FileSystemReader(where))
+            load(state, storage_reader=reader)
     except CheckpointException as e:
         raise damaged_checkpoint(ckpt_dir, str(_dcp_error(SHARDED_DIR, e))) from None
-    if _ep_model(model):
-        from longstraw.distributed.expert_parallel import ep_state_to_local
-
-        ep_state_to_local(model, state["model"], state.get("optimizer"))
+    _ep_to_local(model, state, undo)
     set_opts = _state_options(model, setting=True)
     set_model_state_dict(model, state["model"], options=set_opts)
     if optimizer_state:
@@ -267,7 +295,8 @@ def load_sharded_state(ckpt_dir: str | Path, model, optimizer, *, optimizer_stat
 
 def load_full_optimizer_state(model, optimizer, state: dict) -> None:
     """Load a one-process optimiser state (``optimizer.state_dict()`` of the same parameters, made in the same
-    order) into ``optimizer`` over the FSDP-sharded ``model``: its full tensors are cut into this rank's shards."""
+    order) into ``optimizer`` over the FSDP-sharded ``model``: its full tensors are cut into this rank's shards (and,
+    under expert parallelism, into this rank's experts and their adapters' parts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if not state.get("state"):  # saved before the first optimiser step: nothing to load (and nothing to create)
@@ -276,6 +305,14 @@ def load_full_optimizer_state(model, optimizer, state: dict) -> None:
     names = {p: n for n, p in model.named_parameters()}
     order = [names[p] for g in optimizer.param_groups for p in g["params"]]
     state_of = {order[int(i)]: v for i, v in state["state"].items()}
+    if _ep_model(model):  # expert-parallel parameters are this rank's part (plain tensors, which the loader below
+        # takes as they come): their state cut to the same part
+        from longstraw.distributed.expert_parallel import ep_local_parts
+
+        for name, (shape, part) in ep_local_parts(model).items():
+            if name in state_of:
+                state_of[name] = {k: part(v).clone() if isinstance(v, torch.Tensor) and tuple(v.shape) == shape
+                                  else v for k, v in state_of[name].items()}
     groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in state["param_groups"]]
     set_optimizer_state_dict(model, optimizer, {"state": state_of, "param_groups": groups},
                              options=StateDictOptions(full_state_dict=True))

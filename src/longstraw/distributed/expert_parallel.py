@@ -51,7 +51,7 @@ from longstraw.ops.moe import combine_slots, experts_forward
 
 __all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
            "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local", "ep_adapter_params",
-           "gather_adapter"]
+           "gather_adapter", "ep_local_parts", "expert_adapter_tensors", "adapters_to_dcp", "adapters_from_dcp"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -196,6 +196,21 @@ def ep_param_rows(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def ep_local_parts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], object]]:
+    """``{parameter name: (the whole tensor's shape, full -> this rank's part)}`` of every expert-parallel parameter:
+    the experts' fused weights (their rows) and their LoRA adapters' parts (``ExpertLoRA.take``). What cuts a
+    one-process state (an optimiser's moments) into this rank's."""
+    out = {}
+    for name, m in ep_modules(model):
+        a, b = m.first, m.first + m.gate_up_proj.shape[0]
+        for p in ("gate_up_proj", "down_proj"):
+            out[f"{name}.{p}" if name else p] = ((m.num_experts, *getattr(m, p).shape[1:]),
+                                                 lambda full, a=a, b=b: full[a:b])
+    for n, (_, adapter, which) in ep_adapter_params(model).items():
+        out[n] = (adapter.full_shape(which), lambda full, ad=adapter, w=which: ad.take(w, full))
+    return out
+
+
 def mark_params(model: nn.Module) -> None:
     """Tag the expert-parallel parameters (``p._longstraw_ep``: the EP group's :class:`Comm`), so that code holding
     only parameters (``rl.optim.clip_grad_norm``) can sum their norms over the EP group. ``shard_experts`` tags them;
@@ -306,3 +321,71 @@ def ep_state_to_local(model: nn.Module, model_sd: dict | None, optim_sd: dict | 
     for d, k, _ in _entries(model, model_sd, optim_sd):
         if isinstance(d[k], DTensor):
             d[k] = d[k].to_local()
+
+
+# ----------------------------------------------------------------------- expert adapters in a DCP checkpoint
+def expert_adapter_tensors(model: nn.Module) -> dict[str, tuple[object, str, ExpertParallelExperts | None]]:
+    """``{parameter name: (its ExpertLoRA, "lora_A" | "lora_B", its expert-parallel module or None)}`` of every
+    LoRA adapter on routed experts (``target_parameters``), expert-parallel or not."""
+    from longstraw.models.lora import ExpertLoRA
+
+    parents = {id(a): m for m, a, _ in ep_adapter_params(model).values()}
+    return {f"{name}.{which}.weight": (a, which, parents.get(id(a)))
+            for name, a in model.named_modules() if isinstance(a, ExpertLoRA) for which in ("lora_A", "lora_B")}
+
+
+def _adapter_entries(model: nn.Module, model_sd: dict | None, optim_sd: dict | None):
+    """``(container, key, ExpertLoRA, which, EP module or None)`` of every expert-adapter tensor in a model and an
+    optimiser state dict (DCP's, keyed by parameter name; optimiser entries shaped like the parameter, e.g. AdamW's
+    moments, in a copied dict as :func:`_entries` does)."""
+    states = (optim_sd or {}).get("state", {})
+    for fqn, (a, which, m) in expert_adapter_tensors(model).items():
+        if model_sd is not None and fqn in model_sd:
+            yield model_sd, fqn, a, which, m
+        if states.get(fqn) is None:
+            continue
+        st = states[fqn] = dict(states[fqn])
+        shape = getattr(a, which).weight.shape  # this process's (an FSDP DTensor's shape is the global one)
+        for k, v in list(st.items()):
+            if isinstance(v, Tensor) and v.dim() == 2 and tuple(v.shape) == tuple(shape):
+                yield st, k, a, which, m
+
+
+def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None, *,
+                    split_b: bool = True) -> list[tuple[dict, str, Tensor]]:
+    """In place: the expert adapters' tensors of DCP state dicts in the checkpoint's layout, the same whatever the
+    run's: ``lora_A [total*r, in]`` as it is, ``lora_B [out, r*total]`` as its view ``[out, r, total]`` (PEFT's
+    columns are interleaved, ``j*total + e``: an expert-parallel rank's experts are a block of the last dimension
+    only there). Under expert parallelism each rank's part becomes a DTensor on the ``("edp", "ep")`` mesh, replicated
+    over ``edp`` and sharded over ``ep`` (``lora_A`` by rows, ``lora_B`` by its last dimension), so that DCP writes
+    every expert's adapter once and reads it into any layout (another ``ep``, FSDP without EP, one process).
+    ``split_b=False``: ``lora_B`` stays ``[out, r*total]`` (checkpoints written before this layout; ValueError under
+    expert parallelism). Every new entry is a view of the old one, so what DCP reads into it lands in the old one:
+    returns ``(container, key, old entry)`` for :func:`adapters_from_dcp` to put back."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    undo = []
+    for d, k, a, which, m in list(_adapter_entries(model, model_sd, optim_sd)):
+        t = old = d[k]
+        if which == "lora_B" and split_b:
+            t = t.view(a.out_features, a.r, -1)  # a DTensor (FSDP shards dim 0) views alike
+        if m is not None:
+            if not split_b:
+                raise ValueError(f"{k}: a checkpoint that holds the expert adapters' lora_B as [out, r * experts] "
+                                 "cannot be read into an expert-parallel run (a rank's experts are not a block of "
+                                 "it); resume it with parallel.ep = 1")
+            full = (a.total * a.r, a.in_features) if which == "lora_A" else (a.out_features, a.r, a.total)
+            t = DTensor.from_local(t, m.mesh, [Replicate(), Shard(0 if which == "lora_A" else 2)], run_check=False,
+                                   shape=torch.Size(full), stride=torch.empty(full, device="meta").stride())
+        if t is not old:
+            d[k] = t
+            undo.append((d, k, old))
+    return undo
+
+
+def adapters_from_dcp(undo: list[tuple[dict, str, Tensor]]) -> None:
+    """In place, the inverse of :func:`adapters_to_dcp` (after DCP has read into the views): the old entries back,
+    in the model's shapes (an expert-parallel rank's part as a plain tensor), as ``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` expect."""
+    for d, k, old in undo:
+        d[k] = old

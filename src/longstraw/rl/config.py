@@ -220,8 +220,7 @@ class LoraSection(_Section):
     target_parameters: tuple[str, ...] = _key((), "routed experts' fused weights that get adapters (PEFT's "
                                                   "target_parameters; MoE models): \"mlp.experts.gate_up_proj\" "
                                                   "(one adapter for gate and up), \"mlp.experts.down_proj\"; with "
-                                                  "them target_modules may be [] (not with dropout or parallel.ep > "
-                                                  "1)")
+                                                  "them target_modules may be [] (not with dropout)")
 
     @property
     def enabled(self) -> bool:
@@ -729,11 +728,6 @@ def validate(cfg: RunConfig) -> None:
         _require(lo.dropout == 0 or not tp,
                  f"lora.dropout={lo.dropout} with lora.target_parameters={tp}: a fused expert weight's low-rank "
                  "update has no per-input dropout (PEFT refuses it too); set lora.dropout = 0")
-        _require(not tp or cfg.parallel.ep == 1,
-                 f"lora.target_parameters={tp} (adapters on routed experts) with parallel.ep={cfg.parallel.ep}: "
-                 "not supported yet in the trainer (its checkpoints' optimizer state does not hold each rank's part "
-                 "of the expert adapters; the library's load_model, grpo_backward and save_adapter do); allowed: "
-                 "parallel.ep = 1 (FSDP and context parallelism are fine), or lora.target_parameters = []")
         try:
             t_ = "all-linear" if tuple(lo.target_modules) == ("all-linear",) else tuple(lo.target_modules)
             LoraSettings(r=lo.rank, lora_alpha=lo.alpha or 2.0 * lo.rank, target_modules=t_, lora_dropout=lo.dropout,
