@@ -46,12 +46,15 @@ def compute_dtype_of(model: torch.nn.Module) -> torch.dtype:
 def _quiet_view_warning() -> None:
     """Silence FSDP2's "returned a view tensor" warning (torch 2.12+, ``_fsdp_state._register_pre_backward_hook``) for
     our units only. A decoder layer and the backbone return the layer's state pieces (K/V, latents: views of their
-    projections) beside the hidden state; FSDP2 warns because an in-place op on a returned view would drop the
-    pre-backward hook it registers there. The engine never modifies a returned piece in place (the state copies or
-    concatenates them; the hidden state carries the same hook), and FSDP2's gradients are tested equal to one
-    process's; without the filter every rank printed the warning for each unit class."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(DecoderLayer|Backbone)\) returned a "
-                            r"view tensor", category=UserWarning)
+    projections) beside the hidden state, and the LM head's log-prob op (its own unit, or one with the embedding when
+    they are tied) returns the per-branch log-probs and entropies as views of one buffer; FSDP2 warns because an
+    in-place op on a returned view would drop the pre-backward hook it registers there. The engine never modifies a
+    returned piece in place (the state copies or concatenates them, the losses read the log-probs out of place; the
+    hidden state carries the same hook), and FSDP2's gradients are tested equal to one process's (tied and untied);
+    without the filter every rank printed the warning for each unit class."""
+    unit = r"(FSDP)?(DecoderLayer|Backbone|Embedding|LMHead)"
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({unit}(, {unit})?\) returned a view tensor",
+                            category=UserWarning)
 
 
 def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: torch.dtype | None = None
