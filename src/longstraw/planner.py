@@ -66,7 +66,8 @@ gradient are divided by ``cp`` (sharded by position). ``Plan.assumptions`` says 
 Expert parallelism (``ep = E > 1``, as ``init_distributed(ep=E)`` runs it): the routed experts of every MoE layer are
 not FSDP-sharded but split over E ranks and replicated over the ``gpus / E`` expert-data-parallel groups, so their
 weights, gradients and moments count ``1/E`` of the experts per device and leave FSDP's gathered units (which then
-hold the rest of a layer only). ``all_to_all``: the exchanges' buffers with balanced routing (every rank receives
+hold the rest of a layer only); their LoRA adapters (``target_parameters``) alike, each rank holding its experts'
+part. ``all_to_all``: the exchanges' buffers with balanced routing (every rank receives
 its share of the slots): in a no-grad prefill one MoE layer's send and receive buffers of its inputs and outputs
 (``4 x tokens x top_k x hidden`` in the compute dtype), and in a graph (a branch batch, a recomputed chunk) the
 received inputs and returned outputs that every MoE layer keeps for its backward (``2 x tokens x top_k x hidden``
@@ -687,10 +688,17 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def _expert_params(module) -> list:
-    """The routed experts' fused weights under ``module`` (``Experts.gate_up_proj`` / ``down_proj``)."""
+    """The routed experts' fused weights under ``module`` (``Experts.gate_up_proj`` / ``down_proj``) and their LoRA
+    adapters' (``target_parameters``): what expert parallelism splits over its ranks, outside FSDP."""
     from longstraw.models.moe_block import Experts
 
-    return [p for m in module.modules() if isinstance(m, Experts) for p in (m.gate_up_proj, m.down_proj)]
+    out = []
+    for m in module.modules():
+        if isinstance(m, Experts):
+            out += [m.gate_up_proj, m.down_proj]
+            out += [w for a in (getattr(m, "lora_adapters", None) or {}).values() for w in (a.lora_A.weight,
+                                                                                              a.lora_B.weight)]
+    return out
 
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
@@ -733,7 +741,8 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     shard = gpus // replicate if fsdp else 1
     mb, cb = _dtype_bytes(master), _dtype_bytes(compute)
     offload = optimizer_offload != "none"
-    adapter_n = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    adapter_ids = {id(p) for name, p in model.named_parameters() if is_adapter_param(name)}
+    adapter_n = sum(p.numel() for p in params if id(p) in adapter_ids)  # (under EP, the experts' apart: below)
     split = {"frozen_params": frozen, "adapter_params": adapter_n, "saved_params": n - adapter_n,
              "frozen_weight_bytes": frozen * cb // shard, "adapter_weight_bytes": adapter_n * mb // shard,
              "saved_weight_bytes": (n - adapter_n) * mb // shard}
@@ -741,7 +750,8 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     fixed = {"weights": weights, "grads": n * mb // shard,
              "optimizer": 0 if offload else optimizer_states * n * mb // shard, "gathered": 0}
     ex = [p for p in _expert_params(model) if id(p) in experts]
-    ex_n, ex_frozen = count(ex, True) // ep, count(ex, False) // ep  # this rank's experts
+    ex_n, ex_frozen = count(ex, True) // ep, count(ex, False) // ep  # this rank's experts (and their adapters)
+    ex_adapters = sum(p.numel() for p in ex if id(p) in adapter_ids) // ep
     fixed["weights"] += ex_n * mb + ex_frozen * cb
     fixed["grads"] += ex_n * mb
     fixed["optimizer"] += 0 if offload else optimizer_states * ex_n * mb
@@ -749,8 +759,10 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     if ep > 1:  # the split of ``weights`` (LoRA lines) and the counts below include the experts
         split["frozen_params"] += ex_frozen * ep
         split["frozen_weight_bytes"] += ex_frozen * cb
-        split["saved_params"] += ex_n * ep
-        split["saved_weight_bytes"] += ex_n * mb
+        split["adapter_params"] += ex_adapters * ep
+        split["adapter_weight_bytes"] += ex_adapters * mb
+        split["saved_params"] += (ex_n - ex_adapters) * ep
+        split["saved_weight_bytes"] += (ex_n - ex_adapters) * mb
         n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
     split.update(expert_params_per_device=ex_n + ex_frozen)
     # host: the moments in the master dtype; "masters": float32 masters and moments (HostAdamW(master_on_host=True))

@@ -1,7 +1,8 @@
 """One rank of the planner's sharded check: ``python sharded_probe.py SPEC.json`` under torchrun's environment.
 
 Loads a checkpoint under ``init_distributed(cp, fsdp=True, ep=E)`` (with ``lora_rank``: LoRA adapters on every
-linear projection, the base frozen) and measures a steady-state step: one ``grpo_backward`` and one AdamW step,
+linear projection, and on ``lora_target_parameters``, the routed experts' fused weights, the base frozen) and
+measures a steady-state step: one ``grpo_backward`` and one AdamW step,
 after a short warm-up step (a one-chunk prompt, two responses, an AdamW step) has created the optimiser's moments,
 imported what the step imports and started what it starts (gloo's buffers, thread pools).
 
@@ -36,8 +37,8 @@ def _local_bytes(tensors) -> int:
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=True, ep=spec.get("ep", 1))
-    lora = {"rank": spec["lora_rank"], "alpha": 2 * spec["lora_rank"], "target_modules": "all-linear"} \
-        if spec.get("lora_rank") else None
+    lora = {"rank": spec["lora_rank"], "alpha": 2 * spec["lora_rank"], "target_modules": "all-linear",
+            "target_parameters": spec.get("lora_target_parameters", [])} if spec.get("lora_rank") else None
     model = longstraw.load_model(spec["path"], dtype=spec["dtype"], lora=lora)
     g = torch.Generator().manual_seed(0)
     vocab = model.spec.vocab_size

@@ -247,15 +247,17 @@ def _big_llama() -> tuple[dict, Path]:
 
 
 def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp: int, ep: int = 1,
-                     lora_rank: int = 0, dtype: str = "float32") -> list[float]:
+                     lora_rank: int = 0, dtype: str = "float32", lora_params: tuple = (),
+                     weights_ratios: list | None = None) -> list[float]:
     """planned / measured per-rank peak of one grpo_backward + AdamW step on ``world`` gloo ranks
     (tests/planner/sharded_probe.py: each rank's peak resident memory during a steady-state step above a baseline
-    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, a 4,096-token prompt, G = 4."""
+    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, a 4,096-token prompt, G = 4.
+    ``weights_ratios``: appended with planned ``weights`` / each rank's parameter bytes."""
     import socket
 
     spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": dtype, "prompt_len": 4096,
             "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path),
-            "lora_rank": lora_rank}
+            "lora_rank": lora_rank, "lora_target_parameters": list(lora_params)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -269,13 +271,17 @@ def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    lora = {"rank": lora_rank, "alpha": 2 * lora_rank, "target_modules": "all-linear"} if lora_rank else None
+    lora = {"rank": lora_rank, "alpha": 2 * lora_rank, "target_modules": "all-linear",
+            "target_parameters": list(lora_params)} if lora_rank else None
     pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype=dtype, gpus=world, cp=cp, ep=ep,
               cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024), lora=lora)
     ratios = []
     for r, g in enumerate(got):
         ratios.append(pl.peak_bytes / g["peak_above_base"])
-        print(f"ranks={world} cp={cp} ep={ep} lora={lora_rank} rank {r}: planned {pl.peak_bytes / 2**20:.1f} MiB, "
+        if weights_ratios is not None:
+            weights_ratios.append(pl.breakdown["weights"] / g["local_param_bytes"])
+        print(f"ranks={world} cp={cp} ep={ep} lora={lora_rank} {list(lora_params)} rank {r}: "
+              f"planned {pl.peak_bytes / 2**20:.1f} MiB, "
               f"measured {g['peak_above_base'] / 2**20:.1f} MiB (x{ratios[-1]:.2f}); local parameters "
               f"{g['local_param_bytes'] / 2**20:.1f} MiB; breakdown {pl.breakdown}")
     return ratios
@@ -286,22 +292,44 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
     """The planner's per-GPU peak against each rank's measured peak: FSDP2 over 4 ranks with cp = 1 and 2 and over
     2 ranks with cp = 2 (float32 Llama), and a Qwen3.5-MoE-style model with its experts split over 4 ranks
     (ep = 4)."""
+    cfg, path = _big_llama()
+    moe, moe_path = _moe_model()
+    for world, cp, ep in ((4, 1, 1), (4, 2, 1), (2, 2, 1), (4, 1, 4)):
+        model_cfg, model_path = (moe, moe_path) if ep > 1 else (cfg, path)
+        for ratio in _per_rank_ratios(tmp_path, model_cfg, model_path, world, cp, ep):
+            assert 0.85 <= ratio <= 1.15, (world, cp, ep, ratio)
+
+
+def _moe_model() -> tuple[dict, Path]:
+    """A Qwen3.5-MoE-style float32 checkpoint: 4 layers of 32 routed experts (top 4) and a shared expert."""
     from longstraw.models.qwen_hybrid import tiny_config
     from transformers import AutoConfig
 
     from hf_reference import save_tiny, tiny_hf
 
-    cfg, path = _big_llama()
     moe_cfg = tiny_config(model_type="qwen3_5_moe_text", hidden_size=256, num_experts=32, num_experts_per_tok=4,
                           moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=1024,
                           max_position_embeddings=8192, tie_word_embeddings=False)
-    moe_path = save_tiny(tiny_hf(AutoConfig.for_model(**moe_cfg), seed=2, dtype=torch.float32, init_std=0.02),
-                         dtype=torch.float32)
-    moe = json.loads((moe_path / "config.json").read_text())
-    for world, cp, ep in ((4, 1, 1), (4, 2, 1), (2, 2, 1), (4, 1, 4)):
-        model_cfg, model_path = (moe, moe_path) if ep > 1 else (cfg, path)
-        for ratio in _per_rank_ratios(tmp_path, model_cfg, model_path, world, cp, ep):
-            assert 0.85 <= ratio <= 1.15, (world, cp, ep, ratio)
+    path = save_tiny(tiny_hf(AutoConfig.for_model(**moe_cfg), seed=2, dtype=torch.float32, init_std=0.02),
+                     dtype=torch.float32)
+    return json.loads((path / "config.json").read_text()), path
+
+
+@pytest.mark.slow  # 4 gloo ranks
+def test_expert_adapters_per_rank_plan_under_expert_parallelism(tmp_path):
+    """LoRA r=64 on every linear projection and on the routed experts' fused weights (``target_parameters``), the
+    experts split over ep = 2 and 4 of 4 ranks: each rank holds its experts' part of the adapters with their
+    gradients and AdamW moments, outside FSDP (never gathered; with ep = 2 replicated over the 2 expert-data-parallel
+    groups, not sharded over all 4). Planned against measured per rank, and the planned ``weights`` against the
+    bytes of each rank's parameters. (The plan once counted the expert adapters as FSDP-sharded and gathered: the
+    weights 0.88x at ep = 2, where a gathered term as wrong hid it in the peak, and the peak 1.19x at ep = 4.)"""
+    moe, path = _moe_model()
+    for ep in (2, 4):
+        weights = []
+        for ratio in _per_rank_ratios(tmp_path, moe, path, 4, 1, ep, lora_rank=64, weights_ratios=weights,
+                                      lora_params=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            assert 0.85 <= ratio <= 1.15, (ep, ratio)
+        assert all(0.99 <= w <= 1.01 for w in weights), (ep, weights)
 
 
 @pytest.mark.slow  # 2 gloo ranks
