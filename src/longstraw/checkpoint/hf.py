@@ -536,9 +536,14 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
         merged = merged_weights(model)  # {name: (shape, dtype, make)}; an expert-parallel one merges this rank's rows
         if not merged:
             raise ValueError("save_model(merge_lora=True): the model has no LoRA adapters to merge")
+
+    def ep_items(n: str, t: torch.Tensor) -> list:
+        """The EP slices of expert weight ``n``; its merge (if any) becomes this rank's slice's, not an item."""
+        merge = merged.pop(n, None)
+        return _expert_slices(t, ep[id(t)], merge[2] if merge is not None else None)
+
     if ep:  # expert-parallel experts: one item per EP slice, written by a rank that holds it (no gather)
-        named = [(n, s) for n, t in named for s in (_expert_slices(t, ep[id(t)], merged.pop(n, (None,) * 3)[2])
-                                                     if id(t) in ep else [t])]
+        named = [(n, s) for n, t in named for s in (ep_items(n, t) if id(t) in ep else [t])]
     named = [(n, Computed(*merged[n]) if n in merged else t) for n, t in named]
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if sharded else (0, 1)
     dtypes = _export_dtypes(model, named, out_dtype) if out_dtype is not None else None
