@@ -13,14 +13,14 @@ What the dry run samples instead of running it all (its only shortcuts besides t
 ``longstraw.ops.meta`` lists, the prefill's repeated steps among them): ONE branch batch of the G (every batch
 allocates alike and frees its graph before the next: the replay's memory is flat in G), and in exact mode the
 reverse-pass steps that can set its peak (:func:`peak_steps`: the first and the last two; every other step repeats
-the second-to-last with a shorter prefix). Tests hold both to a full dry run. And not every layer: a few layers (the
-first and the last of each layer kind, plus one more of each kind that recurs: :func:`layer_samples`) are dry-run in
-a few small models and the runs combined for the whole depth (byte-exact on test models, the exact-mode transients
-within a few percent), each phase's peak counted apart while the embedding or the LM head runs and while the layers
-do (:func:`_segments`: which of them sets the peak may change with the depth). Beyond two chunks and one attention
-block the prompt's length enters only through the state (see below), so a plan at any length costs about the same:
-~2 x (number of layer kinds + 1) dry runs of 4-6 layers (more when ``max_prompt_len`` lies below those two lengths:
-an interpolation search over dry runs). What a dry run costs is mostly torch's meta kernels, which
+the second-to-last with a shorter prefix). Tests hold both to a full dry run. And not every layer: the first and
+the last layer, the layers around a repeating period of layer kinds and 2 or 3 of its periods are dry-run
+(:func:`layer_samples`) and the runs combined for the whole depth, each role's peak apart (:func:`_segments`: which
+moment sets the peak may change with the depth), byte-exact against a dry run of every layer (tests; the real
+Llama-3.1-8B, Qwen3.5-27B and GLM-5 configs checked too). Beyond two chunks and one attention block the prompt's
+length enters only through the state (see below), so a plan at any length costs about the same: ~4 dry runs of
+4-20 layers (more when ``max_prompt_len`` lies below those two lengths: an interpolation search over dry runs).
+What a dry run costs is mostly torch's meta kernels, which
 :class:`LiveBytes` memoises per op and argument layout (the same storages, fewer Python calls: :data:`MEMO_OPS`,
 held byte-equal op by op in ``tests/planner/test_plan_speed.py``).
 
@@ -233,7 +233,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0  # the current segment's peak (one segment unless :meth:`set_segment` is called)
         self.segment = LAYERS
-        self._peaks: dict[str, int] = {}  # the other segments' peaks since :meth:`reset_peak`
+        self._peaks: dict[tuple, int] = {}  # the other segments' peaks since :meth:`reset_peak`
         self._ids: dict[int, weakref.ref] = {}  # the tracked storages' ids -> a weak reference that frees them
         self._memo = _MEMO  # shared by every dry run of the process (what it holds is true of any)
 
@@ -241,7 +241,7 @@ class LiveBytes(TorchDispatchMode):
         self._peaks = {}
         self.peak = self.live
 
-    def set_segment(self, name: str) -> None:
+    def set_segment(self, name: tuple) -> None:
         """Count the peak from now on under segment ``name`` (:func:`_segments`): each segment keeps its own peak
         since :meth:`reset_peak`, and ``peak`` is the current one's (the op hot path is unchanged)."""
         if name != self.segment:
@@ -249,7 +249,7 @@ class LiveBytes(TorchDispatchMode):
             self.segment = name
             self.peak = max(self._peaks.get(name, 0), self.live)
 
-    def segment_peaks(self) -> dict[str, int]:
+    def segment_peaks(self) -> dict[tuple, int]:
         """``{segment: its peak since reset_peak}`` of every segment that ran (the current one included)."""
         return {**self._peaks, self.segment: max(self.peak, self._peaks.get(self.segment, 0))}
 
@@ -351,7 +351,7 @@ class LiveMeter:
         self.start: dict[str, int] = {}
         self.end: dict[str, int] = {}
         self.peak: dict[str, int] = {}
-        self.segment_peak: dict[str, dict[str, int]] = {}  # phase -> {segment: its peak} (:func:`_segments`)
+        self.segment_peak: dict[str, dict[tuple, int]] = {}  # phase -> {segment: its peak} (:func:`_segments`)
         self.seconds: dict[str, float] = {}
         self.peak_bytes = self.peak
         self.on_start = None  # called with each phase's name as it starts
@@ -371,14 +371,17 @@ class LiveMeter:
     def _peak(self, name: str, segment: str | None) -> int:
         return self.peak.get(name, 0) if segment is None else self.segment_peak.get(name, {}).get(segment, 0)
 
-    def transient(self, name: str, segment: str | None = None) -> int:
+    def transient(self, name: str, segment: tuple | None = None, clip: bool = True) -> int:
         """Peak (of ``segment``, default: all) above what the phase left alive at its end (what it needed only while
-        it ran)."""
-        return max(0, self._peak(name, segment) - self.end.get(name, 0))
+        it ran); ``clip=False``: may be negative (a segment that ran while less was alive)."""
+        d = self._peak(name, segment) - self.end.get(name, 0)
+        return max(0, d) if clip else d
 
-    def above_start(self, name: str, segment: str | None = None) -> int:
-        """Peak (of ``segment``, default: all) above what was alive when the phase started."""
-        return max(0, self._peak(name, segment) - self.start.get(name, 0))
+    def above_start(self, name: str, segment: tuple | None = None, clip: bool = True) -> int:
+        """Peak (of ``segment``, default: all) above what was alive when the phase started (``clip``: as
+        :meth:`transient`)."""
+        d = self._peak(name, segment) - self.start.get(name, 0)
+        return max(0, d) if clip else d
 
 
 @dataclass
@@ -438,37 +441,54 @@ def peak_steps(steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [steps[0]] + steps[-2:] if len(steps) > 3 else list(steps)
 
 
-LAYERS, ENDS = "layers", "ends"  # a dry run's peak segments (:func:`_segments`)
+LAYERS, ENDS = ("layers",), ("ends",)  # a dry run's peak segments besides the layers' roles (:func:`_segments`)
 
 
 @contextmanager
-def _segments(model, lb: LiveBytes):
-    """Count a dry run's peaks in two segments (``lb.set_segment``): ``ENDS`` while the embedding runs (forward, and
-    backward from the moment its output's gradient arrives until the next layer starts) and while the final norm and
-    the LM head run (from the norm's forward until the gradient of its input arrives), ``LAYERS`` otherwise.
+def _segments(model, lb: LiveBytes, roles: list[tuple] | None = None):
+    """Count a dry run's peaks in segments (``lb.set_segment``): ``ENDS`` while the embedding runs (forward, and
+    backward from the moment its output's gradient arrives until the next layer starts) and while the final norm
+    and the LM head run, and after the last layer (until a layer's backward starts), and while a layer runs (forward, a
+    checkpointed layer's recomputation, and backward from the moment the first autograd node of its outputs runs,
+    its state pieces' included) its role in the sampled model (``roles``, from :func:`layer_samples`; None: one
+    segment for every layer), forward apart from backward (a moment in a layer's forward counts the layers below
+    it, one in its backward also what every layer's backward needs from the start: the state gradient's seeds).
 
     Why: layer sampling (:func:`layer_samples`) combines dry runs of a few layers linearly, which holds for each
     moment's bytes (a sum over the layers plus the ends) but not for a maximum over moments whose winner changes
     with the depth: a full-FT step whose embedding's dense ``[V, H]`` gradient sets the reverse pass's peak in a
     sampled run of 4-6 layers while, at 64 layers, the checkpointed inputs of every layer plus one layer's graph
-    set it (27B hybrid: 3.2 GiB planned where a dry run of every layer has ~4.6). Within a segment the winner no
-    longer depends on the depth; the segments' peaks are combined apart, then the larger taken (:func:`_finish`)."""
+    set it (27B hybrid: 3.2 GiB planned where a dry run of every layer has ~5.1); a LoRA step whose first layer
+    (no input gradient: the embedding is frozen) set the peak of a 2-layer run (Llama-3.1-8B: 1.6x). Within a
+    segment the winner does not depend on the depth; the segments' peaks are combined apart, then the largest
+    taken (:func:`_finish`)."""
     backbone = model.model
-    grad_hook = lambda name: (lambda g: lb.set_segment(name))  # noqa: E731
+    roles = [LAYERS] * len(backbone.layers) if roles is None else roles
+    seg = lambda name: (lambda *_: lb.set_segment(name))  # noqa: E731
 
     def embed_out(_m, _args, out):
         if out.requires_grad:
-            out.register_hook(grad_hook(ENDS))  # the embedding's backward follows
+            out.register_hook(seg(ENDS))  # the embedding's backward follows
 
-    def norm_in(_m, args):
-        lb.set_segment(ENDS)
-        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            args[0].register_hook(grad_hook(LAYERS))  # the head's backward done: the top layer's follows
+    def layer_out(role):
+        def hook(_m, _args, out):
+            if torch._C._current_graph_task_id() == -1:  # a forward (not a checkpointed layer's recomputation):
+                lb.set_segment(ENDS)  # what runs after the last layer is the ends' (the next layer's hook follows)
+            nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
+            for node in nodes.values():  # the first of them to run in a backward starts this layer's
+                node.register_prehook(seg(role + ("backward",)))
+        return hook
 
-    handles = [backbone.embed_tokens.register_forward_pre_hook(lambda *_: lb.set_segment(ENDS)),
+    def layer_in(role):
+        def hook(*_):  # a forward, or a checkpointed layer's recomputation within its backward
+            lb.set_segment(role + (("backward",) if torch._C._current_graph_task_id() != -1 else ("forward",)))
+        return hook
+
+    handles = [backbone.embed_tokens.register_forward_pre_hook(seg(ENDS)),
                backbone.embed_tokens.register_forward_hook(embed_out),
-               backbone.norm.register_forward_pre_hook(norm_in)]
-    handles += [layer.register_forward_pre_hook(lambda *_: lb.set_segment(LAYERS)) for layer in backbone.layers]
+               backbone.norm.register_forward_pre_hook(seg(ENDS))]
+    for layer, role in zip(backbone.layers, roles):
+        handles += [layer.register_forward_pre_hook(layer_in(role)), layer.register_forward_hook(layer_out(role))]
     try:
         yield
     finally:
@@ -477,8 +497,8 @@ def _segments(model, lb: LiveBytes):
         lb.set_segment(LAYERS)
 
 
-def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, state_only: bool = False
-                 ) -> dict[str, int]:
+def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, state_only: bool = False,
+                 roles: list[tuple] | None = None) -> dict:
     """The tracked bytes of one dry run before they are combined into breakdown terms (:func:`_finish`): every
     value is a sum over the layers plus what the ends add, so dry runs of sampled layers combine linearly.
     ``grad_at_replay``: the state gradient's bytes when the replay starts (after ``enable_grad``). ``state_only``:
@@ -507,7 +527,7 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         if p.requires_grad:  # (a LoRA model's frozen base has none)
             p.grad = torch.zeros_like(p)  # an accumulating step holds them throughout
     marks: dict[str, int] = {}
-    with meter.lb, _segments(model, meter.lb):
+    with meter.lb, _segments(model, meter.lb, roles):
         with meter.phase("prompt_state"):
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
         state_bytes = state.nbytes()
@@ -524,11 +544,14 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         p.grad = None
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
             "grad_at_replay": marks.get("replay", 0), "grad_host": stats.prompt_state_grad_host_bytes,
-            # each phase's peak per segment (:func:`_segments`): combined apart over layer samples
-            "prefill": meter.transient("prompt_state", LAYERS), "prefill_ends": meter.transient("prompt_state", ENDS),
-            "recompute": meter.above_start("prompt_backward", LAYERS) if cfg.exact else 0,
-            "recompute_ends": meter.above_start("prompt_backward", ENDS) if cfg.exact else 0,
-            "replay": meter.above_start("replay", LAYERS), "replay_ends": meter.above_start("replay", ENDS),
+            # each phase's peak per segment (:func:`_segments`), keyed (phase, segment): combined apart over layer
+            # samples, the largest taken by :func:`_finish`
+            # (not clipped at 0 here: a segment's peak below the phase's end is still linear in the layers)
+            **{("prefill", sg): meter.transient("prompt_state", sg, clip=False)
+               for sg in meter.segment_peak["prompt_state"]},
+            **({("recompute", sg): meter.above_start("prompt_backward", sg, clip=False)
+                for sg in meter.segment_peak["prompt_backward"]} if cfg.exact else {}),
+            **{("replay", sg): meter.above_start("replay", sg, clip=False) for sg in meter.segment_peak["replay"]},
             # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound): no layer in it
             "logits": 3 * tokens * vocab * acc}
 
@@ -537,8 +560,8 @@ def _finish(raw: dict[str, int]) -> dict[str, int]:
     if "logits" not in raw:  # a state-only run
         return dict(raw)
     logits = raw["logits"]
-    replay = max(raw["replay"], raw["replay_ends"])
-    prefill = max(raw["prefill"], raw["prefill_ends"], raw["recompute"], raw["recompute_ends"])
+    phase = lambda *names: max([0] + [v for k, v in raw.items() if isinstance(k, tuple) and k[0] in names])  # noqa
+    replay, prefill = phase("replay"), phase("prefill", "recompute")
     return {"grad_at_replay": raw["grad_at_replay"], "grad_host": raw["grad_host"], "prompt_state": raw["prompt_state"],
             "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": prefill,
             "branch_graph": max(0, replay - logits), "logits": min(logits, replay)}
@@ -570,63 +593,64 @@ def _layer_kind(layer) -> tuple:
     return tuple(key)
 
 
-def layer_samples(model) -> tuple[list[list[int]], list] | None:
-    """Which layers to dry-run instead of all of them, and how to combine the runs: ``(subsets, weights)`` with
-    ``full = sum(w * dry_run(subset))`` for every tracked quantity, or None when sampling saves nothing.
+def _periods(keys: list) -> list[tuple[int, int, int]]:
+    """Every ``(p, a, k)`` such that the layers between the first and the last hold ``k >= 4`` whole periods of ``p``
+    layers from layer ``a`` (their kinds repeat), the most layers covered first (then the shortest period)."""
+    n = len(keys)
+    found = []
+    for p in range(1, (n - 2) // 4 + 1):
+        for a in range(1, n - 1):
+            k = 0
+            while a + (k + 1) * p <= n - 1 and keys[a + k * p:a + (k + 1) * p] == keys[a:a + p]:
+                k += 1
+            if k >= 4:
+                found.append((p, a, k))
+    return sorted(found, key=lambda f: (-f[0] * f[2], f[0], f[1]))
 
-    Every tracked quantity of a dry run is a sum over the layers (each layer's state, its saved activations, its
-    share of the reverse pass) plus what the ends add (embedding, LM head, the last layer's backward transient).
-    The transients are not sums but maxima over the layers: what the earlier layers left alive plus one layer's own
-    transient (forward), or what the later layers' backward left plus one layer's (backward); along a run of layers
-    of one kind the maximum is at the last one (forward) or the first one (backward). So the base subset holds the
-    first and the last layer of each kind (:func:`_layer_kind`), and one more subset per kind that recurs adds one
-    layer of that kind between them (after every kind's first, before every kind's last, where the model has one):
-    it adds to every candidate of the maximum alike, and the full model's bytes are an integer combination of the
-    subsets' (a shared DSA layer brings its source layer along). Tests hold the combination equal to a full dry
-    run."""
-    from fractions import Fraction
 
+def layer_samples(model) -> tuple[list[list[int]], list, list[list[tuple]]] | None:
+    """Which layers to dry-run instead of all of them, and how to combine the runs: ``(subsets, weights, roles)``
+    with ``full = sum(w * dry_run(subset))`` for every tracked quantity, each run's peaks counted per segment by the
+    layers' ``roles`` (:func:`_segments`); None when sampling saves nothing.
+
+    The layers between the first and the last are seen as a prefix, ``k`` repeats of a period of layer kinds
+    (:func:`_layer_kind`; a dense or MoE stack: one layer, a 3:1 hybrid: four) and a suffix. The runs hold the first
+    and the last layer, the prefix, the suffix and 2 or 3 periods: ``full = (3 - k) run_2 + (k - 2) run_3``. Why it
+    is exact: a moment's bytes are a sum over the layers (each layer's state, saved activations, gradients, what its
+    backward left) plus what the ends add, and a transient is the largest of such moments. Which moment is the
+    largest may change with the depth (an embedding's dense gradient in a few layers, the checkpointed inputs of 64;
+    a frozen first layer that computes no input gradient), so the peaks are counted apart per role: the first and
+    the last layer, each prefix and suffix layer, each position of the first period, each position of the later
+    periods. Within a role the largest moment is at the same place whatever the number of periods (the topmost of
+    the later periods, or the lowest, by what its moment counts of the layers below and above it), so each role's
+    peak is linear in ``k`` and the roles' peaks combine linearly, apart (then the largest is taken). Tests hold the
+    combination equal to a full dry run."""
     n = len(model.layers)
     keys = [_layer_kind(layer) for layer in model.layers]
-    kinds = list(dict.fromkeys(keys))
-
-    def close(s: set[int]) -> list[int]:
-        s = set(s)
-        while True:  # shared DSA layers need their source layer in the same run
-            need = {src for i in s if (src := getattr(model.layers[i].mixer, "source_index", None)) is not None} - s
-            if not need:
-                return sorted(s)
-            s |= need
-
-    firsts = [keys.index(k) for k in kinds]
-    lasts = [n - 1 - keys[::-1].index(k) for k in kinds]
-    base = close({0, n - 1, *firsts, *lasts})
-    subsets = [base]
-    for k in kinds:
-        extra = [i for i in range(n) if keys[i] == k and i not in base]
-        if extra:  # one between every kind's first and every kind's last layer where there is one (see above)
-            inner = [i for i in extra if max(firsts) < i < min(lasts)] or extra
-            subsets.append(close(set(base) | {inner[len(inner) // 2]}))
-    if sum(len(s) for s in subsets) >= n:
+    sources = [getattr(layer.mixer, "source_index", None) for layer in model.layers]
+    for p, a, k in _periods(keys):  # the first whose runs hold the source layer of every shared DSA layer in them
+        end = a + k * p
+        outer = list(range(1, a)) + list(range(end, n - 1))
+        subsets = [sorted({0, n - 1, *outer, *range(a, a + m * p)}) for m in (2, 3)]
+        if all(sources[i] is None or sources[i] in idx for idx in subsets for i in idx):
+            break
+    else:
         return None
-    vary = [k for k in kinds if keys.count(k) > sum(keys[i] == k for i in base)]
-    rows = [[Fraction(1)] + [Fraction(sum(keys[i] == k for i in s)) for k in vary] for s in subsets]
-    target = [Fraction(1)] + [Fraction(keys.count(k)) for k in vary]
-    m = len(rows)  # solve sum_r w_r rows[r] = target: square (one subset per varying kind), Gauss-Jordan
-    if m != len(target):
+
+    def roles(idx: list[int]) -> list[tuple]:
+        out = []
+        for i in idx:
+            if i in (0, n - 1):
+                out.append(("first",) if i == 0 else ("final",))
+            elif i < a or i >= end:
+                out.append(("outer", i))
+            else:
+                out.append(("period" if i < a + p else "periods", (i - a) % p))
+        return out
+
+    if sum(len(x) for x in subsets) >= n:
         return None
-    a = [[rows[r][c] for r in range(m)] + [target[c]] for c in range(m)]
-    for c in range(m):
-        piv = next((r for r in range(c, m) if a[r][c] != 0), None)
-        if piv is None:
-            return None
-        a[c], a[piv] = a[piv], a[c]
-        for r in range(m):
-            if r != c and a[r][c] != 0:
-                f = a[r][c] / a[c][c]
-                a[r] = [x - f * y for x, y in zip(a[r], a[c])]
-    weights = [a[r][m] / a[r][r] for r in range(m)]
-    return subsets, weights
+    return subsets, [3 - k, k - 2], [roles(x) for x in subsets]
 
 
 @contextmanager
@@ -649,11 +673,11 @@ def sampled_dry_run(model, prompt_len: int, response_len: int, group: int, cfg, 
     all the layers), with ``grad_at_replay`` (see :func:`_dry_run_raw`)."""
     if samples is None or not SAMPLE_LAYERS:
         return _finish(_dry_run_raw(model, prompt_len, response_len, group, cfg, state_only))
-    subsets, weights = samples
+    subsets, weights, roles = samples
     total: dict = {}
-    for idx, w in zip(subsets, weights):
+    for idx, w, r in zip(subsets, weights, roles):
         with _only_layers(model, idx):
-            raw = _dry_run_raw(model, prompt_len, response_len, group, cfg, state_only)
+            raw = _dry_run_raw(model, prompt_len, response_len, group, cfg, state_only, roles=r)
         for k, v in raw.items():
             total[k] = total.get(k, 0) + w * v
     return _finish({k: int(round(v)) for k, v in total.items()})  # (the weights sum to 1: logits stay as they are)

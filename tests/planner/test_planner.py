@@ -686,7 +686,7 @@ MLA_MOE = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 
            "vocab_size": 300, "max_position_embeddings": 8192}
 
 
-def _hybrid(n=16):
+def _deep_hybrid(n=32):
     from longstraw.models.qwen_hybrid import tiny_config
 
     return {**tiny_config(), "num_hidden_layers": n,
@@ -698,23 +698,56 @@ def _hybrid(n=16):
                                             ("mla_moe", "exact", False), ("dense", "exact", False),
                                             ("dense", "detached", True)])
 def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
-    """The planner dry-runs a few layers (the first and last of each kind, plus one more of each kind) and combines
-    the runs for the whole depth; every breakdown term equals the dry run of all the layers, byte for byte, except
-    the transients of exact mode (the branch backward and the reverse pass, where one layer's graph runs next to
-    the other layers' saved inputs and their state gradients: within 4% above, 2% below on these tiny layers)."""
+    """The planner dry-runs a few layers (the first and the last, the prefix and suffix around a repeating period
+    of layer kinds, and 2 or 3 of its periods) and combines the runs for the whole depth, each role's peak apart:
+    every breakdown term equals the dry run of all the layers, byte for byte, the transients of exact mode
+    included. (Before the peaks were counted per role, the transients were within 4% above and 2% below here, and
+    a real Llama-3.1-8B LoRA step's reverse pass 1.6x: the frozen first layer, which computes no input gradient,
+    set the peak of a 2-layer run.)"""
     import longstraw.planner as planner
 
-    cfg = {"hybrid": _hybrid(), "mla_moe": MLA_MOE, "dense": {**DENSE, "num_hidden_layers": 16}}[name]
+    cfg = {"hybrid": _deep_hybrid(), "mla_moe": MLA_MOE, "dense": {**DENSE, "num_hidden_layers": 16}}[name]
     kw = dict(prompt_len=1500, response_len=16, group=2, dtype="float32",
               cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=512, checkpoint_layers=ckpt))
     assert planner.layer_samples(_meta_model(cfg, torch.float32)) is not None
     fast = plan(cfg, **kw).breakdown
     monkeypatch.setattr(planner, "SAMPLE_LAYERS", False)
     full = plan(cfg, **kw).breakdown
-    if mode == "exact":
-        for k in ("branch_graph", "prefill_chunk"):
-            assert 0.98 * full[k] <= fast.pop(k) <= 1.04 * full.pop(k), k
     assert fast == full
+
+
+@pytest.mark.slow  # 12 plans, each beside a dry run of every layer (~1 min)
+def test_sampled_layers_equal_a_full_dry_run_on_random_deep_models(monkeypatch):
+    """Random deep models of each family (dense, a 3:1 hybrid, MLA + MoE after dense layers, DSA with a shared
+    indexer every 4 layers), vocabularies from 300 to 200K, tied or not, float32 or bf16, exact or detached, with or
+    without layer checkpointing and LoRA: the sampled plan equals the dry run of every layer, byte for byte."""
+    import random
+
+    import longstraw.planner as planner
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    from test_plan_speed import GLM_DSA
+
+    rng = random.Random(20261204)
+    for case in range(12):
+        fam = ["dense", "hybrid", "mla", "dsa"][case % 4]
+        n = rng.choice({"hybrid": [32, 40], "dsa": [40, 48]}.get(fam, [16, 24]))  # deep enough that sampling saves
+        vocab, tied = rng.choice([300, 5000, 200_000]), rng.choice([True, False])
+        common = dict(num_hidden_layers=n, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=4096)
+        cfg = {"dense": lambda: {**DENSE, **common},
+               "hybrid": lambda: tiny_config(**common),
+               "mla": lambda: {**MLA_MOE, **common, "first_k_dense_replace": rng.choice([1, 3])},
+               "dsa": lambda: {**GLM_DSA, **common, "indexer_types": (["full"] + ["shared"] * 3) * (n // 4)}}[fam]()
+        kw = dict(prompt_len=3000, response_len=rng.choice([16, 200]), group=2, dtype=rng.choice(["float32",
+                                                                                                  "bfloat16"]),
+                  lora=rng.choice([None, {"rank": 4, "alpha": 8, "target_modules": "all-linear"}]),
+                  cfg=GRPOConfig(prompt_grad=rng.choice(["exact", "detached"]), prefill_chunk=rng.choice([256, 1024]),
+                                 checkpoint_layers=rng.choice([True, False])))
+        assert planner.layer_samples(_meta_model(cfg, torch.float32)) is not None, (fam, n)
+        monkeypatch.setattr(planner, "SAMPLE_LAYERS", True)
+        fast = plan(cfg, **kw).breakdown
+        monkeypatch.setattr(planner, "SAMPLE_LAYERS", False)
+        assert plan(cfg, **kw).breakdown == fast, (case, fam, n, vocab, tied, kw)
 
 
 def test_sampled_layers_follow_a_peak_that_moves_from_the_embedding_to_the_layers(monkeypatch):
@@ -735,8 +768,6 @@ def test_sampled_layers_follow_a_peak_that_moves_from_the_embedding_to_the_layer
     monkeypatch.setattr(planner, "SAMPLE_LAYERS", False)
     full = plan(deep, **kw).breakdown
     assert full["prefill_chunk"] > 1.25 * embedding_grad  # the layers' peak, at this depth
-    for k in ("branch_graph", "prefill_chunk"):
-        assert 0.98 * full[k] <= fast.pop(k) <= 1.04 * full.pop(k), k
     assert fast == full
 
 
