@@ -368,7 +368,7 @@ class LiveMeter:
             peaks = self.segment_peak[name] = self.lb.segment_peaks()
             self.end[name], self.peak[name] = self.lb.live, max(peaks.values())
 
-    def _peak(self, name: str, segment: str | None) -> int:
+    def _peak(self, name: str, segment: tuple | None) -> int:
         return self.peak.get(name, 0) if segment is None else self.segment_peak.get(name, {}).get(segment, 0)
 
     def transient(self, name: str, segment: tuple | None = None, clip: bool = True) -> int:
@@ -456,12 +456,12 @@ def _segments(model, lb: LiveBytes, roles: list[tuple] | None = None):
 
     Why: layer sampling (:func:`layer_samples`) combines dry runs of a few layers linearly, which holds for each
     moment's bytes (a sum over the layers plus the ends) but not for a maximum over moments whose winner changes
-    with the depth: a full-FT step whose embedding's dense ``[V, H]`` gradient sets the reverse pass's peak in a
-    sampled run of 4-6 layers while, at 64 layers, the checkpointed inputs of every layer plus one layer's graph
-    set it (27B hybrid: 3.2 GiB planned where a dry run of every layer has ~5.1); a LoRA step whose first layer
-    (no input gradient: the embedding is frozen) set the peak of a 2-layer run (Llama-3.1-8B: 1.6x). Within a
-    segment the winner does not depend on the depth; the segments' peaks are combined apart, then the largest
-    taken (:func:`_finish`)."""
+    with the depth. Seen before the peaks were split: a full-FT step whose embedding's dense ``[V, H]`` gradient set
+    the reverse pass's peak in runs of 4-6 layers while, at 64 layers, the checkpointed inputs of every layer plus
+    one layer's graph set it (27B hybrid: 3.2 GiB planned where a dry run of every layer has 5.1); a LoRA step whose
+    first layer (no input gradient: the embedding is frozen) set the peak of a 2-layer run (Llama-3.1-8B: 1.6x); a
+    layer's forward transient against its backward's (0.5% low). Within a segment the winner does not depend on the
+    depth; the segments' peaks are combined apart, then the largest taken (:func:`_finish`)."""
     backbone = model.model
     roles = [LAYERS] * len(backbone.layers) if roles is None else roles
     seg = lambda name: (lambda *_: lb.set_segment(name))  # noqa: E731
