@@ -368,20 +368,14 @@ class LiveMeter:
             peaks = self.segment_peak[name] = self.lb.segment_peaks()
             self.end[name], self.peak[name] = self.lb.live, max(peaks.values())
 
-    def _peak(self, name: str, segment: tuple | None) -> int:
-        return self.peak.get(name, 0) if segment is None else self.segment_peak.get(name, {}).get(segment, 0)
+    def transient(self, name: str, segment: tuple) -> int:
+        """The peak of ``segment`` in phase ``name`` above what the phase left alive at its end (what it needed only
+        while it ran; negative for a segment that ran while less was alive: still linear in the layers)."""
+        return self.segment_peak[name][segment] - self.end[name]
 
-    def transient(self, name: str, segment: tuple | None = None, clip: bool = True) -> int:
-        """Peak (of ``segment``, default: all) above what the phase left alive at its end (what it needed only while
-        it ran); ``clip=False``: may be negative (a segment that ran while less was alive)."""
-        d = self._peak(name, segment) - self.end.get(name, 0)
-        return max(0, d) if clip else d
-
-    def above_start(self, name: str, segment: tuple | None = None, clip: bool = True) -> int:
-        """Peak (of ``segment``, default: all) above what was alive when the phase started (``clip``: as
-        :meth:`transient`)."""
-        d = self._peak(name, segment) - self.start.get(name, 0)
-        return max(0, d) if clip else d
+    def above_start(self, name: str, segment: tuple) -> int:
+        """The peak of ``segment`` in phase ``name`` above what was alive when the phase started."""
+        return self.segment_peak[name][segment] - self.start[name]
 
 
 @dataclass
@@ -544,14 +538,12 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         p.grad = None
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
             "grad_at_replay": marks.get("replay", 0), "grad_host": stats.prompt_state_grad_host_bytes,
-            # each phase's peak per segment (:func:`_segments`), keyed (phase, segment): combined apart over layer
-            # samples, the largest taken by :func:`_finish`
-            # (not clipped at 0 here: a segment's peak below the phase's end is still linear in the layers)
-            **{("prefill", sg): meter.transient("prompt_state", sg, clip=False)
-               for sg in meter.segment_peak["prompt_state"]},
-            **({("recompute", sg): meter.above_start("prompt_backward", sg, clip=False)
+            # each phase's peak per segment (:func:`_segments`), keyed (phase, segment), not clipped at 0: combined
+            # apart over layer samples, the largest taken by :func:`_finish`
+            **{("prefill", sg): meter.transient("prompt_state", sg) for sg in meter.segment_peak["prompt_state"]},
+            **({("recompute", sg): meter.above_start("prompt_backward", sg)
                 for sg in meter.segment_peak["prompt_backward"]} if cfg.exact else {}),
-            **{("replay", sg): meter.above_start("replay", sg, clip=False) for sg in meter.segment_peak["replay"]},
+            **{("replay", sg): meter.above_start("replay", sg) for sg in meter.segment_peak["replay"]},
             # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound): no layer in it
             "logits": 3 * tokens * vocab * acc}
 
@@ -714,15 +706,10 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 def _expert_params(module) -> list:
     """The routed experts' fused weights under ``module`` (``Experts.gate_up_proj`` / ``down_proj``) and their LoRA
     adapters' (``target_parameters``): what expert parallelism splits over its ranks, outside FSDP."""
+    from longstraw.distributed.expert_parallel import expert_params
     from longstraw.models.moe_block import Experts
 
-    out = []
-    for m in module.modules():
-        if isinstance(m, Experts):
-            out += [m.gate_up_proj, m.down_proj]
-            out += [w for a in (getattr(m, "lora_adapters", None) or {}).values() for w in (a.lora_A.weight,
-                                                                                              a.lora_B.weight)]
-    return out
+    return [p for m in module.modules() if isinstance(m, Experts) for p in expert_params(m)]
 
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,

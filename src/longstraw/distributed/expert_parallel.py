@@ -51,7 +51,8 @@ from longstraw.ops.moe import combine_slots, experts_forward
 
 __all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
            "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local", "ep_adapter_params",
-           "gather_adapter", "ep_local_parts", "expert_adapter_tensors", "adapters_to_dcp", "adapters_from_dcp"]
+           "gather_adapter", "expert_params", "ep_local_parts", "expert_adapter_tensors", "adapters_to_dcp",
+           "adapters_from_dcp"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -113,9 +114,9 @@ def _adapters(m: nn.Module) -> list:
     return [(p, a) for p, a in (getattr(m, "lora_adapters", None) or {}).items() if not a.disabled]
 
 
-def _local_params(m: nn.Module) -> list[nn.Parameter]:
-    """The per-rank parameters of an expert-parallel module: its fused weights' rows and, with LoRA on them, its
-    adapters' parts (``lora_A`` / ``lora_B`` of its experts)."""
+def expert_params(m: nn.Module) -> list[nn.Parameter]:
+    """The parameters expert parallelism splits, of an experts module: its fused weights (rows) and, with LoRA on
+    them, its adapters (``lora_A`` / ``lora_B``); under expert parallelism this rank's parts (per-rank parameters)."""
     adapters = (getattr(m, "lora_adapters", None) or {}).values()
     return [m.gate_up_proj, m.down_proj] + [w for a in adapters for w in (a.lora_A.weight, a.lora_B.weight)]
 
@@ -182,7 +183,7 @@ def ep_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
 def ep_param_ids(model: nn.Module) -> set[int]:
     """``id`` of every expert-parallel parameter (local slices: whole tensors that differ between EP ranks; the
     experts' LoRA adapters' parts too)."""
-    return {id(p) for _, m in ep_modules(model) for p in _local_params(m)}
+    return {id(p) for _, m in ep_modules(model) for p in expert_params(m)}
 
 
 def ep_param_rows(model: nn.Module) -> dict[str, tuple[int, int, int]]:
@@ -200,12 +201,8 @@ def ep_local_parts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], object]
     """``{parameter name: (the whole tensor's shape, full -> this rank's part)}`` of every expert-parallel parameter:
     the experts' fused weights (their rows) and their LoRA adapters' parts (``ExpertLoRA.take``). What cuts a
     one-process state (an optimiser's moments) into this rank's."""
-    out = {}
-    for name, m in ep_modules(model):
-        a, b = m.first, m.first + m.gate_up_proj.shape[0]
-        for p in ("gate_up_proj", "down_proj"):
-            out[f"{name}.{p}" if name else p] = ((m.num_experts, *getattr(m, p).shape[1:]),
-                                                 lambda full, a=a, b=b: full[a:b])
+    out = {n: ((rows, *model.get_parameter(n).shape[1:]), lambda full, a=a, b=b: full[a:b])
+           for n, (rows, a, b) in ep_param_rows(model).items()}
     for n, (_, adapter, which) in ep_adapter_params(model).items():
         out[n] = (adapter.full_shape(which), lambda full, ad=adapter, w=which: ad.take(w, full))
     return out
@@ -216,7 +213,7 @@ def mark_params(model: nn.Module) -> None:
     only parameters (``rl.optim.clip_grad_norm``) can sum their norms over the EP group. ``shard_experts`` tags them;
     call again after the parameters are replaced (``load_model`` does, after allocating them)."""
     for _, m in ep_modules(model):
-        for p in _local_params(m):
+        for p in expert_params(m):
             p._longstraw_ep = m.ep
 
 
@@ -282,21 +279,29 @@ def _ep_tensors(model: nn.Module) -> dict[str, ExpertParallelExperts]:
     return {f"{n}.{p}" if n else p: m for n, m in ep_modules(model) for p in ("gate_up_proj", "down_proj")}
 
 
-def _entries(model: nn.Module, model_sd: dict | None, optim_sd: dict | None):
-    """``(container, key, module)`` of every expert-parallel tensor in a model and an optimiser state dict (DCP's
-    ``get_model_state_dict`` / ``get_optimizer_state_dict``: keyed by parameter FQN; optimiser entries whose shape
-    is the parameter's, e.g. AdamW's moments; its ``step`` scalar is the same on every rank). An optimiser entry's
-    dict is replaced by a copy first: DCP's dict may be the optimiser's own state, which must keep plain tensors."""
+def _state_entries(owners: dict, model_sd: dict | None, optim_sd: dict | None, shaped_like):
+    """``(container, key, owner)`` of every tensor of ``owners`` (``{parameter FQN: owner}``) in a model and an
+    optimiser state dict (DCP's ``get_model_state_dict`` / ``get_optimizer_state_dict``: keyed by FQN; optimiser
+    entries that ``shaped_like(owner, tensor)`` says are shaped like the parameter, e.g. AdamW's moments, not its
+    ``step`` scalar). An optimiser entry's dict is replaced by a copy first: DCP's dict may be the optimiser's own
+    state, which must keep plain tensors."""
     states = (optim_sd or {}).get("state", {})
-    for fqn, m in _ep_tensors(model).items():
+    for fqn, owner in owners.items():
         if model_sd is not None and fqn in model_sd:
-            yield model_sd, fqn, m
+            yield model_sd, fqn, owner
         if states.get(fqn) is None:
             continue
         st = states[fqn] = dict(states[fqn])
-        for k, v in list(st.items()):  # a DTensor's shape is the global one
-            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] in (m.num_experts // m.ep.size, m.num_experts):
-                yield st, k, m
+        for k, v in list(st.items()):
+            if isinstance(v, Tensor) and shaped_like(owner, v):
+                yield st, k, owner
+
+
+def _entries(model: nn.Module, model_sd: dict | None, optim_sd: dict | None):
+    """``(container, key, module)`` of every expert-parallel tensor in the state dicts (:func:`_state_entries`; a
+    DTensor's shape is the global one)."""
+    return _state_entries(_ep_tensors(model), model_sd, optim_sd, lambda m, v: v.dim() > 0 and v.shape[0] in (
+        m.num_experts // m.ep.size, m.num_experts))
 
 
 def ep_state_to_dtensors(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None) -> None:
@@ -335,20 +340,10 @@ def expert_adapter_tensors(model: nn.Module) -> dict[str, tuple[object, str, Exp
 
 
 def _adapter_entries(model: nn.Module, model_sd: dict | None, optim_sd: dict | None):
-    """``(container, key, ExpertLoRA, which, EP module or None)`` of every expert-adapter tensor in a model and an
-    optimiser state dict (DCP's, keyed by parameter name; optimiser entries shaped like the parameter, e.g. AdamW's
-    moments, in a copied dict as :func:`_entries` does)."""
-    states = (optim_sd or {}).get("state", {})
-    for fqn, (a, which, m) in expert_adapter_tensors(model).items():
-        if model_sd is not None and fqn in model_sd:
-            yield model_sd, fqn, a, which, m
-        if states.get(fqn) is None:
-            continue
-        st = states[fqn] = dict(states[fqn])
-        shape = getattr(a, which).weight.shape  # this process's (an FSDP DTensor's shape is the global one)
-        for k, v in list(st.items()):
-            if isinstance(v, Tensor) and v.dim() == 2 and tuple(v.shape) == tuple(shape):
-                yield st, k, a, which, m
+    """``(container, key, (ExpertLoRA, which, EP module or None))`` of every expert-adapter tensor in the state dicts
+    (:func:`_state_entries`; shaped like this process's parameter, whose shape an FSDP DTensor gives globally)."""
+    return _state_entries(expert_adapter_tensors(model), model_sd, optim_sd,
+                          lambda o, v: v.shape == getattr(o[0], o[1]).weight.shape)
 
 
 def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None, *,
@@ -365,7 +360,7 @@ def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | No
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     undo = []
-    for d, k, a, which, m in list(_adapter_entries(model, model_sd, optim_sd)):
+    for d, k, (a, which, m) in list(_adapter_entries(model, model_sd, optim_sd)):
         t = old = d[k]
         if which == "lora_B" and split_b:
             t = t.view(a.out_features, a.r, -1)  # a DTensor (FSDP shards dim 0) views alike
