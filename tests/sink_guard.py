@@ -53,8 +53,8 @@ class GuardedSink(torch.Tensor):
         return out
 
 
-def _guarded_new_sink(like, dtype, offload):
-    t = torch.zeros(like.shape, dtype=dtype, device=sinks.sink_device(like, offload))
+def _guarded_new_sink(like, dtype, offload, home=None):
+    t = torch.zeros(like.shape, dtype=dtype, device=sinks.sink_device(home or like.device, offload))
     return t.as_subclass(GuardedSink) if offload else t
 
 

@@ -17,6 +17,9 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
     in host memory while the state is on an accelerator (``GRPOConfig.offload_state_grad``, ``ops/sinks.py``);
 ``nbytes()`` / ``grad_nbytes()`` / ``grad_host_nbytes()``
     memory of the stored state, of its gradient buffers, and of those among them held in host memory;
+``offload()`` / ``host_nbytes()`` (optional: the kinds that can)
+    move the stored state itself to host memory for the backward phases (``GRPOConfig.offload_state``; attention
+    K/V so far) and the bytes of it held there;
 ``decoder(batch, max_new)``
     per-branch state for decoding ``batch`` branches together over the shared prompt state (rollouts): its
     ``prefix(step)`` is what the mixer consumes at decode step ``step`` and ``append(piece, step)`` stores the new
@@ -45,6 +48,8 @@ import torch
 from torch import Tensor
 
 from longstraw.ops.attention import KVSegment
+from longstraw.ops.host_memory import offloads as offloads_state
+from longstraw.ops.host_memory import to_host
 from longstraw.ops.sinks import new_sink, offloads, read
 
 
@@ -79,7 +84,9 @@ class KVState:
 
     Buffers are allocated at the first ``write`` for ``capacity`` positions. ``k_grad`` / ``v_grad`` (exact mode)
     have the same shapes and receive the gradient of every later token's attention in place (in host memory when
-    offloaded: ``enable_grad(offload=True)``).
+    offloaded: ``enable_grad(offload=True)``). :meth:`offload` moves ``k`` / ``v`` themselves to host memory
+    (``GRPOConfig.offload_state``); ``home`` is then the device they are computed on, and every prefix is a
+    ``host`` segment whose blocks the attention copies to that device one at a time.
     """
 
     capacity: int
@@ -89,10 +96,12 @@ class KVState:
     v_grad: Tensor | None = None
     length: int = 0
     grad_offload: bool = False
+    home: torch.device | None = None  # set while k / v are in host memory
 
     def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
         k, v = piece
         assert k.shape[0] == 1 and k.shape[2] == end - start, "prefill writes one sequence, one chunk at a time"
+        assert self.home is None, "the state was moved to host memory: its prefill is over"
         if self.k is None:  # zero-filled: the whole state is resident now, so a run that cannot hold it fails
             # at the first chunk rather than hours later on a page fault (and CPU RSS then matches the plan)
             self.k = k.new_zeros(1, k.shape[1], self.capacity, k.shape[3])
@@ -106,8 +115,16 @@ class KVState:
             return
         dt = dtype or grad_dtype_for(self.k.dtype)
         self.grad_offload = offload
-        self.k_grad = new_sink(self.k, dt, offload)
-        self.v_grad = new_sink(self.v, dt, offload)
+        self.k_grad = new_sink(self.k, dt, offload, self.home)
+        self.v_grad = new_sink(self.v, dt, offload, self.home)
+
+    def offload(self) -> None:
+        """Move ``k`` / ``v`` to host memory (page-locked; ``ops/host_memory.py``) where they are on an accelerator
+        (on meta, the planner's dry run: booked as host bytes); nothing where they already are in host memory."""
+        if self.k is None or self.home is not None or not offloads_state(self.k):
+            return
+        self.home = self.k.device
+        self.k, self.v = to_host(self.k), to_host(self.v)
 
     def release_grad(self) -> None:
         self.k_grad = self.v_grad = None
@@ -118,7 +135,8 @@ class KVState:
         assert length <= self.length
         kg = self.k_grad[:, :, :length] if grad and self.k_grad is not None else None
         vg = self.v_grad[:, :, :length] if grad and self.v_grad is not None else None
-        return [KVSegment(self.k[:, :, :length], self.v[:, :, :length], k_grad=kg, v_grad=vg)]
+        return [KVSegment(self.k[:, :, :length], self.v[:, :, :length], k_grad=kg, v_grad=vg,
+                          host=self.home is not None)]
 
     def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
         k, v = piece
@@ -134,7 +152,11 @@ class KVState:
         return sum(t.numel() * t.element_size() for t in (self.k_grad, self.v_grad) if t is not None)
 
     def grad_host_nbytes(self) -> int:
-        return self.grad_nbytes() if self.k is not None and offloads(self.k, self.grad_offload) else 0
+        return self.grad_nbytes() if self.k is not None and offloads(self.home or self.k, self.grad_offload) else 0
+
+    def host_nbytes(self) -> int:
+        """Bytes of ``k`` / ``v`` held in host memory (:meth:`offload`; counted in ``nbytes`` too)."""
+        return self.nbytes() if self.home is not None else 0
 
     def decoder(self, batch: int, max_new: int) -> "KVDecoder":
         return KVDecoder(self, batch, max_new)
@@ -243,6 +265,18 @@ class PromptState:
     def release_grad(self) -> None:
         for ls in self.layers:
             ls.release_grad()
+
+    def offload(self) -> None:
+        """Move every layer's state that its kind can hold in host memory there (``GRPOConfig.offload_state``:
+        the attention K/V; MLA latents and recurrent states stay where they are). Once the forward phases are
+        over: later prefix reads stream the moved state through the device block by block."""
+        for ls in self.layers:
+            if hasattr(ls, "offload"):
+                ls.offload()
+
+    def host_nbytes(self) -> int:
+        """Bytes of the stored state held in host memory (:meth:`offload`; counted in ``nbytes`` too)."""
+        return sum(ls.host_nbytes() for ls in self.layers if hasattr(ls, "host_nbytes"))
 
     def nbytes(self) -> int:
         return sum(ls.nbytes() for ls in self.layers)

@@ -56,26 +56,30 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
-                    checkpoint_layers=False, mla_mode=None, dtype=None, offload=False):
+                    checkpoint_layers=False, mla_mode=None, dtype=None, offload=False, state_offload=False):
     """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
     ``mla_mode``: force an MLA form (in one process and under CP alike; see :func:`_mla_mode`). Every rank passes
     the same groups: with the mean over data-parallel replicas, the gradients are the single process's.
     ``offload``: the state gradient offloaded (``offload_state_grad``), every sink access checked to go through
-    ``ops/sinks.py`` (``tests/sink_guard.py``)."""
+    ``ops/sinks.py`` (``tests/sink_guard.py``). ``state_offload``: the K/V moved to host memory (``offload_state``,
+    forced on the CPU), every read of it checked to go through ``ops/host_memory.py`` (``tests/host_guard.py``)."""
     model = _load(paths[family], fsdp, dtype)
     _mla_mode(model, mla_mode)
     groups = [group(5, 23, [4, 1, 6]), group(6, 18, [3, 5])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=chunk, branch_batch=branch_batch,
                                checkpoint_layers=checkpoint_layers, kl_coef=0.05, entropy_coef=0.01,
-                               offload_state_grad=offload)
+                               offload_state_grad=offload, offload_state=state_offload)
     out = {"loss": [], "logprobs": [], "state_bytes": [], "state_grad_bytes": []}
     for i, (prompt, responses, adv) in enumerate(groups):
         old, ref = _old_ref(model, prompt, responses, cfg, seed=40 + i)
-        with _sink_guard(offload) as touched:
+        with _sink_guard(offload) as touched, _host_guard(state_offload) as read:
             st = longstraw.grpo_backward(model, prompt, responses, adv, cfg, old_logprobs=old, ref_logprobs=ref,
                                          loss_scale=d)
         assert touched, "no gradient reached an offloaded sink"
+        if state_offload:
+            assert read, "no block of the moved state was copied in"
+            assert 0 < st.prompt_state_host_bytes <= st.prompt_state_bytes
         out["loss"].append(st.loss)
         out["logprobs"].append([lp.cpu() for lp in st.logprobs])
         out["state_bytes"].append(st.prompt_state_bytes)
@@ -92,6 +96,17 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     if dtype is not None:
         out["grads"] = {n: g.double() for n, g in out["grads"].items()}
     return out
+
+
+def _host_guard(on: bool):
+    """``tests/host_guard.py``'s check when ``on`` (yields the ops that read the moved state); else a no-op."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext(["unguarded"])
+    from host_guard import guarded_host
+
+    return guarded_host()
 
 
 def _sink_guard(on: bool):
@@ -350,6 +365,11 @@ SCENARIOS = {
     "qwen3_exact_fsdp": lambda p: grpo_two_groups(p, family="qwen3", chunk=5, fsdp=True),
     "hybrid_exact": lambda p: grpo_two_groups(p, family="hybrid", chunk=3),
     "hybrid_exact_offload": lambda p: grpo_two_groups(p, family="hybrid", chunk=3, offload=True),
+    "exact_state_offload": lambda p: grpo_two_groups(p, chunk=3, state_offload=True),
+    "hybrid_exact_state_offload": lambda p: grpo_two_groups(p, family="hybrid", chunk=3, offload=True,
+                                                            state_offload=True),
+    "hybrid_detached_state_offload": lambda p: grpo_two_groups(p, family="hybrid", prompt_grad="detached",
+                                                               chunk=4, state_offload=True),
     "hybrid_detached": lambda p: grpo_two_groups(p, family="hybrid", prompt_grad="detached", chunk=4),
     "hybrid_exact_fsdp_ckpt": lambda p: grpo_two_groups(p, family="hybrid", chunk=5, fsdp=True, branch_batch=2,
                                                         checkpoint_layers=True),

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_partials, segment_backward,
-                                     segment_forward)
+from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_partials, on_device,
+                                     segment_backward, segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import add_into
 
@@ -103,14 +103,16 @@ class _Plan:
     k_sink: Tensor | None
     v_sink: Tensor | None
     block: int  # the local share is attended in blocks of at most this many keys (bounded temporaries)
+    host: bool = False  # the local share is in host memory (GRPOConfig.offload_state): each block is copied in
 
-    def blocks(self, k: Tensor, v: Tensor):
-        """``(k, v, k_sink, v_sink)`` views of consecutive blocks of the local share."""
+    def blocks(self, k: Tensor, v: Tensor, q: Tensor):
+        """``(k, v, k_sink, v_sink)`` of consecutive blocks of the local share: views, or a host share's blocks
+        copied to ``q``'s device one at a time."""
         for a in range(0, k.shape[2], self.block):
             b = a + self.block
             sk = self.k_sink[:, :, a:b] if self.k_sink is not None else None
             sv = self.v_sink[:, :, a:b] if self.v_sink is not None else None
-            yield k[:, :, a:b], v[:, :, a:b], sk, sv
+            yield *on_device(k[:, :, a:b], v[:, :, a:b], self.host, q), sk, sv
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -132,7 +134,7 @@ def _partial(fwd, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, scale: float) ->
         o = q.new_zeros(*q.shape[:3], v.shape[-1])
         return o, torch.full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     outs, lses = [], []
-    for kb, vb, _, _ in plan.blocks(k, v):
+    for kb, vb, _, _ in plan.blocks(k, v, q):
         o, lse = segment_forward(fwd, q, kb, vb, False, scale)
         outs.append(o)
         lses.append(lse)
@@ -143,7 +145,7 @@ def _partial_bwd(bwd, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, ls
                  scale: float) -> Tensor:
     """Backward of :func:`_partial` against the global ``(o, lse)``: returns ``dq``; ``dK, dV`` go to the sinks."""
     dq = torch.zeros_like(q)
-    for kb, vb, sk, sv in plan.blocks(k, v):
+    for kb, vb, sk, sv in plan.blocks(k, v, q):
         dq_b, dk, dv = segment_backward(bwd, do, q, kb, vb, o, lse, False, scale)
         dq = dq + dq_b
         if sk is not None:
@@ -281,8 +283,8 @@ class _CPAttention(torch.autograd.Function):
                 o, lse = segment_forward(fwd, q, ek, ev, False, scale)
                 outs.append(o)
                 lses.append(lse)
-        for idx, (causal, _, _) in enumerate(meta):
-            o, lse = segment_forward(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale)
+        for idx, (causal, _, _, host) in enumerate(meta):
+            o, lse = segment_forward(fwd, q, *on_device(kv[2 * idx], kv[2 * idx + 1], host, q), causal, scale)
             outs.append(o)
             lses.append(lse)
         out, lse = merge_partials(outs, lses, q.dtype)
@@ -306,8 +308,9 @@ class _CPAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         grads: list[Tensor | None] = []
-        for idx, (causal, k_sink, v_sink) in enumerate(ctx.meta):
-            dq_i, dk, dv = segment_backward(bwd, dout, q, kv[2 * idx], kv[2 * idx + 1], out, lse, causal, scale)
+        for idx, (causal, k_sink, v_sink, host) in enumerate(ctx.meta):
+            k, v = on_device(kv[2 * idx], kv[2 * idx + 1], host, q)
+            dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, scale)
             dq = dq + dq_i
             grads += [dk, dv]
         if plan.step is not None:  # earlier pieces of this step: their dK, dV go back to their owners
@@ -330,7 +333,7 @@ class _CPAttention(torch.autograd.Function):
             grads[i + 1] = rv if grads[i + 1] is None else grads[i + 1] + rv
         if plan.global_length > 0:
             dq = dq + _sharded_bwd(bwd, dout, q, ks, vs, out, lse, plan, scale)
-        for idx, (_, k_sink, v_sink) in enumerate(ctx.meta):
+        for idx, (_, k_sink, v_sink, _) in enumerate(ctx.meta):
             if k_sink is not None:
                 add_into(k_sink, grads[2 * idx])
                 add_into(v_sink, grads[2 * idx + 1])
@@ -372,8 +375,8 @@ def cp_segment_attention(q: Tensor, segments: list[KVSegment], scale: float, *, 
     kernels(backend)  # ValueError for an unknown one
     if not (isinstance(max_segment, int) and max_segment >= 1):
         raise ValueError(f"max_segment={max_segment!r} must be an integer >= 1")
-    plan = _Plan(sh.comm, sh.step, sh.global_length, sh.k_grad, sh.v_grad, max_segment)
-    meta = tuple((s.causal, s.k_grad, s.v_grad) for s in local)
+    plan = _Plan(sh.comm, sh.step, sh.global_length, sh.k_grad, sh.v_grad, max_segment, sh.host)
+    meta = tuple((s.causal, s.k_grad, s.v_grad, s.host) for s in local)
     kv = []
     for s in local:
         kv += [s.k.detach(), s.v.detach()] if s.k_grad is not None else [s.k, s.v]

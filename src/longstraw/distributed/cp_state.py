@@ -158,6 +158,13 @@ class PositionShardedState:
     def grad_host_nbytes(self) -> int:
         return self.local.grad_host_nbytes()
 
+    def offload(self) -> None:
+        if hasattr(self.local, "offload"):
+            self.local.offload()
+
+    def host_nbytes(self) -> int:
+        return self.local.host_nbytes() if hasattr(self.local, "host_nbytes") else 0
+
 
 class ShardedKVState(PositionShardedState):
     """Full attention, sharded: ``local`` (a :class:`KVState` for this rank's positions, in position order) holds
@@ -174,7 +181,8 @@ class ShardedKVState(PositionShardedState):
             k, v = st.k[:, :, :local_len], st.v[:, :, :local_len]
             kg = st.k_grad[:, :, :local_len] if grad and st.k_grad is not None else None
             vg = st.v_grad[:, :, :local_len] if grad and st.v_grad is not None else None
-        return ShardedSegment(k, v, k_grad=kg, v_grad=vg, comm=self.comm, step=step, global_length=global_len)
+        return ShardedSegment(k, v, k_grad=kg, v_grad=vg, host=st.home is not None, comm=self.comm, step=step,
+                              global_length=global_len)
 
     def step_prefix(self, step: int, grad: bool) -> list[ShardedSegment]:
         """For this rank's piece of step ``step``: the stored positions before the step (this rank's share) and

@@ -44,6 +44,8 @@ class GRPOConfig:
     graph_budget_bytes: exact mode: bytes for prompt-step graphs kept from the prefill, so the reverse pass
         recomputes only the steps that did not fit (:mod:`longstraw.engine.kept_graphs`); None / 0: none kept.
     offload_state_grad: exact mode: the prompt state's gradient buffers in host memory (``ops/sinks.py``).
+    offload_state: the prompt state's attention K/V in host memory for the backward phases, streamed through the
+        device block by block (``ops/host_memory.py``).
     """
 
     prompt_grad: PromptGrad = field(default=PromptGrad.EXACT, metadata={"help": (
@@ -102,6 +104,12 @@ class GRPOConfig:
         "in host memory while the model runs on a GPU: each branch batch's backward adds the whole gradient there "
         "once and each reverse-pass step the gradient of the prefix before it (device-to-host copies); no effect "
         "on a CPU run")})
+    offload_state: bool = field(default=False, metadata={"help": (
+        "keep the prompt state's attention K/V in host memory for the replay and the reverse pass while the model "
+        "runs on a GPU: it is moved there once the prefill and the rollouts are over, and every attention call "
+        "copies one block of 32,768 positions of it to the device at a time (host-to-device copies of the whole "
+        "K/V per branch pass and, in exact mode, of each reverse-pass step's prefix); MLA latents and recurrent "
+        "states stay on the device; no effect on a CPU run")})
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -110,7 +118,7 @@ class GRPOConfig:
         if b is not None and (not _is_int(b) or b < 0):
             raise ValueError(f"graph_budget_bytes={b!r} must be None or an integer number of bytes >= 0")
         set_("graph_budget_bytes", None if b is None else int(b))
-        for name in ("checkpoint_layers", "offload_state_grad", "kl_ratio_weight"):
+        for name in ("checkpoint_layers", "offload_state_grad", "offload_state", "kl_ratio_weight"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if b and self.prompt_grad is not PromptGrad.EXACT:
@@ -119,6 +127,10 @@ class GRPOConfig:
         if self.offload_state_grad and self.prompt_grad is not PromptGrad.EXACT:
             raise ValueError("offload_state_grad=True moves the exact mode's state gradient to host memory; with "
                              "prompt_grad='detached' there is none: use offload_state_grad=False")
+        if self.offload_state and b:
+            raise ValueError(f"offload_state=True with graph_budget_bytes={b}: the kept prompt-step graphs hold the "
+                             "state's K/V on the device, so moving it to host memory would free nothing; use one of "
+                             "the two (graph_budget_bytes=None or 0 with offload_state)")
         set_("loss_agg_mode", parse_enum(LossAggMode, self.loss_agg_mode, "loss_agg_mode"))
         set_("kl_type", parse_enum(KLType, self.kl_type, "kl_type"))
         set_("ratio_level", parse_enum(RatioLevel, self.ratio_level, "ratio_level"))
@@ -172,6 +184,7 @@ class GRPOStats:
     prompt_state_bytes: int = 0
     prompt_state_grad_bytes: int = 0
     prompt_state_grad_host_bytes: int = 0  # ... of which in host memory (offload_state_grad on an accelerator)
+    prompt_state_host_bytes: int = 0  # bytes of the state itself in host memory (offload_state on an accelerator)
     kept_graph_bytes: int = 0  # exact mode with graph_budget_bytes: bytes of the prompt-step graphs kept
     kept_steps: int = 0  # ... whole steps kept (not recomputed)
     kept_layers: int = 0  # ... top layers kept of one more step (0: none)

@@ -61,7 +61,8 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
     of the loss (default: this group's, :func:`longstraw.losses.loss_denominator`).
     prompt_state: the state of ``prompt_ids[:-1]`` under the CURRENT parameters (e.g. from the rollout), to skip the
     prefill; exact mode needs one built with ``exact=True`` (``cfg.graph_budget_bytes`` then keeps nothing: the
-    graphs are kept by a prefill that this call runs). meter: a fresh :class:`PhaseMeter` to measure (and
+    graphs are kept by a prefill that this call runs; ``cfg.offload_state`` moves its K/V to host memory, where
+    it stays). meter: a fresh :class:`PhaseMeter` to measure (and
     show the progress of) the phases; default: one on the model's device, without a display.
     """
     if not isinstance(cfg, GRPOConfig):
@@ -97,6 +98,8 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
                                               offload_grad=cfg.offload_state_grad, report=report)
         else:
             state = build_prompt_state(model, prompt_ids, cfg, cfg.exact, report)
+        if cfg.offload_state:  # the forward phases are over: the K/V to host memory (before its sinks are placed)
+            state.offload()
         if cfg.exact and not (kept is not None and kept.grad_enabled):
             state.enable_grad(offload=cfg.offload_state_grad)
     prefix = state.prefix(grad=cfg.exact)
@@ -114,6 +117,7 @@ def grpo_backward(model: CausalLM, prompt_ids: Tensor, responses: list[Tensor], 
         num_tokens=n_tok, prompt_len=int(prompt_ids.numel()), seconds=dict(meter.seconds),
         peak_memory=dict(meter.peak_bytes), prompt_state_bytes=state.nbytes(),
         prompt_state_grad_bytes=state.grad_nbytes(), prompt_state_grad_host_bytes=state.grad_host_nbytes(),
+        prompt_state_host_bytes=state.host_nbytes(),
         delta_rule_kernel=kernels_since(model, calls_before),
         **(kept.summary(len(model.layers)) if kept is not None else {}),
     )

@@ -43,11 +43,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from longstraw.ops.host_memory import stage
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import add_into
 
 __all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend", "kernels",
-           "segment_forward", "segment_backward", "merge_partials"]
+           "segment_forward", "segment_backward", "merge_partials", "on_device"]
 
 BACKENDS = ("flash_cpu", "flash_cuda", "math")
 
@@ -59,7 +60,9 @@ class KVSegment:
     k: ``[Bk, Hkv, S, Dk]``, v: ``[Bk, Hkv, S, Dv]``. ``Bk`` is 1 (shared by every sequence of the query batch, like
     the prompt state) or equal to the query batch. ``causal``: this is the queries' own segment (``S == T``); query
     ``t`` sees keys ``0..t``. ``k_grad`` / ``v_grad``: optional accumulators shaped like ``k`` / ``v`` that receive
-    ``dK`` / ``dV`` in place during backward (see module docstring).
+    ``dK`` / ``dV`` in place during backward (see module docstring). ``host``: ``k`` / ``v`` are in host memory
+    (``GRPOConfig.offload_state``): each block is copied to the queries' device just before its kernel, in the
+    forward and again in the backward (:func:`longstraw.ops.host_memory.stage`).
     """
 
     k: Tensor
@@ -67,6 +70,7 @@ class KVSegment:
     causal: bool = False
     k_grad: Tensor | None = None
     v_grad: Tensor | None = None
+    host: bool = False
 
     @property
     def length(self) -> int:
@@ -321,13 +325,21 @@ def merge_partials(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -
     return merge.result(dtype)
 
 
+def on_device(k: Tensor, v: Tensor, host: bool, q: Tensor) -> tuple[Tensor, Tensor]:
+    """A segment's ``(k, v)`` where the kernels read them: copied from host memory for a ``host`` segment (one
+    block: the caller splits long segments first), as they are otherwise."""
+    return (stage(k, q.device), stage(v, q.device)) if host else (k, v)
+
+
 class _SegmentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, backend, meta, *kv):
         fwd, _ = _KERNELS[backend]
         merge = _OnlineMerge()
-        for idx, (causal, _, _) in enumerate(meta):
-            merge.add(*segment_forward(fwd, q, kv[2 * idx], kv[2 * idx + 1], causal, scale))
+        for idx, (causal, _, _, host) in enumerate(meta):
+            k, v = on_device(kv[2 * idx], kv[2 * idx + 1], host, q)
+            merge.add(*segment_forward(fwd, q, k, v, causal, scale))
+            del k, v  # a staged block: freed before the next one is copied
         out, lse = merge.result(q.dtype)
         ctx.save_for_backward(q, out, lse, *kv)
         ctx.scale, ctx.backend, ctx.meta = scale, backend, meta
@@ -341,13 +353,14 @@ class _SegmentAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = None
         grads: list[Tensor | None] = []
-        for idx, (causal, k_sink, v_sink) in enumerate(ctx.meta):
-            k, v = kv[2 * idx], kv[2 * idx + 1]
+        for idx, (causal, k_sink, v_sink, host) in enumerate(ctx.meta):
             need_kv = k_sink is not None or ctx.needs_input_grad[4 + 2 * idx] or ctx.needs_input_grad[5 + 2 * idx]
             if not need_kv and not ctx.needs_input_grad[0]:
                 grads += [None, None]
                 continue
+            k, v = on_device(kv[2 * idx], kv[2 * idx + 1], host, q)
             dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
+            del k, v
             # the query gradient sums over every segment (a 1M prompt: 32+ blocks): accumulated in float32 for
             # bf16/fp16 queries (float64 stays float64), rounded once at the end
             dq = dq_i.to(lse.dtype) if dq is None else dq.add_(dq_i)
@@ -371,7 +384,7 @@ def _split(seg: KVSegment, size: int) -> list[KVSegment]:
         b = min(seg.length, a + size)
         out.append(KVSegment(seg.k[:, :, a:b], seg.v[:, :, a:b], False,
                              seg.k_grad[:, :, a:b] if seg.k_grad is not None else None,
-                             seg.v_grad[:, :, a:b] if seg.v_grad is not None else None))
+                             seg.v_grad[:, :, a:b] if seg.v_grad is not None else None, seg.host))
     return out
 
 
@@ -411,7 +424,7 @@ def segment_attention(
     if backend is None:
         backend = default_backend(q, max(d, segments[0].v.shape[-1]))
     kernels(backend)  # ValueError for an unknown one
-    meta = tuple((s.causal, s.k_grad, s.v_grad) for s in segments)
+    meta = tuple((s.causal, s.k_grad, s.v_grad, s.host) for s in segments)
     kv = []
     for s in segments:
         if s.k_grad is not None:  # sink segments are read-only data for autograd

@@ -37,23 +37,27 @@ def read(sink: Tensor, like: Tensor) -> Tensor:
     return sink.to(device=like.device, dtype=like.dtype)
 
 
-def offloads(state: Tensor, offload: bool) -> bool:
-    """Whether the sinks of a state held like ``state`` count as host memory apart from it: ``offload`` and the
-    state is not itself in host memory. A meta state (the planner's dry run) stands for an accelerator's: its
-    sinks stay on meta, where the dry run tracks them, and are booked as host bytes (``grad_host_nbytes``)."""
-    return offload and state.device.type != "cpu"
+def offloads(state: Tensor | torch.device, offload: bool) -> bool:
+    """Whether the sinks of a state held like ``state`` (a tensor of it, or the device it is computed on) count as
+    host memory apart from it: ``offload`` and the state is not computed in host memory. A meta state (the
+    planner's dry run) stands for an accelerator's: its sinks stay on meta, where the dry run tracks them, and are
+    booked as host bytes (``grad_host_nbytes``)."""
+    device = state if isinstance(state, torch.device) else state.device
+    return offload and device.type != "cpu"
 
 
-def sink_device(state: Tensor, offload: bool) -> torch.device:
+def sink_device(state: Tensor | torch.device, offload: bool) -> torch.device:
     """Where the sinks of a state held like ``state`` go: host memory when :func:`offloads` (but a meta state's
     stay on meta), the state's own device otherwise."""
-    if offloads(state, offload) and state.device.type != "meta":
+    device = state if isinstance(state, torch.device) else state.device
+    if offloads(device, offload) and device.type != "meta":
         return torch.device("cpu")
-    return state.device
+    return device
 
 
-def new_sink(like: Tensor, dtype: torch.dtype, offload: bool) -> Tensor:
+def new_sink(like: Tensor, dtype: torch.dtype, offload: bool, home: torch.device | None = None) -> Tensor:
     """A zeroed sink shaped like ``like`` in ``dtype``, on :func:`sink_device` (pageable host memory when
-    offloaded: the pinned allocator rounds sizes up to powers of two, up to twice the bytes)."""
-    return torch.zeros(like.shape, dtype=dtype, device=sink_device(like, offload))
+    offloaded: the pinned allocator rounds sizes up to powers of two, up to twice the bytes). ``home``: the device
+    the state is computed on, where ``like`` itself is in host memory (``GRPOConfig.offload_state``)."""
+    return torch.zeros(like.shape, dtype=dtype, device=sink_device(home or like.device, offload))
 

@@ -553,8 +553,8 @@ class Trainer:
                                    old_logprobs=g.old_logprobs, ref_logprobs=g.ref_logprobs, loss_scale=scale,
                                    prompt_state=g.prompt_state if epoch == 0 else None, meter=self._meter())
                 g.prompt_state = None
-                st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes
-                               - st.prompt_state_grad_host_bytes)  # device memory (offload_state_grad: less)
+                st_bytes = max(st_bytes, st.prompt_state_bytes + st.prompt_state_grad_bytes  # device memory
+                               - st.prompt_state_grad_host_bytes - st.prompt_state_host_bytes)  # (offloads: less)
                 peak = max(peak, max(st.peak_memory.values(), default=0))
                 kept = max(kept, (st.kept_graph_bytes, st.kept_steps))  # the graph budget's use (exact mode)
                 if id(g) not in is_active:

@@ -1,0 +1,96 @@
+"""The prompt state in host memory: page-locked buffers and the per-block copies that bring it to the device.
+
+``GRPOConfig.offload_state`` moves the attention K/V of the prompt state to host memory once the forward phases
+(prefill, rollouts) are done, so that the backward phases (branch replay, exact reverse pass) hold on the device
+only the block of keys an attention call is working on. The attention op (:mod:`longstraw.ops.attention`) and its
+context-parallel form (:mod:`longstraw.distributed.cp_attention`) attend a prefix in blocks of ``max_segment`` keys
+already; for a segment marked ``host`` they copy each block to the queries' device just before its kernel, in the
+forward and again in the backward (the autograd graph saves the host views, not device copies), and drop it after.
+
+Why page-locked memory, and why registered rather than ``Tensor.pin_memory()``: a host-to-device copy from
+page-locked memory is a DMA that runs asynchronously on the current stream (ordered before the kernels that read
+the block, no host synchronisation); from pageable memory the driver stages it through a bounce buffer at a
+fraction of the bandwidth. PyTorch's pinned-memory allocator rounds every allocation up to a power of two (up to
+twice the bytes: a 1.04 GiB layer state would take 2 GiB); :func:`host_empty` instead allocates ordinary host
+memory and page-locks exactly its bytes with ``cudaHostRegister`` (``torch.cuda.cudart()``, as PyTorch's own
+``test_cudart_register`` calls it), unregistered when the tensor is collected, after a device synchronisation so
+that no copy is in flight. Without CUDA the buffers are ordinary host memory.
+
+:func:`stage` copies a host view ``[B, H, S, D]`` whose ``[S, D]`` slabs are contiguous (a block of the
+``[1, Hkv, P, D]`` state: every head's rows are contiguous, the heads are not adjacent) slab by slab, each a plain
+DMA, into one contiguous device tensor (``Tensor.to`` would first gather a non-contiguous view into a pageable host
+temporary). On a CPU run host and device memory are one, so the engine does not offload (:func:`offloads`); the
+tests force it there, so that every copy below runs and the gradients are held equal to a run without offload. On
+the meta device (the memory planner's dry run) a staged block is a fresh meta tensor, so the dry run counts it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+__all__ = ["offloads", "host_empty", "to_host", "stage"]
+
+
+def offloads(t: Tensor) -> bool:
+    """Whether a prompt state held like ``t`` moves to host memory under ``offload_state``: on an accelerator
+    (and on meta, where the planner's dry run books it as host bytes); not when it already is in host memory."""
+    return t.device.type != "cpu"
+
+
+def _unregister(ptr: int) -> None:  # pragma: no cover - needs a GPU
+    try:
+        torch.cuda.synchronize()  # no copy from these pages may be in flight when they are unlocked
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown, driver gone: the process's pages go with it
+        pass
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An uninitialised host tensor, page-locked at exactly its size where CUDA is available (module docstring);
+    unlocked when it is collected. Keep the returned tensor itself alive while views of it are in use."""
+    t = torch.empty(shape, dtype=dtype, device="cpu")
+    nbytes = t.numel() * t.element_size()
+    if nbytes and torch.cuda.is_available():  # pragma: no cover - needs a GPU
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(getattr(rc, "value", rc)) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory for the prompt state failed "
+                               f"(error {rc}): is the process's locked-memory limit (ulimit -l) too low?")
+        weakref.finalize(t, _unregister, t.data_ptr())
+    return t
+
+
+def to_host(t: Tensor) -> Tensor:
+    """A copy of ``t`` in host memory (:func:`host_empty`); a meta tensor stays on meta (a fresh one: the dry run's
+    bookkeeping moves it, the planner books it as host bytes). Synchronous: once, when the state moves."""
+    if t.device.type == "meta":
+        return torch.empty_like(t)
+    out = host_empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def _slabs(t: Tensor) -> int:
+    """How many leading dims to loop over so that each remaining slab of ``t`` is contiguous."""
+    for lead in range(t.dim() + 1):
+        if t[(0,) * lead].is_contiguous() if t.numel() else True:
+            return lead
+    return t.dim()  # pragma: no cover - a 0-d slab is always contiguous
+
+
+def stage(t: Tensor, device: torch.device) -> Tensor:
+    """A contiguous copy of the host view ``t`` on ``device`` (module docstring): one asynchronous copy per
+    contiguous slab (from page-locked memory a DMA on the current stream, ordered before the kernels that read
+    it). On meta a fresh tensor of the same shape (the dry run counts it); on a CPU run (tests) a real copy."""
+    if t.device.type == "meta" or device.type == "meta":
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    lead = _slabs(t)
+    if lead == 0:
+        out.copy_(t, non_blocking=True)
+        return out
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in t.shape[:lead]]).reshape(-1, lead).tolist():
+        out[tuple(idx)].copy_(t[tuple(idx)], non_blocking=True)
+    return out
