@@ -38,8 +38,8 @@ pytestmark = pytest.mark.timeout(600)
 
 ALL = ["exact", "detached", "exact_fsdp", "detached_fsdp", "qwen3_exact_ckpt", "qwen3_exact_fsdp",
        "hybrid_exact", "hybrid_detached", "hybrid_exact_fsdp_ckpt", "hybrid_generate", "score", "generate",
-       "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "hybrid_exact_offload", "exact_state_offload",
-       "hybrid_exact_state_offload", "hybrid_detached_state_offload"]
+       "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "hybrid_exact_offload",
+       "exact_state_offload", "hybrid_exact_state_offload", "hybrid_detached_state_offload"]
 FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "hybrid_detached",
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks",
         "exact_state_offload"]
