@@ -404,8 +404,10 @@ class Plan:
             out["graph_budget"] = dict(self.settings["graph_budget"])
         if "lora" in self.settings:  # a LoRA plan: what was adapted, and how ``weights`` splits
             out["lora"] = dict(self.settings["lora"])
-        if "host" in self.settings:  # offloads: host memory per device and the state gradient's traffic
+        if "host" in self.settings:  # offloads: host memory per device and the state's and its gradient's traffic
             out["host"] = dict(self.settings["host"])
+        if "phase_peaks" in self.settings:  # offload_state: the backward and the forward phases' peaks
+            out["phase_peaks"] = dict(self.settings["phase_peaks"])
         return out
 
 
@@ -510,10 +512,12 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
     if state_only:
         with meter.lb:
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
+            if cfg.offload_state:  # as grpo_backward does before the replay
+                state.offload()
             if cfg.exact:
-                state.enable_grad(offload=cfg.offload_state_grad)  # as grpo_backward does before the replay
+                state.enable_grad(offload=cfg.offload_state_grad)
             out = {"prompt_state": state.nbytes(), "grad_at_replay": state.grad_nbytes(),
-                   "grad_host": state.grad_host_nbytes()}
+                   "grad_host": state.grad_host_nbytes(), "state_host": state.host_nbytes()}
             state.release_grad()
             del state
         return out
@@ -538,6 +542,7 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         p.grad = None
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
             "grad_at_replay": marks.get("replay", 0), "grad_host": stats.prompt_state_grad_host_bytes,
+            "state_host": stats.prompt_state_host_bytes,
             # each phase's peak per segment (:func:`_segments`), keyed (phase, segment), not clipped at 0: combined
             # apart over layer samples, the largest taken by :func:`_finish`
             **{("prefill", sg): meter.transient("prompt_state", sg) for sg in meter.segment_peak["prompt_state"]},
@@ -555,6 +560,7 @@ def _finish(raw: dict[str, int]) -> dict[str, int]:
     phase = lambda *names: max([0] + [v for k, v in raw.items() if isinstance(k, tuple) and k[0] in names])  # noqa
     replay, prefill = phase("replay"), phase("prefill", "recompute")
     return {"grad_at_replay": raw["grad_at_replay"], "grad_host": raw["grad_host"], "prompt_state": raw["prompt_state"],
+            "state_host": raw["state_host"], "forward_chunk": phase("prefill"),
             "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": prefill,
             "branch_graph": max(0, replay - logits), "logits": min(logits, replay)}
 
@@ -564,8 +570,12 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_on
     """Run the engine's GRPO step (``prefill`` then ``grpo_backward``) on the meta ``model`` under ``cfg`` (a
     ``GRPOConfig``) and return the tracked bytes per phase (module docstring: one branch batch, the peak steps)."""
     out = _finish(_dry_run_raw(model, prompt_len, response_len, group, cfg, state_only))
-    return out if state_only else {k: v for k, v in out.items() if k not in ("grad_at_replay", "grad_host")}
+    return out if state_only else {k: v for k, v in out.items() if k not in _PRIVATE}
 
+
+# what a dry run tracks besides the breakdown: the state gradient's bytes at the replay and in host memory, the
+# state's bytes in host memory (offload_state), the no-grad prefill's transient (the forward phases' peak term)
+_PRIVATE = ("grad_at_replay", "grad_host", "state_host", "forward_chunk")
 
 _INDEX_ATTRS = frozenset({"layer_index", "source_index", "layer_idx"})
 
@@ -973,7 +983,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     def at(p: int, state_only: bool = False) -> dict[str, int]:
         if (p, state_only) not in cache:
             d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
-            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host"):
+            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host", "state_host"):
                 if k in d:
                     d[k] //= cp
             if "prefill_chunk" in d:  # the CP step's MLA term at this length (the search plans shorter prompts)
@@ -981,15 +991,26 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             cache[p, state_only] = {**fixed, **d}
         return cache[p, state_only]
 
+    def phase_peaks(b: dict[str, int]) -> dict[str, int]:
+        """The backward phases' peak (replay, reverse pass) and, where the state moves to host memory for them
+        (offload_state), the forward phases' (the no-grad prefill with the whole state on the device)."""
+        common = b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b.get("all_to_all", 0)
+        out = {"backward": common + b["prompt_state"] + b["prompt_state_grad"] + b.get("kept_graphs", 0)
+               + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])}
+        if b.get("state_host"):
+            out["forward"] = common + b["prompt_state"] + b["state_host"] + b["forward_chunk"]
+        return out
+
     def peak_of(b: dict[str, int]) -> int:
-        return (b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b["prompt_state"]
-                + b["prompt_state_grad"] + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
-                + b.get("kept_graphs", 0) + b.get("all_to_all", 0))
+        return max(phase_peaks(b).values())
 
     requested = graph_budget if graph_budget is not None else cfg.graph_budget_bytes
     if requested is not None and requested != "auto" and not (isinstance(requested, int) and requested >= 0):
         raise ValueError(f"graph_budget={requested!r} must be a number of bytes >= 0 or 'auto'")
     fixed_budget = int(requested) if cfg.exact and requested not in (None, "auto") else 0
+    if cfg.offload_state and requested not in (None, 0):
+        raise ValueError(f"graph_budget={requested!r} with offload_state: the kept prompt-step graphs hold the "
+                         "state's K/V on the device; plan one of the two")
 
     # Beyond T positions (two prefill chunks and one attention block) the transients no longer grow and the state
     # grows linearly (K/V per position, recurrent states per chunk), so a dry run at 2T and the state at T give
@@ -1008,11 +1029,15 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         out["prompt_state_grad"] = int(g1 + (g2 - g1) * (p - t) / t) + b2["prompt_state_grad"] - g2
         h1, h2 = b1["grad_host"], b2["grad_host"]  # the offloaded buffers: a part of the line's (allocated first)
         out["grad_host"] = int(h1 + (h2 - h1) * (p - t) / t)
+        s1, s2 = b1["state_host"], b2["state_host"]  # the moved K/V: a part of the state, linear alike
+        out["state_host"] = int(s1 + (s2 - s1) * (p - t) / t)
         return device_share(out)
 
     def device_share(b: dict[str, int]) -> dict[str, int]:
-        """``b`` with ``prompt_state_grad`` the device's share (offload_state_grad: the rest in host memory)."""
-        return {**b, "prompt_state_grad": b["prompt_state_grad"] - b["grad_host"]}
+        """``b`` with ``prompt_state_grad`` and ``prompt_state`` the device's shares in the backward phases
+        (offload_state_grad, offload_state: the rest in host memory)."""
+        return {**b, "prompt_state_grad": b["prompt_state_grad"] - b["grad_host"],
+                "prompt_state": b["prompt_state"] - b["state_host"]}
 
     def linear(p: int) -> dict[str, int]:
         out = device_share(at(p)) if p <= 2 * t else line(p)
@@ -1021,8 +1046,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         return out
 
     at_len = linear(prompt_len)
-    breakdown = {k: v for k, v in at_len.items() if k not in ("grad_at_replay", "grad_host")}
-    peak = peak_of(breakdown)
+    breakdown = {k: v for k, v in at_len.items() if k not in _PRIVATE}
+    peaks = phase_peaks(at_len)
+    peak = max(peaks.values())
     if cfg.exact and requested == "auto":
         usable_ = None if gpu_mem is None else int(gpu_mem) - reserve
         left = max(0, usable_ - peak) if usable_ is not None else 0
@@ -1037,13 +1063,25 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     usable = None if gpu_mem is None else int(gpu_mem) - reserve
     if usable is not None:
         max_len = _solve_max_len(lambda x: peak_of(linear(x)), usable, t, longest, known=(prompt_len, peak),
-                                 line_at=lambda x: peak_of(line(x)) + fixed_budget)  # the whole budget: an upper bound
+                                 line_at=lambda x: [v + fixed_budget for v in phase_peaks(line(x)).values()])
+        # (with the whole budget: an upper bound)
     settings = dict(prompt_len=prompt_len, response_len=response_len, group=group, prompt_grad=cfg.prompt_grad.value,
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
                     checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer, ep=ep,
                     assumptions=assumptions)
-    host = _host_plan(at_len["grad_host"], optimizer_host, cfg, prompt_len, group, cp)
+    if "forward" in peaks:
+        settings["phase_peaks"] = peaks
+        assumptions["prompt_state"] = (
+            f"{format_bytes(at_len['state_host'])} of the state (its attention K/V) in host memory during the replay "
+            f"and the reverse pass (offload_state), {format_bytes(breakdown['prompt_state'])} on the device; the "
+            f"forward phases (prefill, rollouts) hold all of it there, beside one no-grad prefill chunk "
+            f"({format_bytes(at_len['forward_chunk'])}): their peak {format_bytes(peaks['forward'])}, the backward "
+            f"phases' {format_bytes(peaks['backward'])}")
+    elif cfg.offload_state:
+        assumptions["prompt_state"] = ("offload_state moves nothing of this model's state (only attention K/V "
+                                       "moves; MLA latents and recurrent states stay on the device)")
+    host = _host_plan(at_len["grad_host"], optimizer_host, cfg, prompt_len, group, cp, at_len["state_host"])
     if host is not None:
         settings["host"] = host
         if host["prompt_state_grad_bytes"]:
@@ -1080,24 +1118,36 @@ def _offload_mode(value) -> str:
     return value
 
 
-def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group: int, cp: int) -> dict | None:
-    """Host memory per device (per GPU process) of the offloaded state gradient and optimiser moments, and the
-    state gradient's device <-> host traffic per GRPO step (None: nothing offloaded). Traffic: every branch batch's
-    backward adds the whole gradient in host memory (device -> host); each reverse-pass step adds the gradient of
-    the prefix before it (on average half the state: ``(steps - 1) / 2`` gradients over the walk) and reads its own
-    slice back (host -> device: one gradient over the walk). DSA layers on their sparse path add the selected rows
-    only: there it is an upper bound."""
-    if not grad_host and not optimizer_host:
+def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group: int, cp: int,
+               state_host: int = 0) -> dict | None:
+    """Host memory per device (per GPU process) of the offloaded state gradient, state K/V and optimiser moments,
+    and the state's and its gradient's device <-> host traffic per GRPO step (None: nothing offloaded).
+
+    Gradient: every branch batch's backward adds the whole gradient in host memory (device -> host); each
+    reverse-pass step adds the gradient of the prefix before it (on average half the state: ``(steps - 1) / 2``
+    gradients over the walk) and reads its own slice back (host -> device: one gradient over the walk). DSA layers
+    on their sparse path add the selected rows only: there it is an upper bound.
+
+    State (offload_state): every attention call reads its prefix from host memory, block by block: a branch batch
+    reads the whole K/V in its forward and again in its backward (and once more where ``checkpoint_layers``
+    recomputes the layers); each reverse-pass step reads the prefix before it in its recomputed forward and in its
+    backward (once more with ``checkpoint_layers``, which runs the step's layers without a graph first)."""
+    if not grad_host and not optimizer_host and not state_host:
         return None
     steps = -(-(prompt_len - 1) // (cp * cfg.prefill_chunk))
     batches = -(-group // cfg.branch_batch)
     replay = batches * grad_host
     reverse_d2h = grad_host * max(0, steps - 1) // 2
-    return {"prompt_state_grad_bytes": int(grad_host), "optimizer_bytes": int(optimizer_host),
-            "total_bytes": int(grad_host + optimizer_host),
-            "state_grad_traffic_bytes": {"replay_device_to_host": int(replay),
-                                         "reverse_device_to_host": int(reverse_d2h),
-                                         "reverse_host_to_device": int(grad_host)}}
+    reads = 3 if cfg.checkpoint_layers else 2
+    out = {"prompt_state_grad_bytes": int(grad_host), "optimizer_bytes": int(optimizer_host),
+           "prompt_state_bytes": int(state_host), "total_bytes": int(grad_host + optimizer_host + state_host),
+           "state_grad_traffic_bytes": {"replay_device_to_host": int(replay),
+                                        "reverse_device_to_host": int(reverse_d2h),
+                                        "reverse_host_to_device": int(grad_host)}}
+    out["state_traffic_bytes"] = {"replay_host_to_device": int(batches * reads * state_host),
+                                  "reverse_host_to_device": int(reads * state_host * max(0, steps - 1) // 2)
+                                  if cfg.exact else 0}
+    return out
 
 
 def _cp_piece(prompt_len: int, cp: int, chunk: int) -> int:
@@ -1198,7 +1248,9 @@ def kept_graph_plan(model, prompt_len: int, chunk: int, step_graph: int, budget:
 def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int, int] | None = None,
                    line_at=None) -> int:
     """Largest prompt length ``<= longest`` (the model's positions) whose peak fits ``limit``: exact on the line
-    beyond ``2t`` (see ``plan``; ``line_at``: the line's peak, default ``peak_at``), below it by a safeguarded
+    beyond ``2t`` (see ``plan``; ``line_at``: the line's peak, default ``peak_at``, or a list of peaks, one per
+    phase, each linear in the length there, whose largest is the peak: each phase crosses the limit on its own
+    line), below it by a safeguarded
     interpolation search over dry runs to 1% (the answer fits, 1% more does not or is ``longest``); 0 if none
     fits. ``known = (p, peak(p))``, the plan's own length: when it is already over the limit, the answer lies below
     it and no dry run longer than ``p`` is needed."""
@@ -1210,11 +1262,10 @@ def _solve_max_len(peak_at, limit: float, t: int, longest: int, known: tuple[int
             return longest
         lo, hi = 2, longest
     else:
-        y1, y2 = line_at(t), line_at(2 * t)
-        if y2 <= limit:
-            if y2 <= y1:
-                return longest  # nothing grows with the prompt: only the model's positions set a limit
-            return min(longest, int(2 * t + (limit - y2) * t / (y2 - y1)))
+        lines = list(zip(*(v if isinstance(v, (list, tuple)) else [v] for v in (line_at(t), line_at(2 * t)))))
+        if all(y2 <= limit for _, y2 in lines):
+            # a phase whose peak does not grow with the prompt sets no limit; the model's positions may
+            return min([longest] + [int(2 * t + (limit - y2) * t / (y2 - y1)) for y1, y2 in lines if y2 > y1])
         lo, hi = 2, 2 * t  # peak(lo) <= limit < peak(hi), or no prompt fits
     if known is not None and known[1] <= limit:
         lo = max(lo, known[0])
@@ -1317,6 +1368,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-state-grad", action="store_true",
                    help="exact mode: the prompt state's float32 gradient (attention K/V, MLA latents) in host memory "
                         "(GRPOConfig.offload_state_grad); the plan gives the host bytes and the traffic per step")
+    p.add_argument("--offload-state", action="store_true",
+                   help="the prompt state's attention K/V in host memory for the replay and the reverse pass, copied "
+                        "to the device one block at a time (GRPOConfig.offload_state; MLA latents and recurrent "
+                        "states stay); the forward phases still hold the whole state; the plan gives both phases' "
+                        "peaks, the host bytes and the traffic per step")
     p.add_argument("--lora-rank", default=None, metavar="R",
                    help="plan a LoRA run: adapters of rank R, the base frozen (weights only, in --dtype)")
     p.add_argument("--lora-alpha", default=None, metavar="A",
@@ -1346,7 +1402,9 @@ def explain(res: Plan) -> dict[str, str]:
                     "gradient before its reduction"
                     if "FSDP" in a["parameters"] else "autocast's compute-dtype copy of one layer"
                     if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
-        "prompt_state": f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state",
+        "prompt_state": (f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state")
+                        + ("; its attention K/V in host memory during the replay and the reverse pass (offload_state)"
+                           if st.get("host", {}).get("prompt_state_bytes") else ""),
         "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)"
                              + (" on the device; the rest in host memory (offload_state_grad)"
                                 if st.get("host", {}).get("prompt_state_grad_bytes") else ""),
@@ -1470,7 +1528,8 @@ def plan_from_args(args) -> int:
         raise ValueError("--offload-state-grad moves the exact mode's state gradient to host memory: it needs "
                          "--prompt-grad exact")
     gcfg = GRPOConfig(prompt_grad=args.prompt_grad, prefill_chunk=args.prefill_chunk, branch_batch=args.branch_batch,
-                      checkpoint_layers=args.checkpoint_layers, offload_state_grad=args.offload_state_grad)
+                      checkpoint_layers=args.checkpoint_layers, offload_state_grad=args.offload_state_grad,
+                      offload_state=args.offload_state)
     gpu_mem = parse_gpu_mem(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
     reserve = 0
     if gpu_mem is not None:
@@ -1513,15 +1572,26 @@ def plan_from_args(args) -> int:
         if k == "weights" and lo is not None:
             for label, b, text in lora_lines(res):
                 print(f"    {label:<16} {format_bytes(b):>12}   {text}")
-    print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   weights + grads + optimizer + gathered + "
-          "prompt_state + prompt_state_grad + max(prefill_chunk, branch_graph + logits) + kept_graphs"
-          + (" + all_to_all" if "all_to_all" in res.breakdown else ""))
+    a2a = " + all_to_all" if "all_to_all" in res.breakdown else ""
+    backward = ("weights + grads + optimizer + gathered + prompt_state + prompt_state_grad + max(prefill_chunk, "
+                f"branch_graph + logits) + kept_graphs{a2a}")
+    peaks = res.settings.get("phase_peaks")
+    if peaks is None:
+        print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   {backward}")
+    else:
+        print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   the larger of the backward phases' "
+              f"{format_bytes(peaks['backward'])} ({backward}) and the forward phases' {format_bytes(peaks['forward'])} "
+              f"(weights + grads + optimizer + gathered{a2a} + the whole prompt state + one no-grad prefill chunk)")
     host = res.settings.get("host")
     if host is not None:
-        tr = host["state_grad_traffic_bytes"]
-        parts = [f"{label} {format_bytes(host[k])}" for k, label in (("prompt_state_grad_bytes", "state gradient"),
+        tr, ts = host["state_grad_traffic_bytes"], host["state_traffic_bytes"]
+        parts = [f"{label} {format_bytes(host[k])}" for k, label in (("prompt_state_bytes", "state K/V"),
+                                                                      ("prompt_state_grad_bytes", "state gradient"),
                                                                       ("optimizer_bytes", "AdamW state")) if host[k]]
         print(f"host memory per device: {format_bytes(host['total_bytes'])} ({', '.join(parts)})"
+              + (f"; state K/V traffic per step: {format_bytes(ts['replay_host_to_device'])} host->device in the "
+                 f"replay, {format_bytes(ts['reverse_host_to_device'])} in the reverse pass"
+                 if host["prompt_state_bytes"] else "")
               + (f"; state gradient traffic per step: {format_bytes(tr['replay_device_to_host'])} device->host in "
                  f"the replay, {format_bytes(tr['reverse_device_to_host'])} device->host and "
                  f"{format_bytes(tr['reverse_host_to_device'])} host->device in the reverse pass"

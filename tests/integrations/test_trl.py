@@ -189,8 +189,11 @@ def test_detached_prompt_differs_only_by_the_prompt_path(tiny_dir, tmp_path):
 
 
 def test_offloaded_state_gradient_gives_the_same_gradients(tiny_dir, tmp_path):
-    """offload_state_grad=True (the state's gradient in host memory on a GPU) is a keyword; on the CPU the same
-    gradients as without it, every sink access through ops/sinks.py (tests/sink_guard.py)."""
+    """offload_state_grad=True (the state's gradient in host memory on a GPU) and offload_state=True (its K/V) are
+    keywords; on the CPU the same gradients as without them, every sink access through ops/sinks.py
+    (tests/sink_guard.py), every read of the moved K/V through ops/host_memory.py (tests/host_guard.py, which forces
+    the move on the CPU)."""
+    from host_guard import guarded_host
     from sink_guard import guarded_sinks
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
@@ -203,6 +206,13 @@ def test_offloaded_state_gradient_gives_the_same_gradients(tiny_dir, tmp_path):
     with guarded_sinks() as touched:
         _, g = _ours_grads(off, batch)
     assert touched and set(g) == set(g_ref)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=0)
+    moved = LongStrawGRPOTrainer(args=_args(tmp_path / "d"), offload_state=True, **common)
+    assert moved.engine_config.offload_state
+    with guarded_host() as read:
+        _, g = _ours_grads(moved, batch)
+    assert read and set(g) == set(g_ref)
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=0)
     with pytest.raises(ValueError, match="with prompt_grad='detached' there is none"):
@@ -433,7 +443,7 @@ def test_accepts_every_argument_of_trl_grpo_trainer():
     assert all(ours[n].default == p.default for n, p in stock.items())
     extra = list(ours)[len(stock):]
     assert extra == ["prompt_grad", "prefill_chunk", "branch_batch", "logprob_chunk", "offload_state_grad",
-                     "graph_budget_bytes"]
+                     "graph_budget_bytes", "offload_state"]
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra) and ours["prompt_grad"].default == "exact"
 
 

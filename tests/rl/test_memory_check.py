@@ -67,11 +67,12 @@ def test_run_that_does_not_fit_warns_with_advice(tmp_path):
 
 
 def test_host_offloads_free_nothing_on_a_cpu_device(tmp_path):
-    """optim.offload and algorithm.offload_state_grad move buffers to host memory: on a CPU device that is the same
-    memory, so the check plans them where they are (the planner alone would book them off the device)."""
+    """optim.offload, algorithm.offload_state_grad and offload_state move buffers to host memory: on a CPU device
+    that is the same memory, so the check plans them where they are (the planner alone would book them off the
+    device)."""
     tr = Trainer(_cfg(tmp_path / "a", 'train.memory_limit="4G"'), echo=lambda *_: None)
     off = Trainer(_cfg(tmp_path / "b", 'train.memory_limit="4G"', "algorithm.offload_state_grad=true",
-                       'optim.offload="moments"'), echo=lambda *_: None)
+                       "algorithm.offload_state=true", 'optim.offload="moments"'), echo=lambda *_: None)
     assert off.memory.peak_bytes == tr.memory.peak_bytes and off.memory.breakdown == tr.memory.breakdown
     assert tr.memory.breakdown["prompt_state_grad"] > 0 and tr.memory.breakdown["optimizer"] > 0
 
@@ -119,3 +120,22 @@ def test_on_a_gpu_the_limit_is_its_memory_less_the_planners_reserve(tmp_path, mo
     assert "after the planner's reserve" in lines[0]
     v8 = mc.check_run_memory(cfg, hf, 160, 4, torch.device("cuda"), echo=lines.append, shard=8)
     assert v8.limit_bytes == total - device_reserve(total, 8) == v.limit_bytes - 2**30
+
+
+def test_advice_names_the_state_offloads_on_an_accelerator(tmp_path):
+    """On a GPU the advice offers moving the state gradient and the state's K/V to host memory (once each: not
+    when already set, nor the K/V with kept graphs, which hold them on the device)."""
+    from longstraw.rl.memory_check import _advice
+
+    def on_gpu(cfg):  # a run config for a CUDA device (this machine has none to validate it against)
+        object.__setattr__(cfg.model, "device", "cuda")
+        return cfg
+
+    b = dict(weights=1, grads=1, optimizer=1, gathered=0, prompt_state=5 << 20, prompt_state_grad=10 << 20,
+             prefill_chunk=1 << 20, branch_graph=1 << 10, logits=1 << 10)
+    text = " ".join(_advice(on_gpu(_cfg(tmp_path / "a")), b, {}))
+    assert "algorithm.offload_state_grad = true" in text and "algorithm.offload_state = true" in text
+    done = " ".join(_advice(on_gpu(_cfg(tmp_path / "b", "algorithm.offload_state=true",
+                                        "algorithm.offload_state_grad=true")), b, {}))
+    assert "offload_state" not in done
+    assert "offload_state =" not in " ".join(_advice(_cfg(tmp_path / "c", "algorithm.offload_state=true"), b, {}))

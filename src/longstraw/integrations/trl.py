@@ -129,7 +129,7 @@ def check_args(args) -> None:
 
 def engine_config(args, *, prompt_grad: str = "exact", prefill_chunk: int = 4096, branch_batch: int = 1,
                   logprob_chunk: int = 1024, offload_state_grad: bool = False,
-                  graph_budget_bytes: int | None = None) -> GRPOConfig:
+                  graph_budget_bytes: int | None = None, offload_state: bool = False) -> GRPOConfig:
     """The engine's :class:`longstraw.GRPOConfig` for TRL's ``args`` (checked first with :func:`check_args`).
 
     epsilon / epsilon_high -> clip_ratio_low / clip_ratio_high; delta (TRL's two-sided clip, which caps the
@@ -150,7 +150,8 @@ def engine_config(args, *, prompt_grad: str = "exact", prefill_chunk: int = 4096
                       kl_ratio_weight=bool(args.use_bias_correction_kl and args.beta),
                       temperature=float(args.temperature), compute_dtype=compute, checkpoint_layers=ckpt,
                       prefill_chunk=prefill_chunk, branch_batch=branch_batch, logprob_chunk=logprob_chunk,
-                      offload_state_grad=offload_state_grad, graph_budget_bytes=graph_budget_bytes)
+                      offload_state_grad=offload_state_grad, graph_budget_bytes=graph_budget_bytes,
+                      offload_state=offload_state)
 
 
 _DROPOUT_KEYS = ("dropout", "pdrop")
@@ -284,7 +285,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
     Takes every argument ``trl.GRPOTrainer`` takes, plus the engine's own keyword-only settings: ``prompt_grad``
     (``"exact"``, the default: gradients through the prompt; ``"detached"``: the prompt state is a constant),
     ``prefill_chunk``, ``branch_batch``, ``logprob_chunk``, ``offload_state_grad`` (exact mode: the state's
-    gradient in host memory) and ``graph_budget_bytes`` (exact mode: prompt-step graphs kept from the prefill); see
+    gradient in host memory), ``offload_state`` (the state's attention K/V in host memory for the backward passes)
+    and ``graph_budget_bytes`` (exact mode: prompt-step graphs kept from the prefill); see
     :class:`longstraw.GRPOConfig`. An optimiser passed in ``optimizers`` (built over the transformers model's
     parameters, as for ``trl.GRPOTrainer``) is moved onto the LongStraw model's parameters of the same names.
 
@@ -298,7 +300,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
                  *, prompt_grad: str = "exact", prefill_chunk: int = 4096, branch_batch: int = 1,
-                 logprob_chunk: int = 1024, offload_state_grad: bool = False, graph_budget_bytes: int | None = None):
+                 logprob_chunk: int = 1024, offload_state_grad: bool = False, graph_budget_bytes: int | None = None,
+                 offload_state: bool = False):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = trl.GRPOConfig(f"{Path(str(name)).name}-GRPO")
@@ -306,7 +309,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         self.engine_config = engine_config(args, prompt_grad=prompt_grad, prefill_chunk=prefill_chunk,
                                            branch_batch=branch_batch, logprob_chunk=logprob_chunk,
                                            offload_state_grad=offload_state_grad,
-                                           graph_budget_bytes=graph_budget_bytes)
+                                           graph_budget_bytes=graph_budget_bytes, offload_state=offload_state)
         lora = None if peft_config is None else lora_settings_of(peft_config)
         if lora is not None:
             _check_lora_training(lora, args, self.engine_config, optimizers)

@@ -44,6 +44,11 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
         out.append(f"algorithm.offload_state_grad = true (the state gradient, {_fmt(b['prompt_state_grad'])} less "
                    "its recurrent part, in host memory; the exact gradient unchanged, at the price of device-host "
                    "copies: `longstraw plan --offload-state-grad` gives the traffic)")
+    if b["prompt_state"] and not g.offload_state and not g.graph_budget_bytes and not cfg.model.device.startswith(
+            "cpu"):
+        out.append(f"algorithm.offload_state = true (the state's attention K/V, up to {_fmt(b['prompt_state'])}, in "
+                   "host memory for the replay and the reverse pass; the forward phases still hold it all, and each "
+                   "attention call copies its blocks in: `longstraw plan --offload-state` gives both peaks)")
     if b["prompt_state_grad"]:
         out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
                    "and the reverse pass; the gradient no longer flows through the prompt)")
@@ -92,13 +97,13 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     context parallelism without sharded parameters): an upper bound. ``lora``: the run trains LoRA adapters (a
     ``models.lora.LoraSettings`` or a dict of ``add_lora``'s arguments, passed to the planner as ``plan(lora=)``:
     the frozen base then counts as weights only, the adapters with their gradients and moments). On a CPU device
-    host memory is the device's: what ``optim.offload`` and ``algorithm.offload_state_grad`` move there still
-    counts.
+    host memory is the device's: what ``optim.offload``, ``algorithm.offload_state_grad`` and
+    ``algorithm.offload_state`` move there still counts.
     """
     t, a, g = cfg.train, cfg.algorithm, grpo_config(cfg)
     on_host = device.type == "cpu"  # offloading to host memory frees nothing of a CPU device's
-    if on_host and g.offload_state_grad:
-        g = replace(g, offload_state_grad=False)
+    if on_host and (g.offload_state_grad or g.offload_state):
+        g = replace(g, offload_state_grad=False, offload_state=False)
     if t.memory_check == "off":
         return None
     limit = parse_bytes(t.memory_limit, "train.memory_limit") if t.memory_limit else device_memory(device)[0]

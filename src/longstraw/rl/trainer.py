@@ -397,6 +397,10 @@ class Trainer:
             return 0
         if a.graph_budget != "auto":
             return g.graph_budget_bytes or 0
+        if g.offload_state:
+            self.echo("algorithm.graph_budget = \"auto\": no prompt-step graphs kept with algorithm.offload_state = "
+                      "true (kept graphs would hold the state's K/V on the device)")
+            return 0
         m = self.memory
         if m is None or m.limit_bytes is None:
             self.echo("algorithm.graph_budget = \"auto\": no memory limit known (train.memory_check = \"off\" or "
