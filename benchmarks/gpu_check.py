@@ -186,13 +186,16 @@ def _decode_check(model, dev, prompt, ref_model, chunk: int) -> dict:
 
 
 MODES = ("exact", "detached")
-DEVICE_MODES = MODES + ("exact_offload",)  # exact with the state gradient in host memory: held to exact's reference
+# exact with the state gradient and the state's K/V in host memory (offload_state_grad, offload_state): held to
+# exact's reference
+DEVICE_MODES = MODES + ("exact_offload",)
 
 
 def _logits_and_grads(model, dev, prompt, responses, adv, chunk, modes=MODES) -> dict:
     """Logits of the whole first sequence and the gradients of one group in each of ``modes``, on ``dev``
-    (``exact_offload``: ``GRPOConfig(offload_state_grad=True)``, on a GPU the sinks in host memory; its
-    ``exact_offload_host_bytes`` says how many bytes were)."""
+    (``exact_offload``: ``GRPOConfig(offload_state_grad=True, offload_state=True)``, on a GPU the sinks and the
+    attention K/V in host memory; its ``exact_offload_host_bytes`` and ``exact_offload_state_host_bytes`` say how
+    many bytes were)."""
     import torch
 
     import longstraw
@@ -205,11 +208,12 @@ def _logits_and_grads(model, dev, prompt, responses, adv, chunk, modes=MODES) ->
         for p in model.parameters():
             p.grad = None
         cfg = longstraw.GRPOConfig(prompt_grad=mode.split("_")[0], prefill_chunk=chunk, clip_ratio_c=None,
-                                   offload_state_grad=mode == "exact_offload")
+                                   offload_state_grad=mode == "exact_offload", offload_state=mode == "exact_offload")
         st = longstraw.grpo_backward(model, prompt.to(dev), [r.to(dev) for r in responses], adv.to(dev), cfg)
         out[mode] = _grads(model)
         out[f"{mode}_kernel"] = st.delta_rule_kernel
         out[f"{mode}_host_bytes"] = st.prompt_state_grad_host_bytes
+        out[f"{mode}_state_host_bytes"] = st.prompt_state_host_bytes
     for p in model.parameters():
         p.grad = None
     return out
@@ -219,6 +223,7 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
     import torch
 
     import longstraw
+    from longstraw.models.attention import Attention
 
     if dev.type == "cuda":  # the float32 check means IEEE float32: no TF32 in matmuls or cuDNN convolutions
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -285,9 +290,13 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                                    "missing": missing}
                     held = per[worst][0] if dtype_name == "float32" else total
                     ok = ok and held <= tol["grads"] and not missing
-                # on a GPU the offloaded run must really have held its state gradient in host memory
+                # on a GPU the offloaded run must really have held its state gradient in host memory, and the
+                # attention K/V of the families that have them (MLA latents and recurrent states stay)
                 entry["exact_offload"]["host_bytes"] = got["exact_offload_host_bytes"]
-                ok = ok and (dev.type == "cpu" or got["exact_offload_host_bytes"] > 0)
+                entry["exact_offload"]["state_host_bytes"] = got["exact_offload_state_host_bytes"]
+                kv = any(isinstance(layer.mixer, Attention) for layer in model.layers)
+                ok = ok and (dev.type == "cpu" or (got["exact_offload_host_bytes"] > 0
+                                                   and (got["exact_offload_state_host_bytes"] > 0) == kv))
                 entry["decode"] = _decode_check(model, dev, prompt, ref_model, args.a_chunk)
                 ok = ok and entry["decode"]["max_abs"] <= tol["decode"]
                 entry["delta_rule_kernel"] = got["exact_kernel"]
@@ -302,7 +311,8 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                 f"{entry['exact']['all_params_norm']:.1e} / {entry['exact']['norm']:.1e}, detached "
                 f"{entry['detached']['all_params_norm']:.1e} / {entry['detached']['norm']:.1e}, exact offloaded "
                 f"{entry['exact_offload']['all_params_norm']:.1e} / {entry['exact_offload']['norm']:.1e} "
-                f"({entry['exact_offload']['host_bytes']:,} B in host memory), decode "
+                f"({entry['exact_offload']['host_bytes']:,} B gradient, "
+                f"{entry['exact_offload']['state_host_bytes']:,} B K/V in host memory), decode "
                 f"{entry['decode']['max_abs']:.1e} -> "
                 f"{'pass' if entry['ok'] else 'FAIL'}" if "logits" in entry
                 and "exact" in entry else f"error {entry.get('error')}"))
@@ -364,16 +374,17 @@ def _hf_delta_rule(model, dev):
 
 def _plan_step(hf_config: dict, mode: str, prompt_len: int, response_len: int, group: int, chunk: int,
                dtype_name: str, checkpoint_layers: bool = False, gpu_mem: int | None = None,
-               offload: bool = False) -> int:
+               offload: bool = False, state_offload: bool = False) -> int:
     """The planner's peak for one measured step, as section b measures it: above the weights (no optimiser), the
     model held in ``dtype_name`` alone (no float32 masters: ``master_dtype`` = the compute dtype). With ``gpu_mem``:
-    the longest prompt that fits it instead. ``offload``: the state gradient in host memory (the device's peak).
+    the longest prompt that fits it instead. ``offload``: the state gradient in host memory (the device's peak);
+    ``state_offload``: the state's K/V too (offload_state: the larger of its two phases' peaks).
     Runs in a worker process (meta device, CPU only)."""
     import longstraw
     from longstraw.planner import plan
 
     cfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, checkpoint_layers=checkpoint_layers,
-                               offload_state_grad=offload)
+                               offload_state_grad=offload, offload_state=state_offload)
     pl = plan(hf_config, prompt_len=prompt_len, response_len=response_len, group=group, dtype=dtype_name,
               master_dtype=dtype_name, cfg=cfg, gpu_mem=gpu_mem)
     if gpu_mem is not None:
@@ -549,9 +560,9 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             f"{n_tok / dec:,.0f} tokens/s")
 
     # ---- GRPO steps
-    def step(mode, p, g, ckpt=False, offload=False) -> dict:
+    def step(mode, p, g, ckpt=False, offload=False, state_offload=False) -> dict:
         gcfg = longstraw.GRPOConfig(prompt_grad=mode, prefill_chunk=chunk, clip_ratio_c=None, checkpoint_layers=ckpt,
-                                    offload_state_grad=offload)
+                                    offload_state_grad=offload, offload_state=state_offload)
         prompt, responses = ids(p), [ids(rlen) for _ in range(g)]
         adv = torch.randn(g, generator=gen)
         box = {}
@@ -560,7 +571,7 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             box["stats"] = longstraw.grpo_backward(model, prompt, responses, adv, gcfg)
 
         rec = {"mode": mode, "prompt_len": p, "G": g, "response_len": rlen, "checkpoint_layers": ckpt,
-               "offload_state_grad": offload}
+               "offload_state_grad": offload, "offload_state": state_offload}
         try:
             peak, secs = measure_step(run, params, dev)
         except oom as e:
@@ -572,15 +583,17 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             rec.update(peak_bytes=peak, seconds=secs, phase_seconds=st.seconds,
                        replay_tokens_per_s=g * rlen / st.seconds["replay"] if st.seconds.get("replay") else None,
                        prompt_state_bytes=st.prompt_state_bytes, prompt_state_grad_bytes=st.prompt_state_grad_bytes,
-                       prompt_state_grad_host_bytes=st.prompt_state_grad_host_bytes, delta_rule_kernel=st.delta_rule_kernel,
+                       prompt_state_grad_host_bytes=st.prompt_state_grad_host_bytes,
+                       prompt_state_host_bytes=st.prompt_state_host_bytes, delta_rule_kernel=st.delta_rule_kernel,
                        finite=all(bool(torch.isfinite(q.grad).all()) for q in params if q.grad is not None))
             plans.submit(rec, "planned_bytes", hf_config=cfg, mode=mode, prompt_len=p, response_len=rlen, group=g,
-                         chunk=chunk, dtype_name=dtype_name, checkpoint_layers=ckpt, offload=offload)
+                         chunk=chunk, dtype_name=dtype_name, checkpoint_layers=ckpt, offload=offload,
+                         state_offload=state_offload)
         for q in params:
             q.grad = None
         box.clear()
         free()
-        tag = f"{mode}{'+ckpt' if ckpt else ''}{'+offload' if offload else ''}"
+        tag = f"{mode}{'+ckpt' if ckpt else ''}{'+offload' if offload else ''}{'+kv' if state_offload else ''}"
         if "peak_bytes" in rec:
             say(f"  b {tag:13s} P={p:>9,} G={g}: peak {rec['peak_bytes'] / 2**30:7.2f} GiB, "
                 f"{rec['seconds']:7.2f} s, "
@@ -604,9 +617,15 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
         # exact with the state gradient in host memory: the device peak it saves, the time its copies cost
         runs.append(step("exact", step_len, gmax, offload=True))
         flush()
+        # ... and the state's K/V too (offload_state): the device peak of the backward phases and the time the
+        # per-block host-to-device copies cost, exact and detached
+        runs.append(step("exact", step_len, gmax, offload=True, state_offload=True))
+        flush()
+        runs.append(step("detached", step_len, gmax, state_offload=True))
+        flush()
         for mode in ("detached", "exact"):
             same = [r for r in runs if r["mode"] == mode and not r["checkpoint_layers"]
-                    and not r["offload_state_grad"]]
+                    and not r["offload_state_grad"] and not r["offload_state"]]
             a = next((r.get("peak_bytes") for r in same if r["G"] == min(groups)), None)
             b = next((r.get("peak_bytes") for r in same if r["G"] == gmax), None)
             if a and b:

@@ -54,12 +54,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         ckpt = bool(r.get("checkpoint_layers", False))
         offload = bool(r.get("offload_state_grad", False))
+        kv = bool(r.get("offload_state", False))
         planned = gpu_check._plan_step(cfg, r["mode"], r["prompt_len"], r.get("response_len", 256), r["G"], chunk,
-                                       dtype, checkpoint_layers=ckpt, offload=offload)
-        row = {"mode": r["mode"], "checkpoint_layers": ckpt, "offload_state_grad": offload, "prompt_len": r["prompt_len"], "G": r["G"],
-               "measured_bytes": r["peak_bytes"], "planned_bytes": planned, "ratio": planned / r["peak_bytes"]}
+                                       dtype, checkpoint_layers=ckpt, offload=offload, state_offload=kv)
+        row = {"mode": r["mode"], "checkpoint_layers": ckpt, "offload_state_grad": offload, "offload_state": kv,
+               "prompt_len": r["prompt_len"], "G": r["G"], "measured_bytes": r["peak_bytes"],
+               "planned_bytes": planned, "ratio": planned / r["peak_bytes"]}
         out.append(row)
-        tag = r["mode"] + ("+ckpt" if ckpt else "") + ("+offload" if offload else "")
+        tag = r["mode"] + ("+ckpt" if ckpt else "") + ("+offload" if offload else "") + ("+kv" if kv else "")
         print(f"{tag:13s} P={r['prompt_len']:>9,} G={r['G']}: measured "
               f"{r['peak_bytes'] / 2**30:7.2f} GiB, planned {planned / 2**30:7.2f} GiB "
               f"({planned - r['peak_bytes']:+,} bytes, {planned / r['peak_bytes']:.4f}x; planned in "

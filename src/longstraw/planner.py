@@ -1580,8 +1580,9 @@ def plan_from_args(args) -> int:
         print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   {backward}")
     else:
         print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   the larger of the backward phases' "
-              f"{format_bytes(peaks['backward'])} ({backward}) and the forward phases' {format_bytes(peaks['forward'])} "
-              f"(weights + grads + optimizer + gathered{a2a} + the whole prompt state + one no-grad prefill chunk)")
+              f"{format_bytes(peaks['backward'])} ({backward}) and the forward phases' "
+              f"{format_bytes(peaks['forward'])} (weights + grads + optimizer + gathered{a2a} + the whole prompt "
+              "state + one no-grad prefill chunk)")
     host = res.settings.get("host")
     if host is not None:
         tr, ts = host["state_grad_traffic_bytes"], host["state_traffic_bytes"]
