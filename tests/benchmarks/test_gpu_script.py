@@ -66,7 +66,8 @@ def test_gpu_check_smoke(tmp_path):
                             str(tmp_path / "plans.json")], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     replanned = json.loads((tmp_path / "plans.json").read_text())
-    key = lambda r: (r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"], r.get("offload_state_grad"))  # noqa: E731
+    key = lambda r: (r["mode"], r["prompt_len"], r["G"], r["checkpoint_layers"], r.get("offload_state_grad"),  # noqa: E731
+                     r.get("offload_state"))
     planned = {key(r): r["planned_bytes"] for r in b["steps"]["runs"]}
     assert all(planned[key(r)] == r["planned_bytes"] for r in replanned if key(r) in planned)
     assert sum(key(r) in planned for r in replanned) == len(b["steps"]["runs"])
