@@ -20,6 +20,11 @@ key/value gradient is then ADDED into them in place during backward instead of b
 The shared prompt state uses this: every branch's backward adds its ``dK, dV`` straight into one prompt-state
 gradient buffer, so no O(P) temporary is allocated per branch and the stored K/V never enter an autograd graph.
 
+Segments in host memory (``KVSegment(host=True)``, ``GRPOConfig.offload_state``): each block of such a segment is
+copied to the queries' device just before its kernel and dropped after it, in the forward and again in the backward
+(the graph saves the host views), so the device holds one block of the prefix at a time
+(:mod:`longstraw.ops.host_memory`).
+
 Grouped-query attention without copying the prefix: for an unmasked segment, the ``g = Hq / Hkv`` query heads that
 share a key head are folded into the query-length axis (``[B, Hkv*g, T, D] -> [1, Hkv, B*g*T, D]`` when the segment
 is shared over the batch), so the stored K/V is read in place. Only the small causal own segment is expanded to
