@@ -291,7 +291,7 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                     held = per[worst][0] if dtype_name == "float32" else total
                     ok = ok and held <= tol["grads"] and not missing
                 # on a GPU the offloaded run must really have held its state gradient in host memory, and the
-                # attention K/V of the families that have them (MLA latents and recurrent states stay)
+                # attention K/V of the families that have them (MLA latents stay)
                 entry["exact_offload"]["host_bytes"] = got["exact_offload_host_bytes"]
                 entry["exact_offload"]["state_host_bytes"] = got["exact_offload_state_host_bytes"]
                 kv = any(isinstance(layer.mixer, Attention) for layer in model.layers)

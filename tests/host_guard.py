@@ -15,8 +15,12 @@ import sys
 
 import torch
 
+import longstraw.distributed.cp_recurrent as cp_recurrent
+import longstraw.models.deltanet as deltanet
 import longstraw.ops.host_memory as host_memory
 import longstraw.state as state
+
+_MOVERS = (state, deltanet, cp_recurrent)  # the modules that move a state to host memory
 
 _FREE = {"__get__", "__getitem__", "view", "numel", "element_size", "size", "dim", "is_contiguous", "__len__",
          "data_ptr", "untyped_storage", "apply", "__repr__", "__format__", "_is_view", "is_floating_point", "detach",
@@ -59,9 +63,11 @@ def guarded_host():
     """Within: ``offload_state`` moves a CPU state too, into :class:`GuardedHost` tensors. Yields the list of ops
     that went through ``ops/host_memory.py``."""
     GuardedHost.touched = []
-    saved = state.offloads_state, state.to_host
-    state.offloads_state, state.to_host = (lambda t: True), _guarded_to_host
+    saved = [(m.offloads_state, m.to_host) for m in _MOVERS]
+    for m in _MOVERS:
+        m.offloads_state, m.to_host = (lambda t: True), _guarded_to_host
     try:
         yield GuardedHost.touched
     finally:
-        state.offloads_state, state.to_host = saved
+        for m, (o, t) in zip(_MOVERS, saved):
+            m.offloads_state, m.to_host = o, t

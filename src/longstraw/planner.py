@@ -512,12 +512,14 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
     if state_only:
         with meter.lb:
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
+            host_fwd = state.host_nbytes()  # offload_state: moved during the prefill already
             if cfg.offload_state:  # as grpo_backward does before the replay
                 state.offload()
             if cfg.exact:
                 state.enable_grad(offload=cfg.offload_state_grad)
             out = {"prompt_state": state.nbytes(), "grad_at_replay": state.grad_nbytes(),
-                   "grad_host": state.grad_host_nbytes(), "state_host": state.host_nbytes()}
+                   "grad_host": state.grad_host_nbytes(), "state_host": state.host_nbytes(),
+                   "state_host_fwd": host_fwd}
             state.release_grad()
             del state
         return out
@@ -528,7 +530,7 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
     with meter.lb, _segments(model, meter.lb, roles):
         with meter.phase("prompt_state"):
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
-        state_bytes = state.nbytes()
+        state_bytes, host_fwd = state.nbytes(), state.host_nbytes()
         if cfg.exact and PEAK_STEPS_ONLY:
             state.chunks = peak_steps(state.chunks)
         meter.on_start = lambda name, st=state: marks.setdefault(name, st.grad_nbytes())
@@ -542,7 +544,7 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         p.grad = None
     return {"prompt_state": state_bytes, "prompt_state_grad": stats.prompt_state_grad_bytes,
             "grad_at_replay": marks.get("replay", 0), "grad_host": stats.prompt_state_grad_host_bytes,
-            "state_host": stats.prompt_state_host_bytes,
+            "state_host": stats.prompt_state_host_bytes, "state_host_fwd": host_fwd,
             # each phase's peak per segment (:func:`_segments`), keyed (phase, segment), not clipped at 0: combined
             # apart over layer samples, the largest taken by :func:`_finish`
             **{("prefill", sg): meter.transient("prompt_state", sg) for sg in meter.segment_peak["prompt_state"]},
@@ -560,7 +562,8 @@ def _finish(raw: dict[str, int]) -> dict[str, int]:
     phase = lambda *names: max([0] + [v for k, v in raw.items() if isinstance(k, tuple) and k[0] in names])  # noqa
     replay, prefill = phase("replay"), phase("prefill", "recompute")
     return {"grad_at_replay": raw["grad_at_replay"], "grad_host": raw["grad_host"], "prompt_state": raw["prompt_state"],
-            "state_host": raw["state_host"], "forward_chunk": phase("prefill"),
+            "state_host": raw["state_host"], "state_host_fwd": raw["state_host_fwd"],
+            "forward_chunk": phase("prefill"),
             "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": prefill,
             "branch_graph": max(0, replay - logits), "logits": min(logits, replay)}
 
@@ -575,7 +578,7 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_on
 
 # what a dry run tracks besides the breakdown: the state gradient's bytes at the replay and in host memory, the
 # state's bytes in host memory (offload_state), the no-grad prefill's transient (the forward phases' peak term)
-_PRIVATE = ("grad_at_replay", "grad_host", "state_host", "forward_chunk")
+_PRIVATE = ("grad_at_replay", "grad_host", "state_host", "state_host_fwd", "forward_chunk")
 
 _INDEX_ATTRS = frozenset({"layer_index", "source_index", "layer_idx"})
 
@@ -983,7 +986,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     def at(p: int, state_only: bool = False) -> dict[str, int]:
         if (p, state_only) not in cache:
             d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
-            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host", "state_host"):
+            for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host", "state_host",
+                      "state_host_fwd"):
                 if k in d:
                     d[k] //= cp
             if "prefill_chunk" in d:  # the CP step's MLA term at this length (the search plans shorter prompts)
@@ -997,8 +1001,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         common = b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b.get("all_to_all", 0)
         out = {"backward": common + b["prompt_state"] + b["prompt_state_grad"] + b.get("kept_graphs", 0)
                + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])}
-        if b.get("state_host"):
-            out["forward"] = common + b["prompt_state"] + b["state_host"] + b["forward_chunk"]
+        if b.get("state_host"):  # the whole state less what the prefill moved already (DeltaNet boundaries)
+            out["forward"] = (common + b["prompt_state"] + b["state_host"] - b["state_host_fwd"]
+                              + b["forward_chunk"])
         return out
 
     def peak_of(b: dict[str, int]) -> int:
@@ -1029,8 +1034,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         out["prompt_state_grad"] = int(g1 + (g2 - g1) * (p - t) / t) + b2["prompt_state_grad"] - g2
         h1, h2 = b1["grad_host"], b2["grad_host"]  # the offloaded buffers: a part of the line's (allocated first)
         out["grad_host"] = int(h1 + (h2 - h1) * (p - t) / t)
-        s1, s2 = b1["state_host"], b2["state_host"]  # the moved K/V: a part of the state, linear alike
-        out["state_host"] = int(s1 + (s2 - s1) * (p - t) / t)
+        for k in ("state_host", "state_host_fwd"):  # the moved K/V and boundaries: parts of the state, linear alike
+            s1, s2 = b1[k], b2[k]
+            out[k] = int(s1 + (s2 - s1) * (p - t) / t)
         return device_share(out)
 
     def device_share(b: dict[str, int]) -> dict[str, int]:
@@ -1072,16 +1078,20 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     assumptions=assumptions)
     if "forward" in peaks:
         settings["phase_peaks"] = peaks
+        early = at_len["state_host_fwd"]
         assumptions["prompt_state"] = (
-            f"{format_bytes(at_len['state_host'])} of the state (its attention K/V) in host memory during the replay "
-            f"and the reverse pass (offload_state), {format_bytes(breakdown['prompt_state'])} on the device; the "
-            f"forward phases (prefill, rollouts) hold all of it there, beside one no-grad prefill chunk "
-            f"({format_bytes(at_len['forward_chunk'])}): their peak {format_bytes(peaks['forward'])}, the backward "
-            f"phases' {format_bytes(peaks['backward'])}")
+            f"{format_bytes(at_len['state_host'])} of the state (its attention K/V"
+            + (", the DeltaNet layers' chunk-boundary states" if early else "") + ") in host memory during the "
+            f"replay and the reverse pass (offload_state), {format_bytes(breakdown['prompt_state'])} on the device; "
+            "the forward phases (prefill, rollouts) hold the rest there"
+            + (f" (the boundary states, {format_bytes(early)}, leave as the prefill supersedes them)" if early else "")
+            + f", beside one no-grad prefill chunk ({format_bytes(at_len['forward_chunk'])}): their peak "
+            f"{format_bytes(peaks['forward'])}, the backward phases' {format_bytes(peaks['backward'])}")
     elif cfg.offload_state:
-        assumptions["prompt_state"] = ("offload_state moves nothing of this model's state (only attention K/V "
-                                       "moves; MLA latents and recurrent states stay on the device)")
-    host = _host_plan(at_len["grad_host"], optimizer_host, cfg, prompt_len, group, cp, at_len["state_host"])
+        assumptions["prompt_state"] = ("offload_state moves nothing of this model's state (attention K/V and "
+                                       "DeltaNet chunk-boundary states move; MLA latents stay on the device)")
+    host = _host_plan(at_len["grad_host"], optimizer_host, cfg, prompt_len, group, cp, at_len["state_host"],
+                      at_len["state_host_fwd"])
     if host is not None:
         settings["host"] = host
         if host["prompt_state_grad_bytes"]:
@@ -1119,7 +1129,7 @@ def _offload_mode(value) -> str:
 
 
 def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group: int, cp: int,
-               state_host: int = 0) -> dict | None:
+               state_host: int = 0, state_host_fwd: int = 0) -> dict | None:
     """Host memory per device (per GPU process) of the offloaded state gradient, state K/V and optimiser moments,
     and the state's and its gradient's device <-> host traffic per GRPO step (None: nothing offloaded).
 
@@ -1128,7 +1138,9 @@ def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group:
     gradients over the walk) and reads its own slice back (host -> device: one gradient over the walk). DSA layers
     on their sparse path add the selected rows only: there it is an upper bound.
 
-    State (offload_state): every attention call reads its prefix from host memory, block by block: a branch batch
+    State (offload_state; ``state_host_fwd`` of it moved during the prefill already, the DeltaNet layers' chunk
+    boundaries, each read back once by the reverse pass): every attention call reads its prefix from host memory,
+    block by block: a branch batch
     reads the whole K/V in its forward and again in its backward (and once more where ``checkpoint_layers``
     recomputes the layers); each reverse-pass step reads the prefix before it in its recomputed forward and in its
     backward (once more with ``checkpoint_layers``, which runs the step's layers without a graph first)."""
@@ -1140,7 +1152,8 @@ def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group:
     reverse_d2h = grad_host * max(0, steps - 1) // 2
     reads = 3 if cfg.checkpoint_layers else 2
     out = {"prompt_state_grad_bytes": int(grad_host), "optimizer_bytes": int(optimizer_host),
-           "prompt_state_bytes": int(state_host), "total_bytes": int(grad_host + optimizer_host + state_host),
+           "prompt_state_bytes": int(state_host), "prompt_state_prefill_bytes": int(state_host_fwd),
+           "total_bytes": int(grad_host + optimizer_host + state_host),
            "state_grad_traffic_bytes": {"replay_device_to_host": int(replay),
                                         "reverse_device_to_host": int(reverse_d2h),
                                         "reverse_host_to_device": int(grad_host)}}
@@ -1370,9 +1383,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "(GRPOConfig.offload_state_grad); the plan gives the host bytes and the traffic per step")
     p.add_argument("--offload-state", action="store_true",
                    help="the prompt state's attention K/V in host memory for the replay and the reverse pass, copied "
-                        "to the device one block at a time (GRPOConfig.offload_state; MLA latents and recurrent "
-                        "states stay); the forward phases still hold the whole state; the plan gives both phases' "
-                        "peaks, the host bytes and the traffic per step")
+                        "to the device one block at a time, and exact mode's DeltaNet chunk-boundary states from the "
+                        "prefill on (GRPOConfig.offload_state; MLA latents stay); the forward phases still hold the "
+                        "K/V; the plan gives both phases' peaks, the host bytes and the traffic per step")
     p.add_argument("--lora-rank", default=None, metavar="R",
                    help="plan a LoRA run: adapters of rank R, the base frozen (weights only, in --dtype)")
     p.add_argument("--lora-alpha", default=None, metavar="A",

@@ -17,9 +17,10 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
     in host memory while the state is on an accelerator (``GRPOConfig.offload_state_grad``, ``ops/sinks.py``);
 ``nbytes()`` / ``grad_nbytes()`` / ``grad_host_nbytes()``
     memory of the stored state, of its gradient buffers, and of those among them held in host memory;
-``offload()`` / ``host_nbytes()`` (optional: the kinds that can)
-    move the stored state itself to host memory for the backward phases (``GRPOConfig.offload_state``; attention
-    K/V so far) and the bytes of it held there;
+``offload()`` / ``offload_history()`` / ``host_nbytes()`` (optional: the kinds that can)
+    move the stored state itself to host memory for the backward phases (``GRPOConfig.offload_state``: attention
+    K/V, a DeltaNet layer's chunk-boundary states), move what only the reverse pass reads again there already
+    during the prefill, and the bytes of it held there;
 ``decoder(batch, max_new)``
     per-branch state for decoding ``batch`` branches together over the shared prompt state (rollouts): its
     ``prefix(step)`` is what the mixer consumes at decode step ``step`` and ``append(piece, step)`` stores the new
@@ -268,11 +269,19 @@ class PromptState:
 
     def offload(self) -> None:
         """Move every layer's state that its kind can hold in host memory there (``GRPOConfig.offload_state``:
-        the attention K/V; MLA latents and recurrent states stay where they are). Once the forward phases are
-        over: later prefix reads stream the moved state through the device block by block."""
+        the attention K/V, and a DeltaNet layer's chunk-boundary states but the latest; MLA latents stay where they
+        are). Once the forward phases are over: later prefix reads stream the moved state through the device."""
         for ls in self.layers:
             if hasattr(ls, "offload"):
                 ls.offload()
+
+    def offload_history(self) -> None:
+        """Before the prefill (``GRPOConfig.offload_state``): let the layers whose kind keeps state that only the
+        reverse pass reads again (a DeltaNet layer's state at every chunk boundary) move it to host memory as the
+        prefill supersedes it."""
+        for ls in self.layers:
+            if hasattr(ls, "offload_history"):
+                ls.offload_history()
 
     def host_nbytes(self) -> int:
         """Bytes of the stored state held in host memory (:meth:`offload`; counted in ``nbytes`` too)."""

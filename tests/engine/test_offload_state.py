@@ -8,6 +8,7 @@ latents stay), with the state gradient offloaded too, in exact and detached mode
 ``benchmarks/gpu_check.py``.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -93,3 +94,54 @@ def test_the_guard_sees_a_direct_read():
 def test_config_validation(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         longstraw.GRPOConfig(**kwargs)
+
+
+def test_recurrent_boundaries_leave_as_the_prefill_supersedes_them():
+    """A DeltaNet layer's exact state keeps its state at every chunk boundary for the reverse pass: with
+    ``offload_history`` each boundary goes to host memory once the next chunk's state supersedes it (the latest
+    stays on the device: the next chunk and every branch read it), ``offload`` moves nothing more, and reading a
+    moved boundary copies it back through ``ops/host_memory.py``."""
+    from longstraw.models.deltanet import RecurrentState
+
+    st = RecurrentState(capacity=12, exact=True)
+    states = [(torch.randn(1, 6, 3, dtype=torch.float64), torch.randn(1, 2, 4, 4, dtype=torch.float64))
+              for _ in range(3)]
+    with guarded_host() as touched:
+        st.offload_history()
+        for i, piece in enumerate(states):
+            st.write(piece, 4 * i, 4 * i + 4)
+        assert st._on_host == {4, 8} and type(st.S) is torch.Tensor and st.home == torch.device("cpu")
+        assert st.host_nbytes() == 2 * sum(t.numel() * 8 for t in states[0]) and st.nbytes() > st.host_nbytes()
+        st.offload()
+        assert st._on_host == {4, 8}
+        first = st.prefix(4, False)
+        assert type(first.S) is torch.Tensor and torch.equal(first.S, states[0][1]) and "copy_" in touched
+        assert st.prefix(12, False).S is st.S  # the latest is read in place
+        with pytest.raises(AssertionError, match="outside longstraw/ops/host_memory.py"):
+            st.boundaries[8][1].sum()
+
+
+def test_a_rollout_state_moved_as_it_is_built_trains_alike():
+    """The trainer's path: ``generate(keep_state=True, exact_state=True, offload_state=True)`` moves the DeltaNet
+    boundaries during its prefill, decodes from the state on the device, and ``grpo_backward`` on that state moves
+    the K/V: the sampled tokens and the gradients equal those of the same calls without offload."""
+    _, path = _pair("qwen3_next")
+    model = longstraw.load_model(path)
+    prompt = torch.randint(0, V, (26,), generator=torch.Generator().manual_seed(5))
+    sp = longstraw.SamplingConfig(temperature=1.0, max_new_tokens=5, seed=3)
+    out = []
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        with guarded_host() if offload else contextlib.nullcontext([]) as touched:
+            ro = longstraw.generate(model, prompt, 3, sp, keep_state=True, exact_state=True, prefill_chunk=8,
+                                    offload_state=offload)
+            if offload:
+                assert ro.prompt_state.host_nbytes() > 0  # the boundaries left during the prefill
+            cfg = longstraw.GRPOConfig(prefill_chunk=8, offload_state=offload)
+            longstraw.grpo_backward(model, prompt, ro.responses, torch.tensor([1.0, -0.5, 0.2]), cfg,
+                                    old_logprobs=ro.logprobs, prompt_state=ro.prompt_state)
+        assert bool(touched) == offload
+        out.append(([r.tolist() for r in ro.responses], {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert out[0][0] == out[1][0]
+    for n, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][n], g, rtol=0, atol=1e-12)

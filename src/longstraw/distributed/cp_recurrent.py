@@ -41,6 +41,8 @@ from torch import Tensor
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_state import ShardLayout
 from longstraw.models.deltanet import RecurrentDecoder, RecurrentPrefix, RecurrentState
+from longstraw.ops.host_memory import offloads as offloads_state
+from longstraw.ops.host_memory import stage, to_host
 from longstraw.state import grad_dtype_for
 
 __all__ = ["ShardedRecurrentState"]
@@ -170,7 +172,10 @@ class ShardedRecurrentState:
     """A DeltaNet layer's prompt state under CP (see module docstring).
 
     ``final``: ``(conv, S)`` after the ``length`` positions written so far, the same on every rank. ``initial[k]``
-    (exact mode): the state before this rank's piece of step ``k`` (None before position 0).
+    (exact mode): the state before this rank's piece of step ``k`` (None before position 0). Host memory
+    (``GRPOConfig.offload_state``), as a single process's :class:`RecurrentState`: after :meth:`offload_history`
+    each step moves the earlier steps' initial states to host memory, :meth:`offload` moves them all; the reverse
+    pass copies a step's back when it starts from it.
     """
 
     def __init__(self, local: RecurrentState, layout: ShardLayout, comm: Comm):
@@ -184,11 +189,15 @@ class ShardedRecurrentState:
         self._root_grad: tuple[Tensor, Tensor] | None = None
         self._grad_peak = 0
         self.device = torch.device("cpu")
+        self.host_history = False
+        self._on_host: set[int] = set()  # steps whose initial state is in host memory
 
     # ------------------------------------------------------------------ CP steps
     def step_prefix(self, step: int, grad: bool) -> RecurrentPrefix:
         self._step = step
         if not grad:  # prefill
+            if self.host_history:  # the earlier steps' initial states are read again only by the reverse pass
+                self._to_host(range(step))
             if self.rank > 0:
                 return _PrefillPrefix(None, None, owner=self, receive=True)
             init = self.final if step > 0 else None
@@ -199,6 +208,8 @@ class ShardedRecurrentState:
         init = self.initial.get(step)
         if init is None:
             return _ReversePrefix(None, None, owner=self)
+        if step in self._on_host:  # back to the device for this step
+            init = tuple(stage(t, self.device) for t in init)
         leaves = tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in init)
         self._track(("init", step), leaves)
         return _ReversePrefix(*leaves, owner=self)  # rank 0's .grad goes to rank R-1 at the next (earlier) step
@@ -271,6 +282,25 @@ class ShardedRecurrentState:
         self.grad_dtype = None
         self._root_grad = None
         self._grad_peak = 0
+
+    def _to_host(self, steps) -> None:
+        for k in steps:
+            init = self.initial.get(k)
+            if init is None or k in self._on_host or not offloads_state(init[0]):
+                continue
+            self.initial[k] = (to_host(init[0]), to_host(init[1]))
+            self._on_host.add(k)
+
+    def offload_history(self) -> None:
+        """From now on, each prefill step moves the earlier steps' initial states to host memory."""
+        self.host_history = True
+
+    def offload(self) -> None:
+        """Move every step's initial state to host memory (where the state is on an accelerator)."""
+        self._to_host(list(self.initial))
+
+    def host_nbytes(self) -> int:
+        return sum(_nbytes(*self.initial[k]) for k in self._on_host)
 
     def nbytes(self) -> int:
         inits = sum(_nbytes(*s) for s in self.initial.values() if s is not None) if self.exact else 0

@@ -45,7 +45,8 @@ class GRPOConfig:
         recomputes only the steps that did not fit (:mod:`longstraw.engine.kept_graphs`); None / 0: none kept.
     offload_state_grad: exact mode: the prompt state's gradient buffers in host memory (``ops/sinks.py``).
     offload_state: the prompt state's attention K/V in host memory for the backward phases, streamed through the
-        device block by block (``ops/host_memory.py``).
+        device block by block, and exact mode's DeltaNet chunk-boundary states from the prefill on
+        (``ops/host_memory.py``).
     """
 
     prompt_grad: PromptGrad = field(default=PromptGrad.EXACT, metadata={"help": (
@@ -108,8 +109,9 @@ class GRPOConfig:
         "keep the prompt state's attention K/V in host memory for the replay and the reverse pass while the model "
         "runs on a GPU: it is moved there once the prefill and the rollouts are over, and every attention call "
         "copies one block of 32,768 positions of it to the device at a time (host-to-device copies of the whole "
-        "K/V per branch pass and, in exact mode, of each reverse-pass step's prefix); MLA latents and recurrent "
-        "states stay on the device; no effect on a CPU run")})
+        "K/V per branch pass and, in exact mode, of each reverse-pass step's prefix); exact mode's DeltaNet "
+        "chunk-boundary states go there during the prefill, as it supersedes them (each read back once by the "
+        "reverse pass); MLA latents stay on the device; no effect on a CPU run")})
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731

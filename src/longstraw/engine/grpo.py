@@ -44,9 +44,11 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 def build_prompt_state(model: CausalLM, prompt_ids: Tensor, cfg: GRPOConfig, exact: bool, report=None
                        ) -> PromptState:
-    """The prompt state of ``prompt_ids[:-1]`` under ``cfg``'s compute dtype and prefill chunk."""
+    """The prompt state of ``prompt_ids[:-1]`` under ``cfg``'s compute dtype and prefill chunk (with
+    ``cfg.offload_state``, what only the reverse pass reads again in host memory as the prefill supersedes it)."""
     with autocast_context(cfg, prompt_ids.device):
-        return prefill(model, prompt_ids[:-1], cfg.prefill_chunk, exact=exact, report=report)
+        return prefill(model, prompt_ids[:-1], cfg.prefill_chunk, exact=exact, report=report,
+                       offload_history=cfg.offload_state)
 
 
 @finishes_placement

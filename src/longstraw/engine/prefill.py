@@ -35,24 +35,30 @@ from longstraw.state import PromptState
 
 @torch.no_grad()
 def prefill(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, *,
-            report: Callable[[int, int], None] | None = None) -> PromptState:
+            report: Callable[[int, int], None] | None = None, offload_history: bool = False) -> PromptState:
     """ids ``[n]`` (the prompt without its last token) -> the state of those ``n`` positions.
 
     ``exact``: keep what the exact reverse pass needs. ``report(done, total)`` is called after each step.
+    ``offload_history``: what only the reverse pass reads again goes to host memory as soon as the prefill has
+    superseded it (``GRPOConfig.offload_state``: a DeltaNet layer's chunk-boundary states;
+    ``PromptState.offload_history``).
     """
-    return prefill_keeping(model, ids, chunk_size, exact, report=report)[0]
+    return prefill_keeping(model, ids, chunk_size, exact, report=report, offload_history=offload_history)[0]
 
 
 @torch.no_grad()
 def prefill_keeping(model: CausalLM, ids: Tensor, chunk_size: int, exact: bool = False, *,
                     graph_budget: int | None = None, offload_grad: bool = False,
-                    report: Callable[[int, int], None] | None = None) -> tuple[PromptState, KeptGraphs | None]:
+                    report: Callable[[int, int], None] | None = None, offload_history: bool = False
+                    ) -> tuple[PromptState, KeptGraphs | None]:
     """:func:`prefill`, and with ``graph_budget`` (bytes, exact mode) the graphs of the latest steps that fit kept
     for the reverse pass (:mod:`longstraw.engine.kept_graphs`): returns ``(state, kept)``; ``kept`` is None
     without a budget. With kept graphs the state's gradient sinks are enabled during the prefill (in host memory
     with ``offload_grad``)."""
     assert ids.dim() == 1
     state = model.placement.prompt_state(model, ids, chunk_size, exact)
+    if offload_history:
+        state.offload_history()
     steps = state.steps()
     total = model.placement.lockstep(len(steps))  # processes sharing the layers' collectives run alike
     kept = None

@@ -77,7 +77,8 @@ def _stop_string_hit(decode: Callable[[list[int]], str], ids: list[int], stops: 
 def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConfig, *,
              prompt_state: PromptState | None = None, prefill_chunk: int = 4096,
              decode: Callable[[list[int]], str] | None = None, keep_state: bool = False,
-             exact_state: bool = False, compute_dtype: str | None = None, meter: PhaseMeter | None = None) -> Rollout:
+             exact_state: bool = False, compute_dtype: str | None = None, meter: PhaseMeter | None = None,
+             offload_state: bool = False) -> Rollout:
     """Sample ``n`` responses to ``prompt_ids [P]`` from one shared prompt state.
 
     prompt_state: the state of ``prompt_ids[:-1]`` if already computed. decode: token ids -> text, needed for
@@ -85,7 +86,9 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
     (``exact_state`` builds it with what exact mode needs). compute_dtype: None or ``"bfloat16"`` / ``"float16"``:
     prefill and decoding under autocast, as the training step computes with ``GRPOConfig(compute_dtype=...)``, so
     that a reused state and the sampled log-probs are those the step would compute. meter: time, memory and
-    progress of the ``prefill`` and ``decode`` phases (:class:`~longstraw.profiling.PhaseMeter`).
+    progress of the ``prefill`` and ``decode`` phases (:class:`~longstraw.profiling.PhaseMeter`). offload_state:
+    as ``GRPOConfig.offload_state`` for the state this call prefills (a kept exact state's DeltaNet chunk
+    boundaries go to host memory as the prefill supersedes them; the K/V stay for decoding).
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n={n!r} must be an integer >= 1")
@@ -116,7 +119,8 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
                 else contextlib.nullcontext())
     if prompt_state is None:
         with meter.phase("prefill") as report, autocast:
-            prompt_state = prefill(model, prompt_ids[:-1], prefill_chunk, exact=exact_state, report=report)
+            prompt_state = prefill(model, prompt_ids[:-1], prefill_chunk, exact=exact_state, report=report,
+                                   offload_history=offload_state)
     elif prompt_state.length != p - 1:
         raise ValueError(f"prompt_state holds {prompt_state.length} positions, the prompt needs {p - 1}")
     gen = None

@@ -48,6 +48,8 @@ from torch import Tensor, nn
 from longstraw.models.norms import GatedRMSNorm
 from longstraw.ops.conv import causal_conv1d
 from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule, needs_grad, recurrent_gated_delta_rule
+from longstraw.ops.host_memory import offloads as offloads_state
+from longstraw.ops.host_memory import stage, to_host
 from longstraw.state import grad_dtype_for
 
 LAYOUTS = ("qwen3_next", "qwen3_5")
@@ -94,6 +96,11 @@ class RecurrentState:
     state after every written chunk is kept in ``boundaries`` (keyed by the chunk's end; the state at 0 is zeros and
     never stored), so that ``prefix(s)`` exists for every chunk start ``s`` of the reverse pass.
 
+    Host memory (``GRPOConfig.offload_state``): a boundary is read once more, by the reverse pass, so after
+    :meth:`offload_history` every boundary moves to host memory as soon as the next chunk's state supersedes it
+    (the prefill reads only the latest), and :meth:`offload` moves what is left but the latest (every branch reads
+    it); the reverse pass copies a boundary back to ``home`` when it starts from it.
+
     Gradients (exact mode, after ``enable_grad``): ``prefix(n, grad=True)`` hands out leaf tensors (created once
     per ``n``, in the gradient dtype) whose ``.grad`` collects dL/d(state at n) from everything that consumed them:
     the branches for ``n = P``, the recomputed chunk ``[n, e)`` otherwise. ``backward_roots(piece, s, e)`` pairs
@@ -110,6 +117,9 @@ class RecurrentState:
     grad_dtype: torch.dtype | None = None
     _leaves: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     _grad_peak: int = 0
+    host_history: bool = False  # superseded boundaries move to host memory as they are superseded
+    home: torch.device | None = None  # the device the state is computed on, once a boundary is in host memory
+    _on_host: set[int] = field(default_factory=set)  # the boundaries in host memory
 
     # ------------------------------------------------------------------ prefill
     def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
@@ -120,13 +130,39 @@ class RecurrentState:
         conv, S = conv.detach(), S.detach()
         if conv.device.type != "meta" and conv.untyped_storage().nbytes() > _nbytes(conv):
             conv = conv.clone()  # a view (kernel 2) would keep the whole chunk's conv input alive
+        if self.exact and self.host_history and self.length in self.boundaries:
+            self._to_host(self.length)  # superseded: the prefill reads only the latest
         self.conv, self.S, self.length = conv, S, end
         if self.exact:
             self.boundaries[end] = (self.conv, self.S)
 
+    def _to_host(self, key: int) -> None:
+        conv, S = self.boundaries[key]
+        if key in self._on_host or not offloads_state(conv):
+            return
+        self.home = conv.device
+        self.boundaries[key] = (to_host(conv), to_host(S))
+        self._on_host.add(key)
+
+    def offload_history(self) -> None:
+        """From now on, move each boundary to host memory once the next chunk's state supersedes it."""
+        self.host_history = True
+
+    def offload(self) -> None:
+        """Move every boundary but the latest to host memory (where the state is on an accelerator)."""
+        for key in self.boundaries:
+            if key != self.length:
+                self._to_host(key)
+
+    def host_nbytes(self) -> int:
+        """Bytes of the boundaries in host memory (counted in ``nbytes`` too)."""
+        return sum(_nbytes(*self.boundaries[k]) for k in self._on_host)
+
     def _state_at(self, length: int) -> tuple[Tensor, Tensor]:
         if length == self.length:
             return self.conv, self.S
+        if length in self._on_host:  # back to the device for the reverse-pass step that starts here
+            return tuple(stage(t, self.home) for t in self.boundaries[length])  # type: ignore[return-value]
         if length in self.boundaries:
             return self.boundaries[length]
         if not self.exact:

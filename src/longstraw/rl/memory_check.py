@@ -46,9 +46,10 @@ def _advice(cfg: RunConfig, b: dict[str, int], extra: dict[str, int]) -> list[st
                    "copies: `longstraw plan --offload-state-grad` gives the traffic)")
     if b["prompt_state"] and not g.offload_state and not g.graph_budget_bytes and not cfg.model.device.startswith(
             "cpu"):
-        out.append(f"algorithm.offload_state = true (the state's attention K/V, up to {_fmt(b['prompt_state'])}, in "
-                   "host memory for the replay and the reverse pass; the forward phases still hold it all, and each "
-                   "attention call copies its blocks in: `longstraw plan --offload-state` gives both peaks)")
+        out.append(f"algorithm.offload_state = true (the state's attention K/V and exact mode's DeltaNet boundary "
+                   f"states, up to {_fmt(b['prompt_state'])}, in host memory for the replay and the reverse pass; the "
+                   "forward phases still hold the K/V, and each attention call copies its blocks in: "
+                   "`longstraw plan --offload-state` gives both peaks)")
     if b["prompt_state_grad"]:
         out.append(f"algorithm.prompt_grad = 'detached' (drops the state gradient, {_fmt(b['prompt_state_grad'])}, "
                    "and the reverse pass; the gradient no longer flows through the prompt)")

@@ -508,7 +508,7 @@ class Trainer:
             ro = generate(self.model, item.prompt_ids, self.cfg.rollout.group_size, sp, keep_state=keep,
                           exact_state=self.gcfg.exact, prefill_chunk=self.gcfg.prefill_chunk,
                           decode=self.tokenizer.decode, compute_dtype=self.gcfg.compute_dtype,
-                          meter=self._meter())
+                          meter=self._meter(), offload_state=keep and self.gcfg.offload_state)
             responses, old, state, reasons = ro.responses, ro.logprobs, ro.prompt_state, ro.finish_reasons
             texts = [self._text_of(r) for r in responses]
             # the CP ranks of a replica hold the same responses: its CP rank 0 scores them for all (a user reward
