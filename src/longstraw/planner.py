@@ -1138,12 +1138,12 @@ def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group:
     gradients over the walk) and reads its own slice back (host -> device: one gradient over the walk). DSA layers
     on their sparse path add the selected rows only: there it is an upper bound.
 
-    State (offload_state; ``state_host_fwd`` of it moved during the prefill already, the DeltaNet layers' chunk
-    boundaries, each read back once by the reverse pass): every attention call reads its prefix from host memory,
-    block by block: a branch batch
-    reads the whole K/V in its forward and again in its backward (and once more where ``checkpoint_layers``
-    recomputes the layers); each reverse-pass step reads the prefix before it in its recomputed forward and in its
-    backward (once more with ``checkpoint_layers``, which runs the step's layers without a graph first)."""
+    State (offload_state): everything moved goes to host memory once (device -> host), ``state_host_fwd`` of it
+    during the prefill (the DeltaNet layers' chunk boundaries, each read back once by the reverse pass); every
+    attention call reads its prefix of the K/V from host memory, block by block: a branch batch reads the whole K/V
+    in its forward and again in its backward (and once more where ``checkpoint_layers`` recomputes the layers);
+    each reverse-pass step reads the prefix before it in its recomputed forward and in its backward (once more
+    with ``checkpoint_layers``, which runs the step's layers without a graph first)."""
     if not grad_host and not optimizer_host and not state_host:
         return None
     steps = -(-(prompt_len - 1) // (cp * cfg.prefill_chunk))
@@ -1157,8 +1157,10 @@ def _host_plan(grad_host: int, optimizer_host: int, cfg, prompt_len: int, group:
            "state_grad_traffic_bytes": {"replay_device_to_host": int(replay),
                                         "reverse_device_to_host": int(reverse_d2h),
                                         "reverse_host_to_device": int(grad_host)}}
-    out["state_traffic_bytes"] = {"replay_host_to_device": int(batches * reads * state_host),
-                                  "reverse_host_to_device": int(reads * state_host * max(0, steps - 1) // 2)
+    kv = state_host - state_host_fwd
+    out["state_traffic_bytes"] = {"device_to_host": int(state_host),
+                                  "replay_host_to_device": int(batches * reads * kv),
+                                  "reverse_host_to_device": int(reads * kv * max(0, steps - 1) // 2 + state_host_fwd)
                                   if cfg.exact else 0}
     return out
 
@@ -1416,7 +1418,8 @@ def explain(res: Plan) -> dict[str, str]:
                     if "FSDP" in a["parameters"] else "autocast's compute-dtype copy of one layer"
                     if res.breakdown["gathered"] else "none (no FSDP, no master weights)",
         "prompt_state": (f"the prompt's state / cp={cp}" if cp > 1 else "the prompt's state")
-                        + ("; its attention K/V in host memory during the replay and the reverse pass (offload_state)"
+                        + ("; on the device in the replay and the reverse pass (offload_state: the attention K/V and "
+                           "DeltaNet boundary states in host memory then)"
                            if st.get("host", {}).get("prompt_state_bytes") else ""),
         "prompt_state_grad": (f"its gradient / cp={cp}" if cp > 1 else "its gradient") + " (exact mode)"
                              + (" on the device; the rest in host memory (offload_state_grad)"
@@ -1594,17 +1597,21 @@ def plan_from_args(args) -> int:
     else:
         print(f"  {'peak':<18} {format_bytes(res.peak_bytes):>12}   the larger of the backward phases' "
               f"{format_bytes(peaks['backward'])} ({backward}) and the forward phases' "
-              f"{format_bytes(peaks['forward'])} (weights + grads + optimizer + gathered{a2a} + the whole prompt "
-              "state + one no-grad prefill chunk)")
+              f"{format_bytes(peaks['forward'])} (weights + grads + optimizer + gathered{a2a} + the prompt state "
+              "less what the prefill moved + one no-grad prefill chunk)")
     host = res.settings.get("host")
     if host is not None:
         tr, ts = host["state_grad_traffic_bytes"], host["state_traffic_bytes"]
-        parts = [f"{label} {format_bytes(host[k])}" for k, label in (("prompt_state_bytes", "state K/V"),
+        parts = [f"{label} {format_bytes(host[k])}" for k, label in (("prompt_state_bytes", "prompt state"),
                                                                       ("prompt_state_grad_bytes", "state gradient"),
                                                                       ("optimizer_bytes", "AdamW state")) if host[k]]
+        if host["prompt_state_prefill_bytes"]:
+            parts[0] += (f" ({format_bytes(host['prompt_state_prefill_bytes'])} of it DeltaNet boundary states, "
+                         "moved during the prefill)")
         print(f"host memory per device: {format_bytes(host['total_bytes'])} ({', '.join(parts)})"
-              + (f"; state K/V traffic per step: {format_bytes(ts['replay_host_to_device'])} host->device in the "
-                 f"replay, {format_bytes(ts['reverse_host_to_device'])} in the reverse pass"
+              + (f"; prompt state traffic per step: {format_bytes(ts['device_to_host'])} device->host, "
+                 f"{format_bytes(ts['replay_host_to_device'])} host->device in the replay, "
+                 f"{format_bytes(ts['reverse_host_to_device'])} in the reverse pass"
                  if host["prompt_state_bytes"] else "")
               + (f"; state gradient traffic per step: {format_bytes(tr['replay_device_to_host'])} device->host in "
                  f"the replay, {format_bytes(tr['reverse_device_to_host'])} device->host and "

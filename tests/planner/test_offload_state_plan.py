@@ -59,10 +59,11 @@ def test_offload_state_moves_the_kv_to_the_host(name, mode, prompt_len):
     assert 0 < chunk <= on.breakdown["prefill_chunk"]  # the detached plan's prefill term, less than a step's graph
     assert (chunk == on.breakdown["prefill_chunk"]) == (mode == "detached")
     assert off.peak_bytes == max(peaks.values()) <= on.peak_bytes
-    traffic = host["state_traffic_bytes"]
-    assert traffic["replay_host_to_device"] == 3 * 2 * moved  # 3 branch batches, each a forward and a backward
-    steps = -(-(prompt_len - 1) // (2 * 512))
-    assert traffic["reverse_host_to_device"] == (2 * moved * (steps - 1) // 2 if mode == "exact" else 0)
+    traffic, kv = host["state_traffic_bytes"], moved - early
+    assert traffic["device_to_host"] == moved
+    assert traffic["replay_host_to_device"] == 3 * 2 * kv  # 3 branch batches, each a forward and a backward
+    steps = -(-(prompt_len - 1) // (2 * 512))  # each reverse step reads the K/V before it twice, a boundary once
+    assert traffic["reverse_host_to_device"] == (2 * kv * (steps - 1) // 2 + early if mode == "exact" else 0)
     assert "host memory during the replay" in off.settings["assumptions"]["prompt_state"]
     assert off.to_json()["host"] == host
 
@@ -102,8 +103,8 @@ def test_cli_offload_state(tmp_path):
             "--gpu-mem", "1G", "--reserve", "0"]
     out = _cli(*args, "--offload-state", "--offload-state-grad")
     assert out.returncode == 0, out.stderr
-    assert "state K/V" in out.stdout and "host->device in the replay" in out.stdout
-    assert "the larger of the backward phases'" in out.stdout and "(offload_state)" in out.stdout
+    assert "prompt state" in out.stdout and "host->device in the replay" in out.stdout
+    assert "the larger of the backward phases'" in out.stdout and "(offload_state: the attention K/V" in out.stdout
     d = json.loads(_cli(*args, "--offload-state", "--json").stdout)
     assert d["host"]["prompt_state_bytes"] > 0 and d["breakdown"]["prompt_state"] == 0
     assert set(d["phase_peaks"]) == {"forward", "backward"} and d["peak_bytes"] == max(d["phase_peaks"].values())
