@@ -209,7 +209,14 @@ def _logits_and_grads(model, dev, prompt, responses, adv, chunk, modes=MODES) ->
             p.grad = None
         cfg = longstraw.GRPOConfig(prompt_grad=mode.split("_")[0], prefill_chunk=chunk, clip_ratio_c=None,
                                    offload_state_grad=mode == "exact_offload", offload_state=mode == "exact_offload")
-        st = longstraw.grpo_backward(model, prompt.to(dev), [r.to(dev) for r in responses], adv.to(dev), cfg)
+        from longstraw.ops import host_memory
+
+        floor = host_memory.REGISTER_MIN_BYTES
+        host_memory.REGISTER_MIN_BYTES = 0  # a tiny model's state is page-locked too: the registered path checked
+        try:
+            st = longstraw.grpo_backward(model, prompt.to(dev), [r.to(dev) for r in responses], adv.to(dev), cfg)
+        finally:
+            host_memory.REGISTER_MIN_BYTES = floor
         out[mode] = _grads(model)
         out[f"{mode}_kernel"] = st.delta_rule_kernel
         out[f"{mode}_host_bytes"] = st.prompt_state_grad_host_bytes

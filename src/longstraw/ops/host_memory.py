@@ -14,7 +14,11 @@ fraction of the bandwidth. PyTorch's pinned-memory allocator rounds every alloca
 twice the bytes: a 1.04 GiB layer state would take 2 GiB); :func:`host_empty` instead allocates ordinary host
 memory and page-locks exactly its bytes with ``cudaHostRegister`` (``torch.cuda.cudart()``, as PyTorch's own
 ``test_cudart_register`` calls it), unregistered when the tensor is collected, after a device synchronisation so
-that no copy is in flight. Without CUDA the buffers are ordinary host memory.
+that no copy is in flight. Only buffers of at least :data:`REGISTER_MIN_BYTES` are locked: page-locking costs
+about as much as copying the pages once, per call, and a DeltaNet layer's state at a chunk boundary (a few MiB,
+thousands of them at a million tokens, each read back once) moves as fast from pageable memory as it would
+cost to lock it; the K/V (a GiB per layer and GPU at long prompts, read per branch) are what the locking is for.
+Without CUDA the buffers are ordinary host memory.
 
 :func:`stage` copies a host view ``[B, H, S, D]`` whose ``[S, D]`` slabs are contiguous (a block of the
 ``[1, Hkv, P, D]`` state: every head's rows are contiguous, the heads are not adjacent) slab by slab, each a plain
@@ -31,7 +35,9 @@ import weakref
 import torch
 from torch import Tensor
 
-__all__ = ["offloads", "host_empty", "to_host", "stage"]
+__all__ = ["offloads", "host_empty", "to_host", "stage", "REGISTER_MIN_BYTES"]
+
+REGISTER_MIN_BYTES = 16 << 20  # host buffers at least this large are page-locked (module docstring)
 
 
 def offloads(t: Tensor) -> bool:
@@ -49,11 +55,12 @@ def _unregister(ptr: int) -> None:  # pragma: no cover - needs a GPU
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """An uninitialised host tensor, page-locked at exactly its size where CUDA is available (module docstring);
-    unlocked when it is collected. Keep the returned tensor itself alive while views of it are in use."""
+    """An uninitialised host tensor, page-locked at exactly its size where CUDA is available and it holds at least
+    :data:`REGISTER_MIN_BYTES` (module docstring); unlocked when it is collected. Keep the returned tensor itself
+    alive while views of it are in use."""
     t = torch.empty(shape, dtype=dtype, device="cpu")
     nbytes = t.numel() * t.element_size()
-    if nbytes and torch.cuda.is_available():  # pragma: no cover - needs a GPU
+    if nbytes >= REGISTER_MIN_BYTES and torch.cuda.is_available():  # pragma: no cover - needs a GPU
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
         if int(getattr(rc, "value", rc)) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory for the prompt state failed "
