@@ -328,3 +328,29 @@ def test_graph_budget_use_is_in_the_metrics(tmp_path):
     (row,) = read_metrics(tmp_path / "reused")
     assert "kept_steps" not in row
     assert [s for s in said if "has no effect" in s and "reuse_rollout_state = false" in s]
+
+
+def test_state_offload_trains_alike(tmp_path):
+    """algorithm.offload_state on the hybrid, two prompts a step (the first group's kept state waits while the
+    second rolls out) and a KL reference (its own prefill): moved after each rollout (forced on the CPU, every read
+    through ops/host_memory.py, tests/host_guard.py), the run's losses and weights equal a run without it."""
+    from host_guard import guarded_host
+
+    common = ["model.builtin=\"tiny-hybrid\"", "train.steps=2", "algorithm.prompts_per_step=2",
+              "algorithm.kl_coef=0.05", "reward.fn=\"regex\"", "reward.options={ pattern = \"[a-z]\" }",
+              "rollout.max_new_tokens=8"]  # a random model's bytes: some contain a letter, some not
+    plain = Trainer(_cfg(tmp_path / "a", *common), resume=False, echo=lambda *_: None)
+    plain.train()
+    with guarded_host() as read:
+        moved = Trainer(_cfg(tmp_path / "b", *common, "algorithm.offload_state=true"), resume=False,
+                        echo=lambda *_: None)
+        moved.train()
+    assert read
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert all(r["grad_norm"] > 0 for r in a)  # the reward gives the random model's groups a signal
+    assert [r["prompt_state_bytes"] for r in b] < [r["prompt_state_bytes"] for r in a]  # device bytes: less
+    drop = VOLATILE | {"prompt_state_bytes"}
+    assert [{k: v for k, v in r.items() if k not in drop} for r in a] == [
+        {k: v for k, v in r.items() if k not in drop} for r in b]
+    for (n, p), q in zip(plain.model.named_parameters(), moved.model.parameters()):
+        assert torch.equal(p, q), n

@@ -124,7 +124,7 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
     if g.kl_coef > 0 and not _adapters_only(lora):  # a LoRA run's reference is its base, adapters off: no copy
         extra["reference_model"] = b["weights"]
     local_prompts = max(1, a.prompts_per_step // max(1, replicas))
-    if a.reuse_rollout_state and local_prompts > 1:
+    if a.reuse_rollout_state and local_prompts > 1:  # (offload_state: their device share, moved after the rollout)
         extra["rollout_states"] = (local_prompts - 1) * b["prompt_state"]
     peak = pl.peak_bytes + sum(extra.values())
     secs = time.perf_counter() - t0

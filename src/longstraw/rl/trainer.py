@@ -510,6 +510,8 @@ class Trainer:
                           decode=self.tokenizer.decode, compute_dtype=self.gcfg.compute_dtype,
                           meter=self._meter(), offload_state=keep and self.gcfg.offload_state)
             responses, old, state, reasons = ro.responses, ro.logprobs, ro.prompt_state, ro.finish_reasons
+            if state is not None and self.gcfg.offload_state:  # its forward phases are over: the K/V to host
+                state.offload()  # memory now, not in the update (a reference's prefill and other groups run first)
             texts = [self._text_of(r) for r in responses]
             # the CP ranks of a replica hold the same responses: its CP rank 0 scores them for all (a user reward
             # that times out or is not deterministic cannot make the ranks' advantages differ)
