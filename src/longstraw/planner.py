@@ -531,6 +531,8 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
         with meter.phase("prompt_state"):
             state = build_prompt_state(model, prompt.to(w.device), cfg, cfg.exact)
         state_bytes, host_fwd = state.nbytes(), state.host_nbytes()
+        with meter.phase("decode"):
+            _decode_step(model, state, group, response_len, cfg)
         if cfg.exact and PEAK_STEPS_ONLY:
             state.chunks = peak_steps(state.chunks)
         meter.on_start = lambda name, st=state: marks.setdefault(name, st.grad_nbytes())
@@ -551,8 +553,30 @@ def _dry_run_raw(model, prompt_len: int, response_len: int, group: int, cfg, sta
             **({("recompute", sg): meter.above_start("prompt_backward", sg)
                 for sg in meter.segment_peak["prompt_backward"]} if cfg.exact else {}),
             **{("replay", sg): meter.above_start("replay", sg) for sg in meter.segment_peak["replay"]},
+            # the rollout: the G branches' decode buffers and one decode step (:func:`_decode_step`)
+            **{("decode", sg): meter.above_start("decode", sg) for sg in meter.segment_peak["decode"]},
+            "sampling": 3 * group * vocab * acc,
             # forward logits, softmax/grad buffer, grad in the weights' dtype (upper bound): no layer in it
             "logits": 3 * tokens * vocab * acc}
+
+
+def _decode_step(model, state, group: int, response_len: int, cfg) -> None:
+    """A rollout's memory on the meta ``state`` (the forward phases' peak): the ``group`` branches' decoders, sized
+    for ``response_len`` new tokens as ``generate`` sizes them, and one decode step through the model, as
+    ``engine.rollout.generate`` runs it; sampling's ``[G, V]`` float32 buffers are added by formula (``_finish``).
+    Everything is freed before it returns."""
+    from longstraw.engine.config import autocast_context
+
+    w, _ = model.head()
+    decoders = [ls.decoder(group, response_len) for ls in state.layers]
+    tokens = torch.zeros(group, 1, dtype=torch.long, device=w.device)
+    with torch.no_grad(), autocast_context(cfg, w.device):
+        hidden, pieces = model.run(tokens, state.length, [d.prefix(0) for d in decoders])
+        for d, piece in zip(decoders, pieces):
+            d.append(piece, 0)
+        del pieces
+    logits = model.lm_head(hidden[:, -1])  # noqa: F841 - [G, V], outside autocast as generate computes it
+    del hidden, logits, decoders
 
 
 def _finish(raw: dict[str, int]) -> dict[str, int]:
@@ -563,7 +587,7 @@ def _finish(raw: dict[str, int]) -> dict[str, int]:
     replay, prefill = phase("replay"), phase("prefill", "recompute")
     return {"grad_at_replay": raw["grad_at_replay"], "grad_host": raw["grad_host"], "prompt_state": raw["prompt_state"],
             "state_host": raw["state_host"], "state_host_fwd": raw["state_host_fwd"],
-            "forward_chunk": phase("prefill"),
+            "forward_chunk": phase("prefill"), "decode": phase("decode") + raw["sampling"],
             "prompt_state_grad": raw["prompt_state_grad"], "prefill_chunk": prefill,
             "branch_graph": max(0, replay - logits), "logits": min(logits, replay)}
 
@@ -578,7 +602,7 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_on
 
 # what a dry run tracks besides the breakdown: the state gradient's bytes at the replay and in host memory, the
 # state's bytes in host memory (offload_state), the no-grad prefill's transient (the forward phases' peak term)
-_PRIVATE = ("grad_at_replay", "grad_host", "state_host", "state_host_fwd", "forward_chunk")
+_PRIVATE = ("grad_at_replay", "grad_host", "state_host", "state_host_fwd", "forward_chunk", "decode")
 
 _INDEX_ATTRS = frozenset({"layer_index", "source_index", "layer_idx"})
 
@@ -1001,9 +1025,12 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         common = b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b.get("all_to_all", 0)
         out = {"backward": common + b["prompt_state"] + b["prompt_state_grad"] + b.get("kept_graphs", 0)
                + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])}
-        if b.get("state_host"):  # the whole state less what the prefill moved already (DeltaNet boundaries)
-            out["forward"] = (common + b["prompt_state"] + b["state_host"] - b["state_host_fwd"]
-                              + b["forward_chunk"])
+        # the forward phases: the state less what the prefill moved already (DeltaNet boundaries, offload_state)
+        # beside the larger of one no-grad prefill chunk and the rollout (decode buffers and one step)
+        forward = (common + b["prompt_state"] + b["state_host"] - b["state_host_fwd"]
+                   + max(b["forward_chunk"], b["decode"]))
+        if b.get("state_host") or forward > out["backward"]:
+            out["forward"] = forward
         return out
 
     def peak_of(b: dict[str, int]) -> int:

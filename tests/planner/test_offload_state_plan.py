@@ -111,3 +111,44 @@ def test_cli_offload_state(tmp_path):
     bad = _cli(*args, "--offload-state", "--graph-budget", "1G")
     assert bad.returncode == 2 and "with offload_state: the kept prompt-step graphs" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+ROLLOUT_PROBE = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+import longstraw
+from longstraw.models.registry import build_model
+from longstraw.profiling import measure_step
+cfg, p, r, g, chunk = json.loads(sys.argv[1])
+model = build_model(cfg)
+prompt = torch.randint(0, cfg["vocab_size"], (p,), generator=torch.Generator().manual_seed(0))
+sp = longstraw.SamplingConfig(temperature=1.0, max_new_tokens=r, seed=0)
+step = lambda: longstraw.generate(model, prompt, g, sp, keep_state=True, exact_state=True, prefill_chunk=chunk)
+warm = lambda: longstraw.generate(model, prompt[:200], 2, longstraw.SamplingConfig(max_new_tokens=2, seed=0))
+peak, _ = measure_step(step, list(model.parameters()), torch.device("cpu"), warmup=warm)
+print(peak)
+"""
+
+
+@pytest.mark.slow  # a fresh process
+def test_forward_phase_peak_within_ten_percent_of_a_measured_rollout():
+    """The forward phases' peak (the state, the larger of a no-grad prefill chunk and the rollout: G branches'
+    decode buffers and one decode step) against a measured ``generate`` that keeps its exact state, on a CPU; 16
+    branches of 1,024 tokens make the decode buffers as large as the prompt's K/V."""
+    import os
+    import subprocess
+    import sys
+
+    from test_planner import SRC
+
+    cfg = {**DENSE, "max_position_embeddings": 20000}
+    p, r, g, chunk = 16384, 1024, 16, 2048
+    pl = plan(cfg, prompt_len=p, response_len=r, group=g, dtype="float32",
+              cfg=GRPOConfig(prefill_chunk=chunk, offload_state=True))  # offload: the plan names both phases
+    predicted = pl.settings["phase_peaks"]["forward"] - pl.breakdown["weights"] - pl.breakdown["optimizer"]
+    env = {**os.environ, "PYTHONPATH": SRC, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", ROLLOUT_PROBE, json.dumps([cfg, p, r, g, chunk])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    measured = int(out.stdout.strip().splitlines()[-1])
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted / 2**20, measured / 2**20)
