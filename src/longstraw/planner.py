@@ -406,7 +406,7 @@ class Plan:
             out["lora"] = dict(self.settings["lora"])
         if "host" in self.settings:  # offloads: host memory per device and the state's and its gradient's traffic
             out["host"] = dict(self.settings["host"])
-        if "phase_peaks" in self.settings:  # offload_state: the backward and the forward phases' peaks
+        if "phase_peaks" in self.settings:  # the two phases' peaks (offload_state, or where the forward ones bind)
             out["phase_peaks"] = dict(self.settings["phase_peaks"])
         return out
 
@@ -601,7 +601,8 @@ def dry_run(model, prompt_len: int, response_len: int, group: int, cfg, state_on
 
 
 # what a dry run tracks besides the breakdown: the state gradient's bytes at the replay and in host memory, the
-# state's bytes in host memory (offload_state), the no-grad prefill's transient (the forward phases' peak term)
+# state's bytes in host memory in the backward and in the forward phases (offload_state), the no-grad prefill's
+# transient and the rollout's bytes (the forward phases' peak terms)
 _PRIVATE = ("grad_at_replay", "grad_host", "state_host", "state_host_fwd", "forward_chunk", "decode")
 
 _INDEX_ATTRS = frozenset({"layer_index", "source_index", "layer_idx"})
@@ -1020,18 +1021,14 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         return cache[p, state_only]
 
     def phase_peaks(b: dict[str, int]) -> dict[str, int]:
-        """The backward phases' peak (replay, reverse pass) and, where the state moves to host memory for them
-        (offload_state), the forward phases' (the no-grad prefill with the whole state on the device)."""
+        """The backward phases' peak (replay, reverse pass: the state's device share there) and the forward
+        phases' (prefill, rollout: the state less what the prefill moved already, the DeltaNet boundaries under
+        offload_state, beside the larger of one no-grad prefill chunk and the rollout's decode buffers and step)."""
         common = b["weights"] + b["grads"] + b["optimizer"] + b["gathered"] + b.get("all_to_all", 0)
-        out = {"backward": common + b["prompt_state"] + b["prompt_state_grad"] + b.get("kept_graphs", 0)
-               + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])}
-        # the forward phases: the state less what the prefill moved already (DeltaNet boundaries, offload_state)
-        # beside the larger of one no-grad prefill chunk and the rollout (decode buffers and one step)
-        forward = (common + b["prompt_state"] + b["state_host"] - b["state_host_fwd"]
-                   + max(b["forward_chunk"], b["decode"]))
-        if b.get("state_host") or forward > out["backward"]:
-            out["forward"] = forward
-        return out
+        return {"backward": common + b["prompt_state"] + b["prompt_state_grad"] + b.get("kept_graphs", 0)
+                + max(b["prefill_chunk"], b["branch_graph"] + b["logits"]),
+                "forward": (common + b["prompt_state"] + b["state_host"] - b["state_host_fwd"]
+                            + max(b["forward_chunk"], b["decode"]))}
 
     def peak_of(b: dict[str, int]) -> int:
         return max(phase_peaks(b).values())
@@ -1103,8 +1100,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
                     checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer, ep=ep,
                     assumptions=assumptions)
-    if "forward" in peaks:
+    if at_len["state_host"] or peaks["forward"] > peaks["backward"]:  # shown where the forward phases matter
         settings["phase_peaks"] = peaks
+    if at_len["state_host"]:
         early = at_len["state_host_fwd"]
         assumptions["prompt_state"] = (
             f"{format_bytes(at_len['state_host'])} of the state (its attention K/V"
@@ -1112,7 +1110,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             f"replay and the reverse pass (offload_state), {format_bytes(breakdown['prompt_state'])} on the device; "
             "the forward phases (prefill, rollouts) hold the rest there"
             + (f" (the boundary states, {format_bytes(early)}, leave as the prefill supersedes them)" if early else "")
-            + f", beside one no-grad prefill chunk ({format_bytes(at_len['forward_chunk'])}): their peak "
+            + f", beside the larger of one no-grad prefill chunk ({format_bytes(at_len['forward_chunk'])}) and the "
+            f"rollout ({format_bytes(at_len['decode'])}: decode buffers and one step): their peak "
             f"{format_bytes(peaks['forward'])}, the backward phases' {format_bytes(peaks['backward'])}")
     elif cfg.offload_state:
         assumptions["prompt_state"] = ("offload_state moves nothing of this model's state (attention K/V and "

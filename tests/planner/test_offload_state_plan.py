@@ -152,3 +152,16 @@ def test_forward_phase_peak_within_ten_percent_of_a_measured_rollout():
     assert out.returncode == 0, out.stderr
     measured = int(out.stdout.strip().splitlines()[-1])
     assert abs(predicted - measured) <= 0.10 * measured, (predicted / 2**20, measured / 2**20)
+
+
+def test_a_rollout_larger_than_the_update_sets_the_peak():
+    """Without any offload the forward phases bind where the rollout outgrows the update: 64 branches of 4,000
+    tokens decode together (their K/V buffers), the update replays one branch at a time."""
+    kw = dict(prompt_len=300, response_len=4000, dtype="bfloat16",
+              cfg=GRPOConfig(prompt_grad="detached", prefill_chunk=256))
+    many, few = plan(DENSE, group=64, **kw), plan(DENSE, group=2, **kw)
+    peaks = many.settings["phase_peaks"]
+    assert many.peak_bytes == peaks["forward"] > peaks["backward"]
+    assert "phase_peaks" not in few.settings and few.peak_bytes < many.peak_bytes
+    buffers = 64 * DENSE["num_hidden_layers"] * 2 * 4000 * DENSE["hidden_size"] * 2  # bf16 K and V per branch
+    assert peaks["forward"] - many.breakdown["weights"] - many.breakdown["prompt_state"] >= buffers
