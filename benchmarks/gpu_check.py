@@ -385,7 +385,8 @@ def _plan_step(hf_config: dict, mode: str, prompt_len: int, response_len: int, g
     """The planner's peak for one measured step, as section b measures it: above the weights (no optimiser), the
     model held in ``dtype_name`` alone (no float32 masters: ``master_dtype`` = the compute dtype). With ``gpu_mem``:
     the longest prompt that fits it instead. ``offload``: the state gradient in host memory (the device's peak);
-    ``state_offload``: the state's K/V too (offload_state: the larger of its two phases' peaks).
+    ``state_offload``: the state's K/V too (offload_state: the larger of the backward phases' peak and the
+    prefill's, since the measured step runs no rollout).
     Runs in a worker process (meta device, CPU only)."""
     import longstraw
     from longstraw.planner import plan
@@ -396,7 +397,12 @@ def _plan_step(hf_config: dict, mode: str, prompt_len: int, response_len: int, g
               master_dtype=dtype_name, cfg=cfg, gpu_mem=gpu_mem)
     if gpu_mem is not None:
         return pl.max_prompt_len
-    return pl.peak_bytes - pl.breakdown["weights"] - pl.breakdown["optimizer"]
+    peak = pl.peak_bytes
+    if "phase_peaks" in pl.settings:  # the measured step is grpo_backward's: a prefill, no rollout
+        pk, ft = pl.settings["phase_peaks"], pl.settings["forward_terms"]
+        prefill = pk["forward"] - max(ft.values()) + ft["prefill_chunk"]
+        peak = max(pk["backward"], prefill)
+    return peak - pl.breakdown["weights"] - pl.breakdown["optimizer"]
 
 
 def _plan_worker_init() -> None:

@@ -1102,6 +1102,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     assumptions=assumptions)
     if at_len["state_host"] or peaks["forward"] > peaks["backward"]:  # shown where the forward phases matter
         settings["phase_peaks"] = peaks
+        # the forward phases' two transients (a step measured without a rollout compares with the prefill's)
+        settings["forward_terms"] = {"prefill_chunk": at_len["forward_chunk"], "rollout": at_len["decode"]}
     if at_len["state_host"]:
         early = at_len["state_host_fwd"]
         assumptions["prompt_state"] = (

@@ -58,6 +58,8 @@ def test_offload_state_moves_the_kv_to_the_host(name, mode, prompt_len):
     chunk = peaks["forward"] - common - on.breakdown["prompt_state"] + early  # the state and a no-grad chunk:
     assert 0 < chunk <= on.breakdown["prefill_chunk"]  # the detached plan's prefill term, less than a step's graph
     assert (chunk == on.breakdown["prefill_chunk"]) == (mode == "detached")
+    ft = off.settings["forward_terms"]  # the prefill's chunk and the rollout, the larger in the forward peak
+    assert peaks["forward"] == common + on.breakdown["prompt_state"] - early + max(ft.values()) and ft["rollout"] > 0
     assert off.peak_bytes == max(peaks.values()) <= on.peak_bytes
     traffic, kv = host["state_traffic_bytes"], moved - early
     assert traffic["device_to_host"] == moved
