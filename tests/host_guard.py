@@ -11,9 +11,9 @@ of ``ops/host_memory.py`` (``stage``: the per-block copy to the device) is on th
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
+from sink_guard import FREE, called_from
 
 import longstraw.distributed.cp_recurrent as cp_recurrent
 import longstraw.models.deltanet as deltanet
@@ -22,19 +22,8 @@ import longstraw.state as state
 
 _MOVERS = (state, deltanet, cp_recurrent)  # the modules that move a state to host memory
 
-_FREE = {"__get__", "__getitem__", "view", "numel", "element_size", "size", "dim", "is_contiguous", "__len__",
-         "data_ptr", "untyped_storage", "apply", "__repr__", "__format__", "_is_view", "is_floating_point", "detach",
-         "stride"}
+_FREE = FREE | {"detach", "stride"}  # the moved K/V are detached and sliced on the way to the attention op
 _HOST_FILE = host_memory.__file__
-
-
-def _in_host_helper() -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_filename == _HOST_FILE:
-            return True
-        f = f.f_back
-    return False
 
 
 class GuardedHost(torch.Tensor):
@@ -46,7 +35,7 @@ class GuardedHost(torch.Tensor):
         name = getattr(func, "__name__", str(func))
         if name in _FREE:
             return super().__torch_function__(func, types, args, kwargs)
-        if not _in_host_helper():
+        if not called_from(_HOST_FILE):
             raise AssertionError(f"{name} on a prompt state in host memory outside longstraw/ops/host_memory.py: on "
                                  "a GPU the kernels cannot read it")
         cls.touched.append(name)

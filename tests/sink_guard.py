@@ -19,15 +19,19 @@ import longstraw.models.mla as mla
 import longstraw.ops.sinks as sinks
 import longstraw.state as state
 
-_FREE = {"__get__", "__getitem__", "view", "numel", "element_size", "size", "dim", "is_contiguous", "__len__",
-         "data_ptr", "untyped_storage", "apply", "__repr__", "__format__", "_is_view", "is_floating_point"}
+# ops that only view or describe a tensor: free on a guarded one (tests/host_guard.py adds its own)
+FREE = frozenset({"__get__", "__getitem__", "view", "numel", "element_size", "size", "dim", "is_contiguous",
+                  "__len__", "data_ptr", "untyped_storage", "apply", "__repr__", "__format__", "_is_view",
+                  "is_floating_point"})
 _SINKS_FILE = sinks.__file__
 
 
-def _in_sinks_helper() -> bool:
+def called_from(path: str) -> bool:
+    """Whether a frame of the file ``path`` is on the stack of the op a ``__torch_function__`` intercepts (called
+    from that ``__torch_function__``: its caller's caller and up)."""
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_filename == _SINKS_FILE:
+        if f.f_code.co_filename == path:
             return True
         f = f.f_back
     return False
@@ -40,9 +44,9 @@ class GuardedSink(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if name in _FREE:
+        if name in FREE:
             return super().__torch_function__(func, types, args, kwargs)
-        if not _in_sinks_helper():
+        if not called_from(_SINKS_FILE):
             raise AssertionError(f"{name} on an offloaded gradient sink outside longstraw/ops/sinks.py: on a GPU "
                                  "the sink is in host memory")
         cls.touched.append(name)
