@@ -26,7 +26,7 @@ from hf_reference import save_tiny, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
-                          Qwen3Config, Qwen3NextConfig)
+                          MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -52,6 +52,8 @@ MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_
            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
            first_k_dense_replace=1, max_position_embeddings=256, n_group=2, topk_group=1, routed_scaling_factor=1.7)
 MLA = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, q_lora_rank=10)
+GQA_MOE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256)
 
 # family: (tiny HF config, LoRA targets covering its projections, MLA form)
 FAMILIES = {
@@ -84,8 +86,19 @@ FAMILIES = {
     "glm_moe_dsa": (lambda: GlmMoeDsaConfig(**MOE, **MLA, index_topk=7, index_head_dim=8, index_n_heads=32,
                                             indexer_types=["full", "shared", "full"]),
                     MLA_T + MLP + ["wq_b", "wk", "weights_proj"], "decompressed"),
+    # GQA + softmax-routed MoE: a dense layer (mlp_only_layers), a gated shared expert, Mixtral (every layer sparse:
+    # no nn.Linear MLP to adapt)
+    "qwen3_moe": (lambda: Qwen3MoeConfig(**GQA_MOE, intermediate_size=40, moe_intermediate_size=8, head_dim=12,
+                                         num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+                                         mlp_only_layers=[1]),
+                  ATTN + MLP, None),
+    "qwen2_moe": (lambda: Qwen2MoeConfig(**GQA_MOE, intermediate_size=40, moe_intermediate_size=8,
+                                         shared_expert_intermediate_size=12, num_experts=6, num_experts_per_tok=2),
+                  ATTN + MLP + ["shared_expert_gate"], None),
+    "mixtral": (lambda: MixtralConfig(**GQA_MOE, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+                ATTN, None),
 }
-REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa"}
+REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral"}
 NAMES = list(FAMILIES)
 
 _PAIRS = {}
@@ -208,7 +221,7 @@ def test_logits_equal_peft(name, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Found missing adapter keys", "ignore:The following (rank|alpha)_pattern keys")
-@pytest.mark.parametrize("name", sorted(REMAPPED))
+@pytest.mark.parametrize("name", sorted(REMAPPED - {"mixtral"}))  # Mixtral: no nn.Linear MLP (test_lora_experts.py)
 def test_stock_peft_on_remapped_moe_families(name, tmp_path):
     """Stock PEFT re-targets the MLP names to the routed experts' fused parameters (``experts``, a ParamWrapper
     around ``experts.base_layer``) and leaves the dense MLP layers and shared experts alone; every other target
@@ -356,6 +369,16 @@ def test_regex_targets_equal_peft(name, target, tmp_path):
     assert set(adapted_modules(model)) == peft_adapted(pm)
     x = tokens(4)
     assert max_err(our_logits(model, x), hf_logits(pm, x)) <= 1e-10
+
+
+def test_retargeted_model_types_are_those_stock_peft_retargets():
+    """``PEFT_MOE_RETARGETED`` (save_adapter's warning) is the set of supported model types whose transformers
+    conversion pattern PEFT's MoE target mapping covers (PEFT's own tables, read from the installed version)."""
+    from longstraw.checkpoint.adapter import PEFT_MOE_RETARGETED
+
+    want = {mt for mt in longstraw.supported_model_types()
+            if twc._MODEL_TO_CONVERSION_PATTERN.get(mt) in twc._MOE_TARGET_MODULE_MAPPING}
+    assert want == set(PEFT_MOE_RETARGETED)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -393,7 +393,7 @@ SCENARIOS = {
     "low_precision": lambda p: low_precision(p),
     "hybrid_dp_sum_detached": lambda p: dp_sum(p, family="hybrid", prompt_grad="detached"),
     # MoE families: MLA latents (deepseek_v3), MLA + sparse indexer (glm_moe_dsa with a shared indexer layer,
-    # deepseek_v32), GQA + MoE (glm4_moe), hybrid DeltaNet + MoE (qwen3_next, qwen3_5_moe_text)
+    # deepseek_v32), GQA + MoE (glm4_moe, qwen3_moe, mixtral), hybrid DeltaNet + MoE (qwen3_next, qwen3_5_moe_text)
     "v3_exact": lambda p: grpo_two_groups(p, family="deepseek_v3"),
     "v3_detached": lambda p: grpo_two_groups(p, family="deepseek_v3", prompt_grad="detached", branch_batch=2),
     "v3_exact_decompressed": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=5, mla_mode="decompressed"),
@@ -436,6 +436,11 @@ SCENARIOS = {
     "next_detached": lambda p: grpo_two_groups(p, family="qwen3_next", prompt_grad="detached", chunk=4),
     "q35moe_exact": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", chunk=4),
     "q35moe_detached": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", prompt_grad="detached"),
+    # GQA + softmax-routed MoE: Qwen3-MoE (a dense layer between sparse ones), Mixtral (float32 routing weights)
+    "q3moe_exact": lambda p: grpo_two_groups(p, family="qwen3_moe"),
+    "q3moe_detached": lambda p: grpo_two_groups(p, family="qwen3_moe", prompt_grad="detached", branch_batch=2),
+    "mixtral_exact": lambda p: grpo_two_groups(p, family="mixtral", chunk=4),
+    "mixtral_detached": lambda p: grpo_two_groups(p, family="mixtral", prompt_grad="detached"),
 }
 
 

@@ -28,7 +28,7 @@ from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
 from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
-                          Qwen3Config, Qwen3NextConfig)
+                          MixtralConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -48,7 +48,8 @@ DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_d
 MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
-        "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload"]
+        "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
+        "q3moe_detached", "mixtral_exact", "mixtral_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -75,7 +76,8 @@ HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 # routed-expert bytes and values per rank, save_model of the split experts, the one-line init errors
 EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_save", "ep_init"]
 EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
-           "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt"]
+           "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt",
+           "q3moe_exact", "mixtral_detached"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
@@ -98,6 +100,8 @@ _MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate
             first_k_dense_replace=1, max_position_embeddings=256, n_group=2, topk_group=1, routed_scaling_factor=1.7)
 _MLA = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, q_lora_rank=10)
 _DSA = dict(index_head_dim=8, index_n_heads=32)
+_GQA_MOE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +133,10 @@ def paths():
                                                     linear_value_head_dim=8, vocab_size=V,
                                                     max_position_embeddings=512, full_attention_interval=3,
                                                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                                    shared_expert_intermediate_size=24)}
+                                                    shared_expert_intermediate_size=24),
+           "qwen3_moe": Qwen3MoeConfig(**_GQA_MOE, intermediate_size=40, moe_intermediate_size=8, head_dim=12,
+                                       num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1]),
+           "mixtral": MixtralConfig(**_GQA_MOE, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2)}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
            "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
            "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}

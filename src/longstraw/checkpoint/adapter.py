@@ -269,9 +269,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 # Model types whose MLP targets PEFT (0.18+, transformers 5: peft.utils.transformers_weight_conversion, checked on
 # 0.21.2) re-targets to the routed experts' fused parameters, dropping gate_proj / up_proj / down_proj from the
-# target modules: stock PEFT then ignores our adapters on the dense MLP layers and the shared experts.
+# target modules: stock PEFT then ignores our adapters on the dense MLP layers and the shared experts. Those whose
+# transformers conversion pattern (``_MODEL_TO_CONVERSION_PATTERN``) has an entry in PEFT's
+# ``_MOE_TARGET_MODULE_MAPPING``; ``qwen2_moe`` itself has no pattern entry (only its aliases do), so stock PEFT
+# leaves it alone; ``mixtral`` has no nn.Linear MLP to lose (tests/checkpoint/test_lora.py pins this list).
 PEFT_MOE_RETARGETED = frozenset({"qwen3_next", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "qwen3_moe",
-                                 "qwen2_moe", "mixtral"})
+                                 "mixtral"})
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 

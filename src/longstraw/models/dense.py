@@ -33,14 +33,15 @@ def model_spec(cfg: dict, r: ConfigReader) -> ModelSpec:
         eos_token_id=cfg.get("eos_token_id"),
         bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
-        sliding_window=_sliding_window(cfg, r),
+        sliding_window=sliding_window(cfg, r),
     )
 
 
-def _sliding_window(cfg: dict, r: ConfigReader) -> int | None:
+def sliding_window(cfg: dict, r: ConfigReader) -> int | None:
     """The attention window if any layer slides (None: every layer attends all earlier tokens), as transformers
-    decides it: Mistral's ``sliding_window``; Qwen2/Qwen3's ``use_sliding_window`` for the layers from
-    ``max_window_layers`` on; or ``layer_types`` naming ``sliding_attention`` layers."""
+    decides it: Mistral's and Mixtral's ``sliding_window``; Qwen2/Qwen3's ``use_sliding_window`` for the layers from
+    ``max_window_layers`` on; Qwen3-MoE's ``use_sliding_window`` for every layer; Qwen2-MoE's for the even layers
+    below ``max_window_layers``; or ``layer_types`` naming ``sliding_attention`` layers."""
     mt = cfg["model_type"]
     types = cfg.get("layer_types") or []
     bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
@@ -48,13 +49,17 @@ def _sliding_window(cfg: dict, r: ConfigReader) -> int | None:
         raise ValueError(f"{r.where}: layer_types {bad} are not supported for {mt}; supported: "
                          "['full_attention', 'sliding_attention']")
     window = cfg.get("sliding_window")
+    on = bool(cfg.get("use_sliding_window"))
     if types:
         slides = "sliding_attention" in types
-    elif mt == "mistral":
+    elif mt in ("mistral", "mixtral"):
         slides = window is not None
     elif mt in ("qwen2", "qwen3"):
-        slides = bool(cfg.get("use_sliding_window")) and window is not None and \
-            r.opt("max_window_layers", 0, int) < r.positive("num_hidden_layers")
+        slides = on and window is not None and r.opt("max_window_layers", 0, int) < r.positive("num_hidden_layers")
+    elif mt == "qwen3_moe":
+        slides = on and window is not None
+    elif mt == "qwen2_moe":  # transformers' layer_types: layer i slides iff i is even, i < max_window_layers
+        slides = on and r.opt("max_window_layers", 28, int) > 0
     else:
         slides = False
     if not slides:

@@ -6,7 +6,7 @@ the names of transformers' in-memory models:
 
 * ``gate.weight [E, H]``: the router (any module ``router(x [N, H]) -> (weights [N, k], expert_ids [N, k])``; the
   router is pluggable so that DeepSeek/GLM's grouped sigmoid router with its ``e_score_correction_bias`` drops in
-  beside :class:`SoftmaxTopKRouter` of Qwen3-Next / Qwen3.5);
+  beside :class:`SoftmaxTopKRouter` of Qwen and Mixtral);
 * ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``: the fused expert
   layout transformers 5 keeps in memory (checkpoints store ``experts.{e}.{gate,up,down}_proj.weight``; the family's
   weight map converts);
@@ -29,19 +29,22 @@ from longstraw.ops.moe import experts_forward, softmax_topk_route
 
 
 class SoftmaxTopKRouter(nn.Module):
-    """Qwen3-Next / Qwen3.5 router: logits ``x @ weight.T`` in x's dtype, softmax in float32 (float64 for float64
-    models), top-k, optional renormalisation of the kept probabilities (``norm_topk_prob``)."""
+    """Qwen2-MoE / Qwen3-MoE / Qwen3-Next / Qwen3.5 / Mixtral router: logits ``x @ weight.T`` in x's dtype, softmax
+    in float32 (float64 for float64 models), top-k, optional renormalisation of the kept probabilities
+    (``norm_topk_prob``). The weights are cast to x's dtype (Qwen), or stay float32 (``float_weights``: Mixtral,
+    whose experts' outputs are weighted in float32)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, float_weights: bool = False):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.float_weights = top_k, norm_topk_prob, float_weights
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x ``[N, H]`` -> (weights ``[N, k]`` in x's dtype, expert ids ``[N, k]``)."""
-        return softmax_topk_route(nn.functional.linear(x, self.weight), self.top_k, self.norm_topk_prob)
+        """x ``[N, H]`` -> (weights ``[N, k]`` in x's dtype or float32, expert ids ``[N, k]``)."""
+        return softmax_topk_route(nn.functional.linear(x, self.weight), self.top_k, self.norm_topk_prob,
+                                  keep_compute_dtype=self.float_weights)
 
 
 class Experts(nn.Module):

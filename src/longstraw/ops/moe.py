@@ -100,11 +100,14 @@ def softmax_topk_route(
     norm_topk_prob: bool,
     *,
     compute_dtype: torch.dtype | None = None,
+    keep_compute_dtype: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Softmax top-k routing. ``router_logits [N, E]`` -> ``(weights [N, k], expert_ids [N, k] int64)``.
 
     ``softmax`` in ``compute_dtype`` (default float32, float64 for float64 logits), ``topk`` (sorted, largest first),
-    optional renormalisation of the k kept probabilities, then cast to the logits' dtype.
+    optional renormalisation of the k kept probabilities, then cast to the logits' dtype (Qwen) or, with
+    ``keep_compute_dtype``, left in ``compute_dtype`` (Mixtral: each expert's output is weighted in float32 and
+    rounded once).
     """
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [N, E], got shape {tuple(router_logits.shape)}")
@@ -114,7 +117,7 @@ def softmax_topk_route(
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    return (weights if keep_compute_dtype else weights.to(router_logits.dtype)), ids
 
 
 def sigmoid_grouped_route(

@@ -1,0 +1,176 @@
+"""GQA transformers with softmax-routed mixture-of-experts feed-forward blocks: ``qwen3_moe`` (Qwen3-30B-A3B,
+Qwen3-235B-A22B, Qwen3-Coder-480B-A35B), ``qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), ``mixtral``
+(Mixtral-8x7B / 8x22B).
+
+The attention is the dense families' (:mod:`longstraw.models.dense`): Qwen3-MoE's per-head q/k RMSNorm, free
+``head_dim`` and ``attention_bias`` on q/k/v/o; Qwen2-MoE's q/k/v bias (``qkv_bias``, on by default); Mixtral's plain
+GQA. The feed-forward block of layer ``i`` is a :class:`~longstraw.models.moe_block.SparseMoeBlock` (softmax top-k
+router, fused routed experts) where transformers puts one, a dense SwiGLU otherwise:
+
+* ``qwen3_moe`` / ``qwen2_moe``: sparse iff ``i not in mlp_only_layers`` and ``num_experts > 0`` and
+  ``(i + 1) % decoder_sparse_step == 0``; the top-k probabilities are renormalised iff ``norm_topk_prob``
+  (transformers' default: off; the released Qwen3-MoE configs turn it on). Qwen2-MoE adds the sigmoid-gated shared
+  expert (``shared_expert``, ``shared_expert_gate``), as Qwen3-Next does.
+* ``mixtral``: sparse on every layer, ``num_local_experts`` experts, the top-k always renormalised and kept in
+  float32 (each expert's output is weighted in float32 and rounded once, as transformers does).
+
+Checkpoint names: Qwen's are transformers' in-memory names except the routed experts, stored one by one
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``; fused on load, split on save by
+:class:`~longstraw.models.weights.ExpertWeightMap`). Mixtral's checkpoints name the block ``block_sparse_moe`` and
+the experts' matrices ``w1`` (gate), ``w3`` (up), ``w2`` (down); :class:`MixtralWeightMap` maps them to
+transformers 5's in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``) on load and back on
+save, so a saved model loads in transformers 4 and 5, vLLM and SGLang alike, and ``hf_grads`` needs no renaming.
+A checkpoint already in the fused in-memory layout loads as it is.
+
+Left out, as for every family: auxiliary load-balancing losses (``output_router_logits``, ``router_aux_loss_coef``).
+Mixtral's ``router_jitter_noise`` (a pre-training regulariser transformers applies only in training mode) is
+ignored with a warning: the policy's forward must be deterministic, the same when sampling and when scoring.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from longstraw.models.attention import Attention
+from longstraw.models.config import ConfigReader
+from longstraw.models.dense import sliding_window
+from longstraw.models.family import Family
+from longstraw.models.mlp import GatedMLP
+from longstraw.models.moe_block import Experts, SoftmaxTopKRouter, SparseMoeBlock, qwen_moe_block
+from longstraw.models.norms import RMSNorm
+from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
+from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
+from longstraw.models.weights import ExpertWeightMap
+
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
+    """(the key, the number of routed experts): ``num_experts`` (Qwen's published configs) or ``num_local_experts``
+    (Mixtral's; transformers 5 writes Qwen3-MoE's under it too, an alias of ``num_experts``); 0 if neither is set."""
+    given = {k: r.opt(k, 0, int) for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"{r.where}: num_experts={given['num_experts']} and num_local_experts="
+                         f"{given['num_local_experts']} disagree (they name the same number)")
+    key, n = next(iter(given.items()), ("num_experts", 0))
+    if n < 0:
+        raise ValueError(f"{r.where}: {key}={n} must be >= 0")
+    return key, n
+
+
+def _is_sparse(mt: str, cfg: dict, r: ConfigReader, i: int) -> bool:
+    if mt == "mixtral":
+        return True
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in only):
+        raise ValueError(f"{r.where}: mlp_only_layers={only!r} must be a list of layer indices")
+    return i not in only and _num_experts(cfg, r)[1] > 0 and (i + 1) % r.positive("decoder_sparse_step", 1) == 0
+
+
+def _ffn(mt: str, cfg: dict, r: ConfigReader, hidden: int, act: str, i: int):
+    if not _is_sparse(mt, cfg, r, i):
+        return GatedMLP(hidden, r.positive("intermediate_size"), act)
+    key, experts = _num_experts(cfg, r)
+    top_k = r.positive("num_experts_per_tok")
+    if experts < 1 or top_k > experts:
+        raise ValueError(f"{r.where}: num_experts_per_tok={top_k} must be <= {key}={experts} (and that >= 1)")
+    if mt == "mixtral":
+        return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, True, float_weights=True),
+                              Experts(hidden, experts, r.positive("intermediate_size"), act))
+    norm_topk = r.opt("norm_topk_prob", False, bool)
+    if mt == "qwen2_moe":
+        return qwen_moe_block(hidden, experts, top_k, r.positive("moe_intermediate_size"),
+                              r.positive("shared_expert_intermediate_size"), norm_topk, act)
+    return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, norm_topk),
+                          Experts(hidden, experts, r.positive("moe_intermediate_size"), act))
+
+
+def build(cfg: dict) -> CausalLM:
+    """Build a randomly initialised model from an HF config dict."""
+    r = ConfigReader(cfg)
+    mt = cfg["model_type"]
+    hidden = r.positive("hidden_size")
+    spec = ModelSpec(
+        model_type=mt, vocab_size=r.positive("vocab_size"), hidden_size=hidden,
+        num_layers=r.positive("num_hidden_layers"),
+        max_position_embeddings=r.positive("max_position_embeddings", 32768 if mt != "mixtral" else 131072),
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"), sliding_window=sliding_window(cfg, r),
+    )
+    heads = r.positive("num_attention_heads")
+    kv_heads = r.opt("num_key_value_heads", heads, int)
+    head_dim = r.opt("head_dim", hidden // heads, int)
+    eps = r.opt("rms_norm_eps", 1e-6 if mt != "mixtral" else 1e-5, float)
+    act = r.opt("hidden_act", "silu", str)
+    if mt == "qwen3_moe":
+        bias = r.opt("attention_bias", False, bool)
+        qkv_bias, o_bias, qk_norm = bias, bias, True
+    elif mt == "qwen2_moe":
+        qkv_bias, o_bias, qk_norm = r.opt("qkv_bias", True, bool), False, False
+    else:
+        qkv_bias = o_bias = qk_norm = False
+        if r.opt("router_jitter_noise", 0.0, float) > 0:
+            warnings.warn(f"{r.where}: router_jitter_noise={cfg['router_jitter_noise']} is ignored: LongStraw's "
+                          "forward is deterministic (the log-probs of sampling and of training must agree)",
+                          stacklevel=2)
+    layers = [
+        DecoderLayer(
+            Attention(hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
+                      norm_eps=eps),
+            _ffn(mt, cfg, r, hidden, act, i),
+            RMSNorm(hidden, eps),
+            RMSNorm(hidden, eps),
+        )
+        for i in range(spec.num_layers)
+    ]
+    rotary = RotaryEmbedding(rope_params_from_hf(cfg, head_dim))
+    return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps), rotary))
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+
+_MIXTRAL_LOAD = [(r"\.block_sparse_moe\.", ".mlp."), (r"(\.mlp\.experts\.\d+)\.w1\.weight$", r"\1.gate_proj.weight"),
+                 (r"(\.mlp\.experts\.\d+)\.w3\.weight$", r"\1.up_proj.weight"),
+                 (r"(\.mlp\.experts\.\d+)\.w2\.weight$", r"\1.down_proj.weight")]
+# Saving maps back only the router and the per-expert matrices: a PEFT adapter's keys (``mlp.experts`` of the fused
+# parameters, attention projections) are transformers 5's in-memory names and stay as they are.
+_MIXTRAL_SAVE = [(r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
+                 (r"\.mlp\.experts\.(\d+)\.gate_proj\.weight$", r".block_sparse_moe.experts.\1.w1.weight"),
+                 (r"\.mlp\.experts\.(\d+)\.up_proj\.weight$", r".block_sparse_moe.experts.\1.w3.weight"),
+                 (r"\.mlp\.experts\.(\d+)\.down_proj\.weight$", r".block_sparse_moe.experts.\1.w2.weight")]
+
+
+@dataclass
+class MixtralWeightMap(ExpertWeightMap):
+    """Mixtral's checkpoint names (module docstring): renamed on load; on save the fused experts are split into
+    per-expert tensors first (under our names) and then renamed."""
+
+    def __post_init__(self):
+        self.renames.extend(_MIXTRAL_LOAD)
+
+    def save_tensors(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        for name, t in super().save_tensors(named):
+            yield _mixtral_name(name), t
+
+    def save_rows(self, name: str, rows: Tensor, first: int) -> Iterator[tuple[str, Tensor]]:
+        for n, t in super().save_rows(name, rows, first):
+            yield _mixtral_name(n), t
+
+
+def _mixtral_name(name: str) -> str:
+    for pat, repl in _MIXTRAL_SAVE:
+        name = re.sub(pat, repl, name)
+    return name
+
+
+def weights(cfg: dict) -> ExpertWeightMap:
+    return MixtralWeightMap() if cfg.get("model_type") == "mixtral" else ExpertWeightMap()
+
+
+FAMILY = Family("gqa_moe", MODEL_TYPES, build, weights)
