@@ -39,13 +39,17 @@ def test_offload_state_moves_the_kv_to_the_host(name, mode, prompt_len):
         assert off.breakdown["prompt_state"] == 0
     else:  # the DeltaNet layers' recurrent states stay
         assert off.breakdown["prompt_state"] > 0
-    # the replay and the reverse pass copy one block of K and V in at a time (and a reverse-pass step one
-    # boundary state of a DeltaNet layer): at most that many bytes more
+    # the replay and the reverse pass copy blocks of K and V in, the next one's copy issued before this one's
+    # kernels (two on the device at a time), and a reverse-pass step one boundary state of a DeltaNet layer: at
+    # most that many bytes more; a rank's share of 75,000 positions (3 blocks) holds both blocks at once
     kv_per_pos = 2 * hf.get("num_key_value_heads", 1) * hf.get("head_dim", hf["hidden_size"] // hf[
         "num_attention_heads"]) * 2
     boundary = 0 if name == "llama" else 4 * 8 * 8 * 4 + (2 * 8 + 4 * 8 + 2 * 8) * 3 * 4  # S and conv, float32
     for k in ("branch_graph", "prefill_chunk"):
-        assert 0 <= off.breakdown[k] - on.breakdown[k] <= kv_per_pos * min(BLOCK, prompt_len) + boundary, k
+        extra = off.breakdown[k] - on.breakdown[k]
+        assert 0 <= extra <= 2 * kv_per_pos * min(BLOCK, prompt_len) + boundary, k
+        if name == "llama" and prompt_len > 4 * BLOCK and (k == "branch_graph" or mode == "exact"):
+            assert extra > kv_per_pos * BLOCK, k  # (a detached step's prefill reads no moved state)
     for k in off.breakdown:
         if k not in ("prompt_state", "branch_graph", "prefill_chunk", "logits"):
             assert off.breakdown[k] == on.breakdown[k], k

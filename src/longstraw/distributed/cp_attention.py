@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.ops.attention import (KVSegment, default_backend, kernels, merge_partials, on_device,
+from longstraw.ops.attention import (KVSegment, default_backend, kernels, kv_blocks, merge_partials,
                                      segment_backward, segment_forward)
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import add_into
@@ -107,12 +107,18 @@ class _Plan:
 
     def blocks(self, k: Tensor, v: Tensor, q: Tensor):
         """``(k, v, k_sink, v_sink)`` of consecutive blocks of the local share: views, or a host share's blocks
-        copied to ``q``'s device one at a time."""
-        for a in range(0, k.shape[2], self.block):
+        copied to ``q``'s device (the next one's copy overlapping this one's kernels: ``ops.attention.kv_blocks``;
+        drop each block before asking for the next)."""
+        starts = range(0, k.shape[2], self.block)
+        kv = kv_blocks([(k[:, :, a:a + self.block], v[:, :, a:a + self.block]) for a in starts],
+                       [self.host] * len(starts), q)
+        for a in starts:
             b = a + self.block
             sk = self.k_sink[:, :, a:b] if self.k_sink is not None else None
             sv = self.v_sink[:, :, a:b] if self.v_sink is not None else None
-            yield *on_device(k[:, :, a:b], v[:, :, a:b], self.host, q), sk, sv
+            kb, vb = next(kv)
+            yield kb, vb, sk, sv
+            del kb, vb
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -138,6 +144,7 @@ def _partial(fwd, q: Tensor, k: Tensor, v: Tensor, plan: _Plan, scale: float) ->
         o, lse = segment_forward(fwd, q, kb, vb, False, scale)
         outs.append(o)
         lses.append(lse)
+        del kb, vb  # before the next block: at most two on the device
     return merge_partials(outs, lses, q.dtype) if len(outs) > 1 else (outs[0], lses[0])
 
 
@@ -147,6 +154,7 @@ def _partial_bwd(bwd, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, ls
     dq = torch.zeros_like(q)
     for kb, vb, sk, sv in plan.blocks(k, v, q):
         dq_b, dk, dv = segment_backward(bwd, do, q, kb, vb, o, lse, False, scale)
+        del kb, vb  # before the next block: at most two on the device
         dq = dq + dq_b
         if sk is not None:
             add_into(sk, dk)
@@ -283,8 +291,11 @@ class _CPAttention(torch.autograd.Function):
                 o, lse = segment_forward(fwd, q, ek, ev, False, scale)
                 outs.append(o)
                 lses.append(lse)
-        for idx, (causal, _, _, host) in enumerate(meta):
-            o, lse = segment_forward(fwd, q, *on_device(kv[2 * idx], kv[2 * idx + 1], host, q), causal, scale)
+        blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) for i in range(len(meta))], [m[3] for m in meta], q)
+        for causal, _, _, _ in meta:
+            k, v = next(blocks)
+            o, lse = segment_forward(fwd, q, k, v, causal, scale)
+            del k, v
             outs.append(o)
             lses.append(lse)
         out, lse = merge_partials(outs, lses, q.dtype)
@@ -308,9 +319,11 @@ class _CPAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         grads: list[Tensor | None] = []
-        for idx, (causal, k_sink, v_sink, host) in enumerate(ctx.meta):
-            k, v = on_device(kv[2 * idx], kv[2 * idx + 1], host, q)
+        blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) for i in range(len(ctx.meta))], [m[3] for m in ctx.meta], q)
+        for causal, k_sink, v_sink, _ in ctx.meta:
+            k, v = next(blocks)
             dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, scale)
+            del k, v
             dq = dq + dq_i
             grads += [dk, dv]
         if plan.step is not None:  # earlier pieces of this step: their dK, dV go back to their owners

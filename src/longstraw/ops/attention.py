@@ -43,17 +43,18 @@ softmax, with plain autograd. Tests hold the fast paths to it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from longstraw.ops.host_memory import stage
+from longstraw.ops.host_memory import prefetched
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import add_into
 
 __all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend", "kernels",
-           "segment_forward", "segment_backward", "merge_partials", "on_device"]
+           "segment_forward", "segment_backward", "merge_partials", "kv_blocks"]
 
 BACKENDS = ("flash_cpu", "flash_cuda", "math")
 
@@ -67,7 +68,7 @@ class KVSegment:
     ``t`` sees keys ``0..t``. ``k_grad`` / ``v_grad``: optional accumulators shaped like ``k`` / ``v`` that receive
     ``dK`` / ``dV`` in place during backward (see module docstring). ``host``: ``k`` / ``v`` are in host memory
     (``GRPOConfig.offload_state``): each block is copied to the queries' device just before its kernel, in the
-    forward and again in the backward (:func:`longstraw.ops.host_memory.stage`).
+    forward and again in the backward (:func:`kv_blocks`; the next block's copy overlaps this one's kernels).
     """
 
     k: Tensor
@@ -330,10 +331,29 @@ def merge_partials(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -
     return merge.result(dtype)
 
 
-def on_device(k: Tensor, v: Tensor, host: bool, q: Tensor) -> tuple[Tensor, Tensor]:
-    """A segment's ``(k, v)`` where the kernels read them: copied from host memory for a ``host`` segment (one
-    block: the caller splits long segments first), as they are otherwise."""
-    return (stage(k, q.device), stage(v, q.device)) if host else (k, v)
+class kv_blocks:  # noqa: N801 - used as a function: an iterator that keeps no block past the one it hands over
+    """Each segment's ``(k, v)`` where the kernels read them, in order: a ``host`` segment's (one block: the caller
+    splits long segments first) copied to ``q``'s device, the next host block's copy issued before this one is
+    handed over (:func:`longstraw.ops.host_memory.prefetched`: on a GPU it overlaps this block's kernels); the
+    others as they are; None (a segment the caller skips) passes through. Drop each pair before asking for the
+    next: two host blocks are then on the device at a time, and none is kept once the last is handed over (an
+    iterator object, not a generator, whose suspended frame would hold the block it yielded)."""
+
+    def __init__(self, kv: Sequence[tuple[Tensor, Tensor] | None], host: Sequence[bool], q: Tensor):
+        self._kv, self._i = kv, 0
+        self._staged = prefetched([p if h else None for p, h in zip(kv, host)], q.device)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor] | None]:
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor] | None:
+        if self._i == len(self._kv):
+            raise StopIteration
+        blk, p = next(self._staged), self._kv[self._i]
+        self._i += 1
+        if self._i == len(self._kv):
+            next(self._staged, None)  # let the prefetch finish: it holds nothing past the last block
+        return blk if blk is not None else p
 
 
 class _SegmentAttention(torch.autograd.Function):
@@ -341,10 +361,11 @@ class _SegmentAttention(torch.autograd.Function):
     def forward(ctx, q, scale, backend, meta, *kv):
         fwd, _ = _KERNELS[backend]
         merge = _OnlineMerge()
-        for idx, (causal, _, _, host) in enumerate(meta):
-            k, v = on_device(kv[2 * idx], kv[2 * idx + 1], host, q)
+        blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) for i in range(len(meta))], [m[3] for m in meta], q)
+        for causal, _, _, _ in meta:
+            k, v = next(blocks)
             merge.add(*segment_forward(fwd, q, k, v, causal, scale))
-            del k, v  # a staged block: freed before the next one is copied
+            del k, v  # a staged block: freed before the one after the next is copied
         out, lse = merge.result(q.dtype)
         ctx.save_for_backward(q, out, lse, *kv)
         ctx.scale, ctx.backend, ctx.meta = scale, backend, meta
@@ -358,12 +379,18 @@ class _SegmentAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = None
         grads: list[Tensor | None] = []
-        for idx, (causal, k_sink, v_sink, host) in enumerate(ctx.meta):
-            need_kv = k_sink is not None or ctx.needs_input_grad[4 + 2 * idx] or ctx.needs_input_grad[5 + 2 * idx]
-            if not need_kv and not ctx.needs_input_grad[0]:
+        need = [k_sink is not None or ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
+                for i, (_, k_sink, _, _) in enumerate(ctx.meta)]
+        run = [n or ctx.needs_input_grad[0] for n in need]  # a segment with nothing to compute is not copied in
+        blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) if r else None for i, r in enumerate(run)],
+                           [m[3] for m in ctx.meta], q)
+        for idx, (causal, k_sink, v_sink, _) in enumerate(ctx.meta):
+            pair, need_kv = next(blocks), need[idx]
+            if pair is None:
                 grads += [None, None]
                 continue
-            k, v = on_device(kv[2 * idx], kv[2 * idx + 1], host, q)
+            k, v = pair
+            del pair
             dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
             del k, v
             # the query gradient sums over every segment (a 1M prompt: 32+ blocks): accumulated in float32 for

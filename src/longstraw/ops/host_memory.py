@@ -26,16 +26,27 @@ DMA, into one contiguous device tensor (``Tensor.to`` would first gather a non-c
 temporary). On a CPU run host and device memory are one, so the engine does not offload (:func:`offloads`); the
 tests force it there, so that every copy below runs and the gradients are held equal to a run without offload. On
 the meta device (the memory planner's dry run) a staged block is a fresh meta tensor, so the dry run counts it.
+
+:func:`prefetched` overlaps the copies with the kernels: an attention call walks its blocks through it, and the
+copy of block ``i + 1`` is issued before block ``i`` is handed over, so on a GPU it runs on a side stream (one per
+device) while the kernels read block ``i``. Two blocks are on the device at a time, on every device alike, so the
+planner's dry run counts both. The stream protocol is deterministic (no ``record_stream``, whose reuse of memory
+depends on how far the GPU has got): each block is allocated and copied on the side stream after
+``copy.wait_stream(main)`` (every block handed over before was last read by main-stream work enqueued by then, so
+its memory, back in the side stream's pool, is reused only after that work), with an event recorded after its
+copy; the main stream waits for that event when the block is handed over (not for the side stream as a whole: the
+next block's copy stays in flight).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["offloads", "host_empty", "to_host", "stage", "REGISTER_MIN_BYTES"]
+__all__ = ["offloads", "host_empty", "to_host", "stage", "prefetched", "REGISTER_MIN_BYTES"]
 
 REGISTER_MIN_BYTES = 16 << 20  # host buffers at least this large are page-locked (module docstring)
 
@@ -101,3 +112,71 @@ def stage(t: Tensor, device: torch.device) -> Tensor:
     for idx in torch.cartesian_prod(*[torch.arange(n) for n in t.shape[:lead]]).reshape(-1, lead).tolist():
         out[tuple(idx)].copy_(t[tuple(idx)], non_blocking=True)
     return out
+
+
+class _Inline:
+    """:func:`prefetched`'s copies where there is no side stream (CPU, meta): issued in order, synchronously."""
+
+    @staticmethod
+    def issue(copy: Callable[[], tuple[Tensor, ...]]):
+        return copy(), None
+
+    @staticmethod
+    def ready(handle) -> tuple[Tensor, ...]:
+        return handle[0]
+
+
+_COPY_STREAMS: dict = {}
+
+
+class _SideStream:
+    """:func:`prefetched`'s copies on a side stream of a CUDA device (module docstring: the protocol). ``cuda``:
+    ``torch.cuda`` (a stand-in in the protocol's test)."""
+
+    def __init__(self, device: torch.device, cuda=torch.cuda):
+        self.cuda = cuda
+        self.main = cuda.current_stream(device)
+        key = (id(cuda), device.index if device.index is not None else cuda.current_device())
+        if key not in _COPY_STREAMS:
+            _COPY_STREAMS[key] = cuda.Stream(device=device)
+        self.copy = _COPY_STREAMS[key]
+
+    def issue(self, copy: Callable[[], tuple[Tensor, ...]]):
+        self.copy.wait_stream(self.main)  # blocks freed so far: main's reads of them precede this copy
+        with self.cuda.stream(self.copy):
+            out = copy()  # allocated from, and copied on, the side stream
+            done = self.cuda.Event()
+            done.record(self.copy)
+        return out, done
+
+    def ready(self, handle) -> tuple[Tensor, ...]:
+        out, done = handle
+        self.main.wait_event(done)  # this block's copy only: the next one's stays in flight
+        return out
+
+
+_END = object()
+
+
+def prefetched(blocks: Iterable[tuple[Tensor, ...] | None], device: torch.device, *,
+               streams=None) -> Iterator[tuple[Tensor, ...] | None]:
+    """Each block of ``blocks`` (a tuple of host views, e.g. ``(k, v)`` of ``max_segment`` keys; None: nothing to
+    copy, passed through) :func:`stage`-d on ``device``, the next block's copy issued before this one is yielded
+    (module docstring). Drop a yielded block before asking for the next one: at most two are then on the device.
+    ``streams``: the copy protocol (default: a side stream on CUDA, in order elsewhere; made at the first block
+    to copy, so that a call with nothing in host memory touches no stream)."""
+    chosen = [streams]
+
+    def issue(blk):
+        if blk is _END or blk is None:
+            return blk
+        if chosen[0] is None:
+            chosen[0] = _SideStream(device) if device.type == "cuda" else _Inline()
+        return chosen[0].issue(lambda: tuple(stage(t, device) for t in blk))
+
+    it = iter(blocks)
+    pending = issue(next(it, _END))
+    while pending is not _END:
+        following = issue(next(it, _END))
+        yield None if pending is None else chosen[0].ready(pending)
+        pending = following
