@@ -124,6 +124,8 @@ FAMILY_CONFIGS = {
     "qwen3_next": {**_HYBRID, "intermediate_size": 48, **_HMOE, "decoder_sparse_step": 1},
     "qwen3_5_moe_text": {**_HYBRID, **_HMOE},
     "deepseek_v3": {**_MOE, **_MLA, "q_lora_rank": 10},
+    "glm4_moe_lite": {**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"}, **_MLA,
+                      "q_lora_rank": 10, "rms_norm_eps": 1e-5},
     "glm4_moe": {**_MOE, "num_key_value_heads": 2, "n_group": 1, "head_dim": 8, "use_qk_norm": True,
                  "attention_bias": True, "rms_norm_eps": 1e-5},
     "deepseek_v32": {**_MOE, **_MLA, **_DSA, "index_topk": 6},  # sparse: prompts longer than index_topk

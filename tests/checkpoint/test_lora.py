@@ -25,8 +25,8 @@ import torch
 from hf_reference import save_tiny, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
-                          MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
+                          LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -97,8 +97,12 @@ FAMILIES = {
                   ATTN + MLP + ["shared_expert_gate"], None),
     "mixtral": (lambda: MixtralConfig(**GQA_MOE, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
                 ATTN, None),
+    "glm4_moe_lite": (lambda: Glm4MoeLiteConfig(**{k: v for k, v in MOE.items() if k != "first_k_dense_replace"},
+                                                **MLA),
+                      MLA_T + MLP, "decompressed"),
 }
-REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral"}
+REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
+            "glm4_moe_lite"}
 NAMES = list(FAMILIES)
 
 _PAIRS = {}

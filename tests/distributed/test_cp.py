@@ -27,8 +27,8 @@ import torch
 from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
-from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig,
-                          MixtralConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
+                          LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -49,7 +49,7 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
-        "q3moe_detached", "mixtral_exact", "mixtral_detached"]
+        "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -136,7 +136,9 @@ def paths():
                                                     shared_expert_intermediate_size=24),
            "qwen3_moe": Qwen3MoeConfig(**_GQA_MOE, intermediate_size=40, moe_intermediate_size=8, head_dim=12,
                                        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1]),
-           "mixtral": MixtralConfig(**_GQA_MOE, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2)}
+           "mixtral": MixtralConfig(**_GQA_MOE, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2),
+           "glm4_moe_lite": Glm4MoeLiteConfig(**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"},
+                                              **_MLA)}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
            "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
            "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}

@@ -1,12 +1,13 @@
 """grpo_backward (exact and detached), score and generate on the DeepSeek / GLM MoE families against the naive
-float64 HF reference: DeepSeek-V3 (MLA, absorbed and decompressed), GLM-4.5 (GQA + MoE) and GLM-5 (MLA + DSA with a
-shared indexer layer, top-k below the sequence length so the sparse path and its gradient sink are exercised)."""
+float64 HF reference: DeepSeek-V3 (MLA, absorbed and decompressed), GLM-4.5 (GQA + MoE), GLM-5 (MLA + DSA with a
+shared indexer layer, top-k below the sequence length so the sparse path and its gradient sink are exercised) and
+GLM-4.7-Flash (glm4_moe_lite: MLA + GLM's MoE)."""
 
 import pytest
 import torch
 from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
 from hf_reference import save_tiny, tiny_moe_hf
-from transformers import DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig
+from transformers import DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig
 
 import longstraw
 from longstraw.models.dsa import IndexedLatentState
@@ -23,6 +24,8 @@ CONFIGS = {
                                       use_qk_norm=True, attention_bias=True),
     "glm_moe_dsa": lambda: GlmMoeDsaConfig(**MOE, **MLA, index_topk=7, index_head_dim=8, index_n_heads=32,
                                            indexer_types=["full", "shared", "full"]),
+    "glm4_moe_lite": lambda: Glm4MoeLiteConfig(**{k: v for k, v in MOE.items() if k != "first_k_dense_replace"},
+                                               **MLA),
 }
 
 
@@ -67,6 +70,7 @@ CASES = [  # (family, MLA form, prompt length P, prefill_chunk): P-1 not a multi
     ("deepseek_v3", "absorbed", 22, 8), ("deepseek_v3", "absorbed", 9, 8), ("deepseek_v3", "decompressed", 22, 8),
     ("glm4_moe", None, 22, 8), ("glm4_moe", None, 1, 8),
     ("glm_moe_dsa", "absorbed", 22, 8), ("glm_moe_dsa", "absorbed", 1, 8), ("glm_moe_dsa", "decompressed", 17, 5),
+    ("glm4_moe_lite", "absorbed", 22, 8), ("glm4_moe_lite", "decompressed", 13, 4),
 ]
 
 
@@ -122,7 +126,7 @@ def test_score_equals_naive_logprobs(name):
 
 
 @pytest.mark.parametrize("name,mode", [("deepseek_v3", "decompressed"), ("glm_moe_dsa", "absorbed"),
-                                       ("glm4_moe", None)])
+                                       ("glm4_moe", None), ("glm4_moe_lite", "absorbed")])
 def test_generate_logprobs_equal_score(name, mode):
     model = _load(name, mode)
     prompt = torch.randint(0, V, (15,), generator=torch.Generator().manual_seed(0))

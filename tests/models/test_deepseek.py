@@ -1,6 +1,6 @@
-"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa): logits and gradients against
-transformers in float64 (both MLA forms), float32, chunked prefill + continuation, save/load through transformers
-with per-expert names, MTP layers skipped, prompt-state bytes per position, bad configs."""
+"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa, glm4_moe_lite): logits and
+gradients against transformers in float64 (both MLA forms), float32, chunked prefill + continuation, save/load
+through transformers with per-expert names, MTP layers skipped, prompt-state bytes per position, bad configs."""
 
 import warnings
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from hf_reference import prefill_states, save_tiny, tiny_hf, true_float64
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Glm4MoeLiteConfig,
+                          GlmMoeDsaConfig)
 
 import longstraw
 from longstraw.engine.prefill import prefill
@@ -37,6 +38,9 @@ CONFIGS = {
     "v32-sparse": lambda: DeepseekV32Config(**MOE, **MLA, **DSA, index_topk=6),
     "glm5-shared-sparse": lambda: GlmMoeDsaConfig(**MOE, **MLA, **DSA, index_topk=7,
                                                   indexer_types=["full", "shared", "full"]),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA, GLM's MoE, mlp_layer_types (no first_k_dense_replace: one dense layer)
+    "glm4_moe_lite": lambda: Glm4MoeLiteConfig(**{k: v for k, v in MOE.items() if k != "first_k_dense_replace"},
+                                               **MLA, q_lora_rank=None, rope_interleave=False),
 }
 MLA_NAMES = [n for n in CONFIGS if n != "glm4_moe"]
 
@@ -224,6 +228,12 @@ def test_layer_kinds_follow_the_config():
     a = glm.layers[0].mixer
     assert isinstance(a, Attention) and a.q_proj.bias is not None and a.o_proj.bias is None and a.q_norm is not None
     assert glm.model.rotary_emb.params.rotary_dim == 4  # partial_rotary_factor 0.5 of head_dim 8
+    lite = CONFIGS["glm4_moe_lite"]().to_dict()
+    for types, want in ((None, [False, True, True]), (["sparse", "dense", "sparse"], [True, False, True])):
+        model = longstraw.build_model({**lite, "mlp_layer_types": types})
+        assert [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers] == want
+        assert all(isinstance(layer.mixer, MLAttention) for layer in model.layers)
+    assert model.model.rotary_emb.params.rotary_dim == 4  # all of qk_rope_head_dim (no partial factor: MLA)
 
 
 def _cfg(name, **changes):

@@ -1,10 +1,10 @@
 """DeepSeek / GLM mixture-of-experts families: ``deepseek_v3``, ``glm4_moe`` (GLM-4.5), ``deepseek_v32``
-(DeepSeek-V3.2) and ``glm_moe_dsa`` (GLM-5).
+(DeepSeek-V3.2), ``glm_moe_dsa`` (GLM-5) and ``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's MLA with GLM's MoE).
 
 Attention:
 
-* ``deepseek_v3``: Multi-head Latent Attention (:mod:`longstraw.models.mla`), optional low-rank queries
-  (``q_lora_rank``), RoPE interleaved unless ``rope_interleave`` is false, yarn mscale squared in the scale;
+* ``deepseek_v3``, ``glm4_moe_lite``: Multi-head Latent Attention (:mod:`longstraw.models.mla`), optional low-rank
+  queries (``q_lora_rank``), RoPE interleaved unless ``rope_interleave`` is false, yarn mscale squared in the scale;
 * ``glm4_moe``: grouped-query attention (:class:`~longstraw.models.attention.Attention`) with q/k/v bias
   (``attention_bias``; ``o_proj`` never has one), optional per-head q/k RMSNorm (``use_qk_norm``) and partial RoPE
   (``partial_rotary_factor``, 0.5 when the config does not say, as transformers defaults it), half-split layout;
@@ -18,7 +18,9 @@ group-limited top-k over ``n_group`` groups keeping ``topk_group``, optional ren
 ``routed_scaling_factor``) and ``n_shared_experts`` always-on shared experts of ``moe_intermediate_size`` each
 (one SwiGLU ``shared_experts`` of ``n_shared * moe_intermediate_size``). Which layers are sparse:
 ``layer >= first_k_dense_replace`` (``deepseek_v3``, ``glm4_moe``) or ``mlp_layer_types[layer] == "sparse"``
-(``deepseek_v32``, ``glm_moe_dsa``; derived from ``first_k_dense_replace`` when absent), as transformers does.
+(``deepseek_v32``, ``glm_moe_dsa``, ``glm4_moe_lite``; derived from ``first_k_dense_replace`` when absent, whose
+default is 3, 1 for the GLM types: GLM-4.7-Flash's config has no such key and transformers makes only its first
+layer dense), as transformers does.
 
 Weights: experts are fused in memory as transformers 5 keeps them (``experts.gate_up_proj [E, 2I, H]``,
 ``experts.down_proj [E, H, I]``) and stored per expert in checkpoints (``experts.{e}.{gate,up,down}_proj.weight``),
@@ -55,7 +57,7 @@ from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, Model
 from longstraw.models.weights import ExpertWeightMap
 from longstraw.ops.moe import router_logits, sigmoid_grouped_route
 
-MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
+MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite")
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 INDEXER_TYPES = ("full", "shared")
 
@@ -130,8 +132,8 @@ def _moe_block(hidden: int, r: ConfigReader, act: str) -> SparseMoeBlock:
 
 def sparse_layers(cfg: dict, r: ConfigReader, n: int) -> list[bool]:
     """Which layers have the MoE block (see module docstring)."""
-    first = r.opt("first_k_dense_replace", 1 if cfg["model_type"] == "glm4_moe" else 3, int)
-    if cfg["model_type"] not in DSA_TYPES:
+    first = r.opt("first_k_dense_replace", 1 if cfg["model_type"] in ("glm4_moe", "glm4_moe_lite") else 3, int)
+    if cfg["model_type"] not in DSA_TYPES + ("glm4_moe_lite",):
         return [i >= first for i in range(n)]
     types = cfg.get("mlp_layer_types")
     if types is None:
