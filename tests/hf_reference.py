@@ -113,6 +113,30 @@ def prefill_states(model, ids, p: int, chunk: int, exact: bool = False) -> list:
     return states
 
 
+def continuation_error(model, ids, p: int, chunk: int) -> tuple[float, list]:
+    """Max |logits of positions ``p..`` of ``ids [1, T]`` run on a chunked prefill of ``[0, p)`` - a full forward's|
+    (no autograd), and the prefilled states."""
+    with torch.no_grad():
+        full = model(ids)
+        states = prefill_states(model, ids, p, chunk)
+        hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
+        return (model.lm_head(hidden) - full[:, p:]).abs().max().item(), states
+
+
+def weighted_logit_grads(hf, model, ids, w) -> tuple[dict, dict]:
+    """The gradients of ``sum(logits * w)``: ours (``hf_grads``, transformers' names) and transformers' in float64,
+    by parameter name; the HF model's ``.grad`` is cleared after."""
+    import longstraw
+
+    hf.zero_grad()
+    with true_float64():
+        (hf(ids).logits * w).sum().backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad()
+    (model(ids) * w).sum().backward()
+    return longstraw.hf_grads(model), want
+
+
 def tiny_moe_hf(config, seed: int):
     """``tiny_hf`` of an MoE config with eager experts and the DeepSeek/GLM routers' ``e_score_correction_bias``
     perturbed away from zero (so a wrong bias path is caught)."""

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from hf_reference import prefill_states, save_tiny, tiny_hf, true_float64
+from hf_reference import continuation_error, save_tiny, tiny_hf, true_float64, weighted_logit_grads
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Glm4MoeLiteConfig,
                           GlmMoeDsaConfig)
@@ -109,13 +109,7 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk, monk
     ids = torch.randint(0, V, (1, 45))
     p = 33
     for mode in _modes(name):
-        model = _load(path, mode)
-        with torch.no_grad():
-            full = model(ids)
-            states = prefill_states(model, ids, p, chunk)
-            hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
-            cont = model.lm_head(hidden)
-        assert (cont - full[:, p:]).abs().max().item() <= 1e-10, mode
+        assert continuation_error(_load(path, mode), ids, p, chunk)[0] <= 1e-10, mode
     assert bool(calls) == name.endswith("sparse")  # top-k < length: the selection is exercised
 
 
@@ -123,14 +117,8 @@ def test_hf_grads_match_transformers(pair):
     name, hf, path = pair
     ids = torch.randint(0, V, (2, 17))
     w = torch.randn(2, 17, V, dtype=torch.float64)
-    hf.zero_grad()
-    with true_float64():
-        (hf(ids).logits * w).sum().backward()
-    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
     for mode in _modes(name):
-        model = _load(path, mode)
-        (model(ids) * w).sum().backward()
-        got = longstraw.hf_grads(model)
+        got, want = weighted_logit_grads(hf, _load(path, mode), ids, w)
         assert set(got) == set(want)
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=f"{mode} {n}")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from hf_reference import prefill_states, save_tiny, tiny_hf, true_float64
+from hf_reference import continuation_error, save_tiny, tiny_hf, true_float64, weighted_logit_grads
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import longstraw
@@ -82,29 +82,19 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     model = longstraw.load_model(path)
     ids = torch.randint(0, V, (1, 45))
     p = 33  # prompt positions prefilled, the rest is a continuation
-    with torch.no_grad():
-        full = model(ids)
-        states = prefill_states(model, ids, p, chunk)
-        assert all(isinstance(st, KVState) and st.length == p for st in states)
-        hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
-        cont = model.lm_head(hidden)
-    assert (cont - full[:, p:]).abs().max().item() <= 1e-10
+    err, states = continuation_error(model, ids, p, chunk)
+    assert all(isinstance(st, KVState) and st.length == p for st in states)
+    assert err <= 1e-10
 
 
 def test_hf_grads_match_transformers(pair):
     hf, path = pair
     model = longstraw.load_model(path)
     ids = torch.randint(0, V, (2, 19))
-    w = torch.randn(2, 19, V, dtype=torch.float64)
-    with true_float64():
-        (hf(ids).logits * w).sum().backward()
-    (model(ids) * w).sum().backward()
-    got = longstraw.hf_grads(model)
-    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    got, want = weighted_logit_grads(hf, model, ids, torch.randn(2, 19, V, dtype=torch.float64))
     assert set(got) == set(want)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=n)
-    hf.zero_grad()
 
 
 def test_save_model_round_trips_through_transformers(pair, tmp_path):

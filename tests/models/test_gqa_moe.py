@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from hf_reference import prefill_states, save_tiny, tiny_moe_hf, true_float64
+from hf_reference import continuation_error, save_tiny, tiny_moe_hf, true_float64, weighted_logit_grads
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
@@ -90,28 +90,14 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     _, _, path = pair
     model = longstraw.load_model(path)
     ids = torch.randint(0, V, (1, 45))
-    p = 33
-    with torch.no_grad():
-        full = model(ids)
-        states = prefill_states(model, ids, p, chunk)
-        assert all(isinstance(st, KVState) and st.length == p for st in states)
-        hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
-        cont = model.lm_head(hidden)
-    assert (cont - full[:, p:]).abs().max().item() <= 1e-10
+    err, states = continuation_error(model, ids, 33, chunk)
+    assert all(isinstance(st, KVState) and st.length == 33 for st in states) and err <= 1e-10
 
 
 def test_hf_grads_match_transformers(pair):
     _, hf, path = pair
     ids = torch.randint(0, V, (2, 17))
-    w = torch.randn(2, 17, V, dtype=torch.float64)
-    hf.zero_grad()
-    with true_float64():
-        (hf(ids).logits * w).sum().backward()
-    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    model = longstraw.load_model(path)
-    (model(ids) * w).sum().backward()
-    got = longstraw.hf_grads(model)
-    hf.zero_grad()
+    got, want = weighted_logit_grads(hf, longstraw.load_model(path), ids, torch.randn(2, 17, V, dtype=torch.float64))
     assert set(got) == set(want)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=n)

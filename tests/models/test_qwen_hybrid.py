@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from hf_reference import float32_rope, prefill_states, save_tiny, tiny_hf, true_float64
+from hf_reference import continuation_error, float32_rope, save_tiny, tiny_hf, true_float64, weighted_logit_grads
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
@@ -83,33 +83,21 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     model = longstraw.load_model(path)
     ids = torch.randint(0, V, (1, 150))
     p = 131
-    with torch.no_grad():
-        full = model(ids)
-        states = prefill_states(model, ids, p, chunk)
-        kinds = {type(st) for st in states}
-        assert kinds == {RecurrentState, KVState}
-        assert all(st.length == p for st in states)
-        hidden, _ = model.run(ids[:, p:], p, [st.prefix(p, False) for st in states])
-        cont = model.lm_head(hidden)
-    assert (cont - full[:, p:]).abs().max().item() <= 1e-10
+    err, states = continuation_error(model, ids, p, chunk)
+    assert {type(st) for st in states} == {RecurrentState, KVState}
+    assert all(st.length == p for st in states)
+    assert err <= 1e-10
 
 
 def test_hf_grads_match_transformers(pair):
     hf, path = pair
     model = longstraw.load_model(path)
     ids = torch.randint(0, V, (2, 70))
-    w = torch.randn(2, 70, V, dtype=torch.float64)
-    hf.zero_grad()
-    with true_float64():
-        (hf(ids).logits * w).sum().backward()
-    (model(ids) * w).sum().backward()
-    got = longstraw.hf_grads(model)
-    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    got, want = weighted_logit_grads(hf, model, ids, torch.randn(2, 70, V, dtype=torch.float64))
     assert set(got) == set(want)
     for n in want:
         err, scale = (got[n] - want[n]).abs().max().item(), want[n].abs().max().item()
         assert err <= 1e-9 * scale, f"{n}: {err:.3e} vs max |grad| {scale:.3e}"
-    hf.zero_grad()
 
 
 def test_save_model_round_trips_through_transformers(pair, tmp_path):
