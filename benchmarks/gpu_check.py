@@ -120,6 +120,8 @@ FAMILY_CONFIGS = {
     "qwen3_moe": {**_DENSE, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
                   "norm_topk_prob": True, "mlp_only_layers": [1]},
     "mixtral": {**_DENSE, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "minimax_m2": {**_DENSE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "rotary_dim": 8, "bos_token_id": None, "eos_token_id": None},
     "qwen3_5_text": {**_HYBRID, "intermediate_size": 48},
     "qwen3_next": {**_HYBRID, "intermediate_size": 48, **_HMOE, "decoder_sparse_step": 1},
     "qwen3_5_moe_text": {**_HYBRID, **_HMOE},

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BOTH = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # family: the module targets beside the experts (none of PEFT's re-targeted MLP names)
 OTHER = {"qwen3_next": ["q_proj", "in_proj_qkvz", "shared_expert_gate"], "qwen3_5_moe": ["q_proj", "out_proj"],
-         "deepseek_v3": ["q_a_proj", "kv_b_proj"], "mixtral": ["q_proj", "o_proj"]}
+         "deepseek_v3": ["q_a_proj", "kv_b_proj"], "mixtral": ["q_proj", "o_proj"],
+         "minimax_m2": ["k_proj"]}
 FAMS = sorted(OTHER)
 
 

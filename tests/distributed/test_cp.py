@@ -28,7 +28,8 @@ from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
 from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
-                          LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+                          LlamaConfig, MiniMaxM2Config, MixtralConfig, Qwen3Config, Qwen3MoeConfig,
+                          Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -49,7 +50,7 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
-        "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached"]
+        "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -77,7 +78,7 @@ HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_save", "ep_init"]
 EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
            "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt",
-           "q3moe_exact", "mixtral_detached"]
+           "q3moe_exact", "mixtral_detached", "minimax_exact"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
@@ -137,6 +138,8 @@ def paths():
            "qwen3_moe": Qwen3MoeConfig(**_GQA_MOE, intermediate_size=40, moe_intermediate_size=8, head_dim=12,
                                        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1]),
            "mixtral": MixtralConfig(**_GQA_MOE, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2),
+           "minimax_m2": MiniMaxM2Config(**_GQA_MOE, head_dim=8, intermediate_size=16, num_local_experts=6,
+                                         num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None),
            "glm4_moe_lite": Glm4MoeLiteConfig(**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"},
                                               **_MLA)}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),

@@ -1,4 +1,4 @@
-"""GQA + softmax-routed MoE families (qwen3_moe, qwen2_moe, mixtral): logits and gradients against transformers in
+"""GQA + MoE families (qwen3_moe, qwen2_moe, mixtral, minimax_m2): logits and gradients against transformers in
 float64 and float32, chunked prefill + continuation, bf16 logits (Mixtral's float32 routing weights), save/load
 through transformers under the names it writes (Mixtral's block_sparse_moe / w1 w2 w3), the num_experts alias,
 which layers are sparse, sliding windows, bad configs."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_reference import continuation_error, save_tiny, tiny_moe_hf, true_float64, weighted_logit_grads
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MiniMaxM2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 import longstraw
 from longstraw.models.mlp import GatedMLP
@@ -35,6 +35,11 @@ CONFIGS = {
                                         decoder_sparse_step=2),
     "mixtral": lambda: MixtralConfig(**{**BASE, "num_hidden_layers": 2}, intermediate_size=16, num_local_experts=6,
                                      num_experts_per_tok=2),
+    # sigmoid router with a correction bias, q/k norms over all heads, partial RoPE from the released configs'
+    # rotary_dim (6 of head_dim 8)
+    "minimax_m2": lambda: MiniMaxM2Config(**{**BASE, "num_hidden_layers": 2}, head_dim=8, intermediate_size=16,
+                                          num_local_experts=6, num_experts_per_tok=2, rotary_dim=6,
+                                          bos_token_id=None, eos_token_id=None),
 }
 
 
@@ -78,7 +83,7 @@ def test_bf16_logits_follow_transformers_routing_weight_dtype(pair):
     model = longstraw.load_model(path, dtype="bfloat16")
     gate = next(layer.mlp.gate for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     x = torch.randn(5, 32, dtype=torch.bfloat16)
-    assert gate(x)[0].dtype == (torch.float32 if name == "mixtral" else torch.bfloat16)
+    assert gate(x)[0].dtype == (torch.float32 if name in ("mixtral", "minimax_m2") else torch.bfloat16)
     ids = torch.randint(0, V, (1, 19))
     with torch.no_grad():
         want, got = hf(ids).logits.float(), model(ids).float()
@@ -109,7 +114,7 @@ def test_save_model_round_trips_through_transformers_under_its_names(pair, tmp_p
     longstraw.save_model(model, tmp_path / "out")
     saved = load_file(tmp_path / "out" / "model.safetensors")
     assert set(saved) == set(load_file(path / "model.safetensors"))  # the names transformers writes
-    expert = ("model.layers.1.block_sparse_moe.experts.5.w3.weight" if name == "mixtral"
+    expert = ("model.layers.1.block_sparse_moe.experts.5.w3.weight" if name in ("mixtral", "minimax_m2")
               else "model.layers.2.mlp.experts.5.up_proj.weight" if name != "qwen2_moe"
               else "model.layers.1.mlp.experts.5.up_proj.weight")
     assert expert in saved
@@ -146,7 +151,11 @@ def test_layer_kinds_follow_the_config():
              for n in CONFIGS}
     assert kinds["qwen3_moe"] == [SparseMoeBlock, GatedMLP, SparseMoeBlock]
     assert kinds["qwen2_moe"] == [GatedMLP, SparseMoeBlock, GatedMLP]  # decoder_sparse_step 2
-    assert kinds["mixtral"] == [SparseMoeBlock, SparseMoeBlock]
+    assert kinds["mixtral"] == kinds["minimax_m2"] == [SparseMoeBlock, SparseMoeBlock]
+    mm = longstraw.build_model(CONFIGS["minimax_m2"]().to_dict()).model
+    a = mm.layers[0].self_attn
+    assert a.q_norm.weight.shape == (4 * 8,) and a.k_norm.weight.shape == (2 * 8,)  # over all heads
+    assert mm.rotary_emb.params.rotary_dim == 6 and mm.rotary_emb.params.theta == 5_000_000.0  # its default
     q2 = longstraw.build_model(CONFIGS["qwen2_moe"]().to_dict()).model.layers[1]
     assert q2.mlp.shared_expert_gate is not None and q2.self_attn.q_proj.bias is not None
     assert q2.self_attn.o_proj.bias is None
@@ -180,6 +189,8 @@ def test_num_experts_is_read_under_either_key():
     ("qwen2_moe", {"shared_expert_intermediate_size": None}, "required key 'shared_expert_intermediate_size'"),
     ("mixtral", {"num_local_experts": 0}, r"num_experts_per_tok=2 must be <= num_local_experts=0"),
     ("mixtral", {"intermediate_size": -4}, "intermediate_size=-4 must be >= 1"),
+    ("minimax_m2", {"attn_type_list": [1, 0]}, r"attn_type_list=\[1, 0\]: only full attention \(1\)"),
+    ("minimax_m2", {"rope_parameters": None, "rotary_dim": 7}, "rotary_dim=7 must be even and <= head_dim=8"),
 ])
 def test_bad_configs_name_the_value(name, changes, msg):
     with pytest.raises(ValueError, match=msg):
@@ -192,6 +203,18 @@ def test_mixtral_router_jitter_is_ignored_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         longstraw.build_model(_cfg("mixtral"))
+
+
+def test_minimax_released_config_keys():
+    """The released MiniMax-M2 config.json says ``rotary_dim`` (no ``rope_parameters``) and may leave the theta
+    out: partial RoPE of ``rotary_dim / head_dim``, theta 5e6, as transformers reads it."""
+    hub = {k: v for k, v in _cfg("minimax_m2").items() if k not in ("rope_parameters", "partial_rotary_factor")}
+    params = longstraw.build_model({**hub, "rotary_dim": 4}).model.rotary_emb.params
+    assert (params.rotary_dim, params.theta) == (4, 5_000_000.0)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**{**hub, "rotary_dim": 4}).to_dict()
+    assert longstraw.build_model(hf).model.rotary_emb.params == params
 
 
 @pytest.mark.parametrize("name,changes,window", [

@@ -705,6 +705,7 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 
 MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 12,
            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 6, "num_experts_per_tok": 2,
            "vocab_size": 300, "max_position_embeddings": 8192}
+MINIMAX = {**MIXTRAL, "model_type": "minimax_m2", "head_dim": 16, "rotary_dim": 8}
 
 
 def _deep_hybrid(n=32):
@@ -718,7 +719,7 @@ def _deep_hybrid(n=32):
                                             ("hybrid", "detached", True), ("hybrid", "exact", True),
                                             ("mla_moe", "exact", False), ("dense", "exact", False),
                                             ("dense", "detached", True), ("qwen3_moe", "exact", False),
-                                            ("mixtral", "detached", True)])
+                                            ("mixtral", "detached", True), ("minimax_m2", "exact", True)])
 def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     """The planner dry-runs a few layers (the first and the last, the prefix and suffix around a repeating period
     of layer kinds, and 2 or 3 of its periods) and combines the runs for the whole depth, each role's peak apart:
@@ -729,7 +730,7 @@ def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     import longstraw.planner as planner
 
     cfg = {"hybrid": _deep_hybrid(), "mla_moe": MLA_MOE, "dense": {**DENSE, "num_hidden_layers": 16},
-           "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}[name]
+           "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "minimax_m2": MINIMAX}[name]
     kw = dict(prompt_len=1500, response_len=16, group=2, dtype="float32",
               cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=512, checkpoint_layers=ckpt))
     assert planner.layer_samples(_meta_model(cfg, torch.float32)) is not None

@@ -1,7 +1,8 @@
 """Full (softmax) attention with grouped K/V heads, as a token mixer over a prefix state.
 
 Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm before RoPE, ``head_dim``
-independent of ``hidden / heads``) and the gated attention of Qwen3-Next / Qwen3.5 (``q_proj`` emits a per-head
+independent of ``hidden / heads``), MiniMax-M2 (one RMSNorm over all heads' queries, one over all keys:
+``qk_norm="all"``) and the gated attention of Qwen3-Next / Qwen3.5 (``q_proj`` emits a per-head
 ``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k norms, partial RoPE).
 
 ``forward(x, ctx, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         *,
         qkv_bias: bool = False,
         o_bias: bool = False,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         qk_norm_zero_centered: bool = False,
         norm_eps: float = 1e-6,
         output_gate: bool = False,
@@ -49,9 +50,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        if qk_norm not in (False, True, "head", "all"):
+            raise ValueError(f"qk_norm={qk_norm!r}: one of False, True / 'head' (per head), 'all' (over all heads)")
+        self.qk_norm_all = qk_norm == "all"  # the norms' width: every head's dims (else one head's)
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=qk_norm_zero_centered)
-            self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=qk_norm_zero_centered)
+            q_dim, k_dim = (num_heads * head_dim, num_kv_heads * head_dim) if self.qk_norm_all else (head_dim,) * 2
+            self.q_norm = RMSNorm(q_dim, norm_eps, zero_centered=qk_norm_zero_centered)
+            self.k_norm = RMSNorm(k_dim, norm_eps, zero_centered=qk_norm_zero_centered)
         else:
             self.q_norm = self.k_norm = None
 
@@ -62,14 +67,17 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: CallContext, prefix: list[KVSegment] | None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, -1)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm_all:  # [B, T, H * D]: one norm over every head's dims
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.num_heads, -1)
         gate = None
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(b, t, -1)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = ctx.rope

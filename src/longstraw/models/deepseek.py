@@ -75,8 +75,9 @@ class SigmoidGroupedRouter(nn.Module):
     experts are chosen. A float64 model takes it in float64."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float):
+                 norm_topk_prob: bool, routed_scaling_factor: float, upcast_logits: bool = True):
         super().__init__()
+        self.upcast_logits = upcast_logits  # False: logits in x's dtype, sigmoid in float32 (MiniMax-M2)
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden).normal_(0, 0.02))
@@ -97,7 +98,8 @@ class SigmoidGroupedRouter(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return sigmoid_grouped_route(router_logits(x, self.weight, upcast=True), self.e_score_correction_bias,
+        return sigmoid_grouped_route(router_logits(x, self.weight, upcast=self.upcast_logits),
+                                     self.e_score_correction_bias,
                                      self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
                                      self.routed_scaling_factor)
 

@@ -1,10 +1,10 @@
-"""GQA transformers with softmax-routed mixture-of-experts feed-forward blocks: ``qwen3_moe`` (Qwen3-30B-A3B,
-Qwen3-235B-A22B, Qwen3-Coder-480B-A35B), ``qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), ``mixtral``
-(Mixtral-8x7B / 8x22B).
+"""GQA transformers with mixture-of-experts feed-forward blocks: ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B,
+Qwen3-Coder-480B-A35B), ``qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), ``mixtral`` (Mixtral-8x7B / 8x22B) and
+``minimax_m2`` (MiniMax-M2: Mixtral's layout with a sigmoid router).
 
 The attention is the dense families' (:mod:`longstraw.models.dense`): Qwen3-MoE's per-head q/k RMSNorm, free
 ``head_dim`` and ``attention_bias`` on q/k/v/o; Qwen2-MoE's q/k/v bias (``qkv_bias``, on by default); Mixtral's plain
-GQA. The feed-forward block of layer ``i`` is a :class:`~longstraw.models.moe_block.SparseMoeBlock` (softmax top-k
+GQA. The feed-forward block of layer ``i`` is a :class:`~longstraw.models.moe_block.SparseMoeBlock` (a top-k
 router, fused routed experts) where transformers puts one, a dense SwiGLU otherwise:
 
 * ``qwen3_moe`` / ``qwen2_moe``: sparse iff ``i not in mlp_only_layers`` and ``num_experts > 0`` and
@@ -13,16 +13,25 @@ router, fused routed experts) where transformers puts one, a dense SwiGLU otherw
   expert (``shared_expert``, ``shared_expert_gate``), as Qwen3-Next does.
 * ``mixtral``: sparse on every layer, ``num_local_experts`` experts, the top-k always renormalised and kept in
   float32 (each expert's output is weighted in float32 and rounded once, as transformers does).
+* ``minimax_m2``: as Mixtral, routed by sigmoid scores (logits in the model's dtype) whose top-k is chosen with
+  ``e_score_correction_bias`` added (DeepSeek's router with one group, no scaling:
+  :class:`~longstraw.models.deepseek.SigmoidGroupedRouter`), renormalised, float32; attention with one RMSNorm over
+  all heads' queries and one over all keys (``Attention(qk_norm="all")``) and partial RoPE (``rotary_dim`` of the
+  released configs, or ``partial_rotary_factor``; theta 5e6 when unset, transformers' default for it). The
+  released configs' ``attn_type_list`` must say full attention (1) for every layer; MiniMax's lightning
+  (linear) attention layers are not implemented.
 
 Checkpoint names: Qwen's are transformers' in-memory names except the routed experts, stored one by one
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``; fused on load, split on save by
 :class:`~longstraw.models.weights.ExpertWeightMap`). Mixtral's checkpoints name the block ``block_sparse_moe`` and
-the experts' matrices ``w1`` (gate), ``w3`` (up), ``w2`` (down); :class:`MixtralWeightMap` maps them to
-transformers 5's in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``) on load and back on
-save, so a saved model loads in transformers 4 and 5, vLLM and SGLang alike, and ``hf_grads`` needs no renaming.
-A checkpoint already in the fused in-memory layout loads as it is.
+the experts' matrices ``w1`` (gate), ``w3`` (up), ``w2`` (down) (MiniMax-M2's too, with the routing bias
+``block_sparse_moe.e_score_correction_bias``, ours ``mlp.gate.e_score_correction_bias``); :class:`MixtralWeightMap`
+maps them to transformers 5's in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``) on load
+and back on save, so a saved model loads in transformers 4 and 5, vLLM and SGLang alike, and ``hf_grads`` needs no
+renaming. A checkpoint already in the fused in-memory layout loads as it is.
 
-Left out, as for every family: auxiliary load-balancing losses (``output_router_logits``, ``router_aux_loss_coef``).
+Left out, as for every family: auxiliary load-balancing losses (``output_router_logits``, ``router_aux_loss_coef``);
+FP8 checkpoints (MiniMax-M2 is released so: dequantise first, as for DeepSeek-V3).
 Mixtral's ``router_jitter_noise`` (a pre-training regulariser transformers applies only in training mode) is
 ignored with a warning: the policy's forward must be deterministic, the same when sampling and when scoring.
 """
@@ -38,6 +47,7 @@ from torch import Tensor
 
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
+from longstraw.models.deepseek import SigmoidGroupedRouter
 from longstraw.models.dense import sliding_window
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
@@ -47,7 +57,8 @@ from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 from longstraw.models.weights import ExpertWeightMap
 
-MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2")
+MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")  # every layer sparse, block_sparse_moe / w1 w2 w3 in checkpoints
 
 
 def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
@@ -64,7 +75,7 @@ def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
 
 
 def _is_sparse(mt: str, cfg: dict, r: ConfigReader, i: int) -> bool:
-    if mt == "mixtral":
+    if mt in MIXTRAL_LAYOUT:
         return True
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in only):
@@ -82,6 +93,9 @@ def _ffn(mt: str, cfg: dict, r: ConfigReader, hidden: int, act: str, i: int):
     if mt == "mixtral":
         return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, True, float_weights=True),
                               Experts(hidden, experts, r.positive("intermediate_size"), act))
+    if mt == "minimax_m2":
+        return SparseMoeBlock(SigmoidGroupedRouter(hidden, experts, top_k, 1, 1, True, 1.0, upcast_logits=False),
+                              Experts(hidden, experts, r.positive("intermediate_size"), act))
     norm_topk = r.opt("norm_topk_prob", False, bool)
     if mt == "qwen2_moe":
         return qwen_moe_block(hidden, experts, top_k, r.positive("moe_intermediate_size"),
@@ -98,7 +112,8 @@ def build(cfg: dict) -> CausalLM:
     spec = ModelSpec(
         model_type=mt, vocab_size=r.positive("vocab_size"), hidden_size=hidden,
         num_layers=r.positive("num_hidden_layers"),
-        max_position_embeddings=r.positive("max_position_embeddings", 32768 if mt != "mixtral" else 131072),
+        max_position_embeddings=r.positive("max_position_embeddings",
+                                           {"mixtral": 131072, "minimax_m2": 196608}.get(mt, 32768)),
         tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"), sliding_window=sliding_window(cfg, r),
@@ -114,7 +129,12 @@ def build(cfg: dict) -> CausalLM:
     elif mt == "qwen2_moe":
         qkv_bias, o_bias, qk_norm = r.opt("qkv_bias", True, bool), False, False
     else:
-        qkv_bias = o_bias = qk_norm = False
+        qkv_bias = o_bias = False
+        qk_norm = "all" if mt == "minimax_m2" else False
+        kinds = cfg.get("attn_type_list")
+        if mt == "minimax_m2" and kinds is not None and (not isinstance(kinds, list) or any(k != 1 for k in kinds)):
+            raise ValueError(f"{r.where}: attn_type_list={kinds!r}: only full attention (1) is supported for "
+                             "minimax_m2; MiniMax's lightning (linear) attention layers are not implemented")
         if r.opt("router_jitter_noise", 0.0, float) > 0:
             warnings.warn(f"{r.where}: router_jitter_noise={cfg['router_jitter_noise']} is ignored: LongStraw's "
                           "forward is deterministic (the log-probs of sampling and of training must agree)",
@@ -129,18 +149,37 @@ def build(cfg: dict) -> CausalLM:
         )
         for i in range(spec.num_layers)
     ]
-    rotary = RotaryEmbedding(rope_params_from_hf(cfg, head_dim))
+    rotary = RotaryEmbedding(rope_params_from_hf(_minimax_rope(cfg, head_dim) if mt == "minimax_m2" else cfg,
+                                                 head_dim))
     return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps), rotary))
+
+
+def _minimax_rope(cfg: dict, head_dim: int) -> dict:
+    """MiniMax-M2's RoPE settings as transformers reads them: the released configs' ``rotary_dim`` is a partial
+    factor of ``rotary_dim / head_dim`` where no ``partial_rotary_factor`` is given; theta 5e6 when unset."""
+    rp = dict(cfg.get("rope_parameters") or {})
+    out = dict(cfg)
+    if "partial_rotary_factor" not in rp and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
+        rotary_dim = ConfigReader(cfg).positive("rotary_dim")
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"config.json: rotary_dim={rotary_dim} must be even and <= head_dim={head_dim}")
+        out["partial_rotary_factor"] = rotary_dim / head_dim
+    if rp.get("rope_theta") is None and cfg.get("rope_theta") is None:
+        out["rope_theta"] = 5_000_000.0
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- weights
 
-_MIXTRAL_LOAD = [(r"\.block_sparse_moe\.", ".mlp."), (r"(\.mlp\.experts\.\d+)\.w1\.weight$", r"\1.gate_proj.weight"),
+_MIXTRAL_LOAD = [(r"\.block_sparse_moe\.", ".mlp."),
+                 (r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),  # MiniMax-M2
+                 (r"(\.mlp\.experts\.\d+)\.w1\.weight$", r"\1.gate_proj.weight"),
                  (r"(\.mlp\.experts\.\d+)\.w3\.weight$", r"\1.up_proj.weight"),
                  (r"(\.mlp\.experts\.\d+)\.w2\.weight$", r"\1.down_proj.weight")]
 # Saving maps back only the router and the per-expert matrices: a PEFT adapter's keys (``mlp.experts`` of the fused
 # parameters, attention projections) are transformers 5's in-memory names and stay as they are.
 _MIXTRAL_SAVE = [(r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
+                 (r"\.mlp\.gate\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias"),
                  (r"\.mlp\.experts\.(\d+)\.gate_proj\.weight$", r".block_sparse_moe.experts.\1.w1.weight"),
                  (r"\.mlp\.experts\.(\d+)\.up_proj\.weight$", r".block_sparse_moe.experts.\1.w3.weight"),
                  (r"\.mlp\.experts\.(\d+)\.down_proj\.weight$", r".block_sparse_moe.experts.\1.w2.weight")]
@@ -170,7 +209,7 @@ def _mixtral_name(name: str) -> str:
 
 
 def weights(cfg: dict) -> ExpertWeightMap:
-    return MixtralWeightMap() if cfg.get("model_type") == "mixtral" else ExpertWeightMap()
+    return MixtralWeightMap() if cfg.get("model_type") in MIXTRAL_LAYOUT else ExpertWeightMap()
 
 
 FAMILY = Family("gqa_moe", MODEL_TYPES, build, weights)
