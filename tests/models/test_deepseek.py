@@ -189,6 +189,30 @@ def test_prompt_state_bytes_per_position(pair):
             if isinstance(layer.mixer, MLAttention)] == (want if name != "glm4_moe" else [])
 
 
+def test_kimi_k2_text_checkpoints_are_deepseek_v3(tmp_path):
+    """Kimi-K2's config names the DeepSeek-V3 architecture under model_type ``kimi_k2`` (transformers reads such a
+    text config as ``deepseek_v3``): it loads as one, with the same logits, and saves with its own config."""
+    import json
+    import shutil
+
+    hf = hf_model("v3", seed=7)
+    src = save_tiny(hf)
+    d = tmp_path / "kimi"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = longstraw.load_model(d)
+    ids = torch.randint(0, V, (1, 19))
+    with torch.no_grad(), true_float64():
+        want = hf(ids).logits
+    with torch.no_grad():
+        assert (model(ids) - want).abs().max().item() <= 1e-10
+    longstraw.save_model(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k2"
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(load_file(src / "model.safetensors"))
+
+
 def test_mtp_layers_are_skipped_with_one_warning(tmp_path):
     hf = hf_model("v3")
     d = save_tiny(hf)

@@ -1,5 +1,7 @@
 """DeepSeek / GLM mixture-of-experts families: ``deepseek_v3``, ``glm4_moe`` (GLM-4.5), ``deepseek_v32``
 (DeepSeek-V3.2), ``glm_moe_dsa`` (GLM-5) and ``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's MLA with GLM's MoE).
+``kimi_k2`` (Kimi-K2's text checkpoints, whose config names the DeepSeek-V3 architecture under its own model type;
+transformers reads such a text config as ``deepseek_v3``, ``Kimi_K25Config``) is built as ``deepseek_v3``.
 
 Attention:
 
@@ -57,7 +59,7 @@ from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, Model
 from longstraw.models.weights import ExpertWeightMap
 from longstraw.ops.moe import router_logits, sigmoid_grouped_route
 
-MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite")
+MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "kimi_k2")
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 INDEXER_TYPES = ("full", "shared")
 
