@@ -134,6 +134,8 @@ FAMILY_CONFIGS = {
                    "rotary_dim": 8, "bos_token_id": None, "eos_token_id": None},
     "glm4_moe_lite": {**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"}, **_MLA,
                       "q_lora_rank": 10, "rms_norm_eps": 1e-5},
+    "olmoe": {**_DENSE, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 4.0,
+              "pad_token_id": None, "eos_token_id": None},
 }
 
 

@@ -26,8 +26,8 @@ from hf_reference import save_tiny, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
-                          LlamaConfig, MiniMaxM2Config, MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                          Qwen3NextConfig)
+                          LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -104,9 +104,12 @@ FAMILIES = {
     "minimax_m2": (lambda: MiniMaxM2Config(**GQA_MOE, head_dim=8, intermediate_size=16, num_local_experts=4,
                                            num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None),
                    ATTN, None),
+    "olmoe": (lambda: OlmoeConfig(**GQA_MOE, intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                  clip_qkv=0.5, pad_token_id=None, eos_token_id=None),
+              ATTN, None),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
-            "glm4_moe_lite", "minimax_m2"}
+            "glm4_moe_lite", "minimax_m2", "olmoe"}
 NAMES = list(FAMILIES)
 
 _PAIRS = {}
@@ -229,7 +232,7 @@ def test_logits_equal_peft(name, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Found missing adapter keys", "ignore:The following (rank|alpha)_pattern keys")
-@pytest.mark.parametrize("name", sorted(REMAPPED - {"mixtral", "minimax_m2"}))  # no nn.Linear MLP: test_lora_experts
+@pytest.mark.parametrize("name", sorted(REMAPPED - {"mixtral", "minimax_m2", "olmoe"}))  # no linear MLP layers
 def test_stock_peft_on_remapped_moe_families(name, tmp_path):
     """Stock PEFT re-targets the MLP names to the routed experts' fused parameters (``experts``, a ParamWrapper
     around ``experts.base_layer``) and leaves the dense MLP layers and shared experts alone; every other target

@@ -28,7 +28,7 @@ from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
 from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
-                          LlamaConfig, MiniMaxM2Config, MixtralConfig, Qwen3Config, Qwen3MoeConfig,
+                          LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -50,7 +50,8 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "dsa_exact", "dsa_detached", "dsa_exact_fsdp_ckpt", "dsa_generate", "dsa_score", "dsa_state_bytes",
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
-        "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact"]
+        "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact",
+        "olmoe_detached"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -138,6 +139,8 @@ def paths():
            "qwen3_moe": Qwen3MoeConfig(**_GQA_MOE, intermediate_size=40, moe_intermediate_size=8, head_dim=12,
                                        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1]),
            "mixtral": MixtralConfig(**_GQA_MOE, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2),
+           "olmoe": OlmoeConfig(**_GQA_MOE, intermediate_size=16, num_experts=6, num_experts_per_tok=2, clip_qkv=0.5,
+                                pad_token_id=None, eos_token_id=None),
            "minimax_m2": MiniMaxM2Config(**_GQA_MOE, head_dim=8, intermediate_size=16, num_local_experts=6,
                                          num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None),
            "glm4_moe_lite": Glm4MoeLiteConfig(**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"},

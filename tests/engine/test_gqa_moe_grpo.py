@@ -1,7 +1,7 @@
 """grpo_backward (exact and detached), score and generate on the GQA + softmax-routed MoE families against the
 naive float64 HF reference: Qwen3-MoE (a dense layer between sparse ones), Qwen2-MoE (gated shared expert),
-Mixtral (float32 routing weights) and MiniMax-M2 (sigmoid router with a correction bias, q/k norms over all
-heads)."""
+Mixtral (float32 routing weights), MiniMax-M2 (sigmoid router with a correction bias, q/k norms over all heads)
+and OLMoE (clipped q/k/v)."""
 
 import sys
 from pathlib import Path
@@ -34,7 +34,7 @@ def pair(name):
 @pytest.mark.parametrize("name,p,chunk,branch_batch,checkpoint", [
     ("qwen3_moe", 22, 8, 1, False), ("qwen3_moe", 1, 8, 1, False), ("qwen2_moe", 17, 5, 2, True),
     ("qwen3_moe-bias-tied", 13, 4, 2, False), ("mixtral", 22, 8, 1, False), ("mixtral", 9, 8, 3, True),
-    ("minimax_m2", 22, 8, 2, True),
+    ("minimax_m2", 22, 8, 2, True), ("olmoe", 17, 5, 1, True),
 ])
 def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, prompt_grad):
     hf, path = pair(name)
@@ -47,7 +47,7 @@ def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, promp
     hf.zero_grad()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe"])
 def test_score_and_generate_equal_naive_logprobs(name):
     hf, path = pair(name)
     model = longstraw.load_model(path)

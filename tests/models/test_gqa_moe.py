@@ -1,4 +1,4 @@
-"""GQA + MoE families (qwen3_moe, qwen2_moe, mixtral, minimax_m2): logits and gradients against transformers in
+"""GQA + MoE families (qwen3_moe, qwen2_moe, mixtral, minimax_m2, olmoe): logits and gradients against transformers in
 float64 and float32, chunked prefill + continuation, bf16 logits (Mixtral's float32 routing weights), save/load
 through transformers under the names it writes (Mixtral's block_sparse_moe / w1 w2 w3), the num_experts alias,
 which layers are sparse, sliding windows, bad configs."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 from hf_reference import continuation_error, save_tiny, tiny_moe_hf, true_float64, weighted_logit_grads
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MiniMaxM2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (AutoModelForCausalLM, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                          Qwen3MoeConfig)
 
 import longstraw
 from longstraw.models.mlp import GatedMLP
@@ -40,6 +41,9 @@ CONFIGS = {
     "minimax_m2": lambda: MiniMaxM2Config(**{**BASE, "num_hidden_layers": 2}, head_dim=8, intermediate_size=16,
                                           num_local_experts=6, num_experts_per_tok=2, rotary_dim=6,
                                           bos_token_id=None, eos_token_id=None),
+    # q/k norms over all heads, q/k/v clipped (clip_qkv 0.3: active at these weights), biases, renormalised top-k
+    "olmoe": lambda: OlmoeConfig(**BASE, intermediate_size=16, num_experts=6, num_experts_per_tok=2, clip_qkv=0.3,
+                                 attention_bias=True, norm_topk_prob=True, pad_token_id=None, eos_token_id=None),
 }
 
 
@@ -152,6 +156,10 @@ def test_layer_kinds_follow_the_config():
     assert kinds["qwen3_moe"] == [SparseMoeBlock, GatedMLP, SparseMoeBlock]
     assert kinds["qwen2_moe"] == [GatedMLP, SparseMoeBlock, GatedMLP]  # decoder_sparse_step 2
     assert kinds["mixtral"] == kinds["minimax_m2"] == [SparseMoeBlock, SparseMoeBlock]
+    assert kinds["olmoe"] == [SparseMoeBlock] * 3
+    ol = longstraw.build_model(CONFIGS["olmoe"]().to_dict()).model.layers[0].self_attn
+    assert ol.clip_qkv == 0.3 and ol.q_norm.weight.shape == (32,) and ol.k_norm.weight.shape == (16,)
+    assert ol.o_proj.bias is not None
     mm = longstraw.build_model(CONFIGS["minimax_m2"]().to_dict()).model
     a = mm.layers[0].self_attn
     assert a.q_norm.weight.shape == (4 * 8,) and a.k_norm.weight.shape == (2 * 8,)  # over all heads
@@ -189,6 +197,7 @@ def test_num_experts_is_read_under_either_key():
     ("qwen2_moe", {"shared_expert_intermediate_size": None}, "required key 'shared_expert_intermediate_size'"),
     ("mixtral", {"num_local_experts": 0}, r"num_experts_per_tok=2 must be <= num_local_experts=0"),
     ("mixtral", {"intermediate_size": -4}, "intermediate_size=-4 must be >= 1"),
+    ("olmoe", {"clip_qkv": -1.0}, r"clip_qkv=-1.0 must be > 0"),
     ("minimax_m2", {"attn_type_list": [1, 0]}, r"attn_type_list=\[1, 0\]: only full attention \(1\)"),
     ("minimax_m2", {"rope_parameters": None, "rotary_dim": 7}, "rotary_dim=7 must be even and <= head_dim=8"),
 ])

@@ -274,7 +274,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 # ``_MOE_TARGET_MODULE_MAPPING``; ``qwen2_moe`` itself has no pattern entry (only its aliases do), so stock PEFT
 # leaves it alone; ``mixtral`` has no nn.Linear MLP to lose (tests/checkpoint/test_lora.py pins this list).
 PEFT_MOE_RETARGETED = frozenset({"qwen3_next", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "qwen3_moe",
-                                 "mixtral", "glm4_moe_lite", "minimax_m2"})
+                                 "mixtral", "glm4_moe_lite", "minimax_m2", "olmoe"})
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 

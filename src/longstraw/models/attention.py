@@ -1,9 +1,10 @@
 """Full (softmax) attention with grouped K/V heads, as a token mixer over a prefix state.
 
 Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm before RoPE, ``head_dim``
-independent of ``hidden / heads``), MiniMax-M2 (one RMSNorm over all heads' queries, one over all keys:
-``qk_norm="all"``) and the gated attention of Qwen3-Next / Qwen3.5 (``q_proj`` emits a per-head
-``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k norms, partial RoPE).
+independent of ``hidden / heads``), MiniMax-M2 and OLMoE (one RMSNorm over all heads' queries, one over all keys:
+``qk_norm="all"``; OLMoE's optional ``clip_qkv`` clamps q, k, v after them) and the gated attention of Qwen3-Next /
+Qwen3.5 (``q_proj`` emits a per-head ``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k
+norms, partial RoPE).
 
 ``forward(x, ctx, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
 ``prefix`` (a list of :class:`KVSegment`: the stored prompt K/V, earlier chunks, generated tokens). The new tokens'
@@ -39,12 +40,13 @@ class Attention(nn.Module):
         qk_norm_zero_centered: bool = False,
         norm_eps: float = 1e-6,
         output_gate: bool = False,
+        clip_qkv: float | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.output_gate = output_gate
+        self.output_gate, self.clip_qkv = output_gate, clip_qkv
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -67,16 +69,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: CallContext, prefix: list[KVSegment] | None):
         b, t, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm_all:  # [B, T, H * D]: one norm over every head's dims
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(b, t, self.num_heads, -1)
         gate = None
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(b, t, -1)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)

@@ -1,6 +1,6 @@
 """GQA transformers with mixture-of-experts feed-forward blocks: ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B,
-Qwen3-Coder-480B-A35B), ``qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), ``mixtral`` (Mixtral-8x7B / 8x22B) and
-``minimax_m2`` (MiniMax-M2: Mixtral's layout with a sigmoid router).
+Qwen3-Coder-480B-A35B), ``qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), ``mixtral`` (Mixtral-8x7B / 8x22B),
+``minimax_m2`` (MiniMax-M2: Mixtral's layout with a sigmoid router) and ``olmoe`` (OLMoE-1B-7B).
 
 The attention is the dense families' (:mod:`longstraw.models.dense`): Qwen3-MoE's per-head q/k RMSNorm, free
 ``head_dim`` and ``attention_bias`` on q/k/v/o; Qwen2-MoE's q/k/v bias (``qkv_bias``, on by default); Mixtral's plain
@@ -13,6 +13,8 @@ router, fused routed experts) where transformers puts one, a dense SwiGLU otherw
   expert (``shared_expert``, ``shared_expert_gate``), as Qwen3-Next does.
 * ``mixtral``: sparse on every layer, ``num_local_experts`` experts, the top-k always renormalised and kept in
   float32 (each expert's output is weighted in float32 and rounded once, as transformers does).
+* ``olmoe``: sparse on every layer, ``num_experts`` experts of ``intermediate_size``, softmax top-k renormalised
+  iff ``norm_topk_prob``; attention with q/k RMSNorm over all heads (as MiniMax-M2) and ``clip_qkv``.
 * ``minimax_m2``: as Mixtral, routed by sigmoid scores (logits in the model's dtype) whose top-k is chosen with
   ``e_score_correction_bias`` added (DeepSeek's router with one group, no scaling:
   :class:`~longstraw.models.deepseek.SigmoidGroupedRouter`), renormalised, float32; attention with one RMSNorm over
@@ -57,7 +59,7 @@ from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 from longstraw.models.weights import ExpertWeightMap
 
-MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2")
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe")
 MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")  # every layer sparse, block_sparse_moe / w1 w2 w3 in checkpoints
 
 
@@ -75,7 +77,7 @@ def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
 
 
 def _is_sparse(mt: str, cfg: dict, r: ConfigReader, i: int) -> bool:
-    if mt in MIXTRAL_LAYOUT:
+    if mt in MIXTRAL_LAYOUT or mt == "olmoe":
         return True
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in only):
@@ -97,6 +99,9 @@ def _ffn(mt: str, cfg: dict, r: ConfigReader, hidden: int, act: str, i: int):
         return SparseMoeBlock(SigmoidGroupedRouter(hidden, experts, top_k, 1, 1, True, 1.0, upcast_logits=False),
                               Experts(hidden, experts, r.positive("intermediate_size"), act))
     norm_topk = r.opt("norm_topk_prob", False, bool)
+    if mt == "olmoe":
+        return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, norm_topk),
+                              Experts(hidden, experts, r.positive("intermediate_size"), act))
     if mt == "qwen2_moe":
         return qwen_moe_block(hidden, experts, top_k, r.positive("moe_intermediate_size"),
                               r.positive("shared_expert_intermediate_size"), norm_topk, act)
@@ -113,7 +118,7 @@ def build(cfg: dict) -> CausalLM:
         model_type=mt, vocab_size=r.positive("vocab_size"), hidden_size=hidden,
         num_layers=r.positive("num_hidden_layers"),
         max_position_embeddings=r.positive("max_position_embeddings",
-                                           {"mixtral": 131072, "minimax_m2": 196608}.get(mt, 32768)),
+                                           {"mixtral": 131072, "minimax_m2": 196608, "olmoe": 4096}.get(mt, 32768)),
         tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"), sliding_window=sliding_window(cfg, r),
@@ -121,13 +126,16 @@ def build(cfg: dict) -> CausalLM:
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
     head_dim = r.opt("head_dim", hidden // heads, int)
-    eps = r.opt("rms_norm_eps", 1e-6 if mt != "mixtral" else 1e-5, float)
+    eps = r.opt("rms_norm_eps", 1e-5 if mt in ("mixtral", "olmoe") else 1e-6, float)
     act = r.opt("hidden_act", "silu", str)
     if mt == "qwen3_moe":
         bias = r.opt("attention_bias", False, bool)
         qkv_bias, o_bias, qk_norm = bias, bias, True
     elif mt == "qwen2_moe":
         qkv_bias, o_bias, qk_norm = r.opt("qkv_bias", True, bool), False, False
+    elif mt == "olmoe":
+        bias = r.opt("attention_bias", False, bool)
+        qkv_bias, o_bias, qk_norm = bias, bias, "all"
     else:
         qkv_bias = o_bias = False
         qk_norm = "all" if mt == "minimax_m2" else False
@@ -142,7 +150,7 @@ def build(cfg: dict) -> CausalLM:
     layers = [
         DecoderLayer(
             Attention(hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
-                      norm_eps=eps),
+                      norm_eps=eps, clip_qkv=_clip_qkv(cfg, r) if mt == "olmoe" else None),
             _ffn(mt, cfg, r, hidden, act, i),
             RMSNorm(hidden, eps),
             RMSNorm(hidden, eps),
@@ -152,6 +160,13 @@ def build(cfg: dict) -> CausalLM:
     rotary = RotaryEmbedding(rope_params_from_hf(_minimax_rope(cfg, head_dim) if mt == "minimax_m2" else cfg,
                                                  head_dim))
     return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps), rotary))
+
+
+def _clip_qkv(cfg: dict, r: ConfigReader) -> float | None:
+    clip = r.opt("clip_qkv", None, (int, float)) if cfg.get("clip_qkv") is not None else None
+    if clip is not None and clip <= 0:
+        raise ValueError(f"{r.where}: clip_qkv={clip} must be > 0 (or null)")
+    return None if clip is None else float(clip)
 
 
 def _minimax_rope(cfg: dict, head_dim: int) -> dict:
