@@ -242,7 +242,8 @@ def test_layer_kinds_follow_the_config():
     assert glm.model.rotary_emb.params.rotary_dim == 4  # partial_rotary_factor 0.5 of head_dim 8
     lite = CONFIGS["glm4_moe_lite"]().to_dict()
     for types, want in ((None, [False, True, True]), (["sparse", "dense", "sparse"], [True, False, True])):
-        model = longstraw.build_model({**lite, "mlp_layer_types": types})
+        # first_k_dense_replace is not a key of transformers' Glm4MoeLiteConfig: ignored, as there
+        model = longstraw.build_model({**lite, "mlp_layer_types": types, "first_k_dense_replace": 2})
         assert [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.layers] == want
         assert all(isinstance(layer.mixer, MLAttention) for layer in model.layers)
     assert model.model.rotary_emb.params.rotary_dim == 4  # all of qk_rope_head_dim (no partial factor: MLA)

@@ -20,9 +20,9 @@ group-limited top-k over ``n_group`` groups keeping ``topk_group``, optional ren
 ``routed_scaling_factor``) and ``n_shared_experts`` always-on shared experts of ``moe_intermediate_size`` each
 (one SwiGLU ``shared_experts`` of ``n_shared * moe_intermediate_size``). Which layers are sparse:
 ``layer >= first_k_dense_replace`` (``deepseek_v3``, ``glm4_moe``) or ``mlp_layer_types[layer] == "sparse"``
-(``deepseek_v32``, ``glm_moe_dsa``, ``glm4_moe_lite``; derived from ``first_k_dense_replace`` when absent, whose
-default is 3, 1 for the GLM types: GLM-4.7-Flash's config has no such key and transformers makes only its first
-layer dense), as transformers does.
+(``deepseek_v32``, ``glm_moe_dsa``, ``glm4_moe_lite``; when absent, derived from ``first_k_dense_replace``
+(default 3), except for ``glm4_moe_lite``, whose config class has no such key: its first layer alone is dense), as
+transformers does.
 
 Weights: experts are fused in memory as transformers 5 keeps them (``experts.gate_up_proj [E, 2I, H]``,
 ``experts.down_proj [E, H, I]``) and stored per expert in checkpoints (``experts.{e}.{gate,up,down}_proj.weight``),
@@ -136,12 +136,13 @@ def _moe_block(hidden: int, r: ConfigReader, act: str) -> SparseMoeBlock:
 
 def sparse_layers(cfg: dict, r: ConfigReader, n: int) -> list[bool]:
     """Which layers have the MoE block (see module docstring)."""
-    first = r.opt("first_k_dense_replace", 1 if cfg["model_type"] in ("glm4_moe", "glm4_moe_lite") else 3, int)
-    if cfg["model_type"] not in DSA_TYPES + ("glm4_moe_lite",):
+    mt = cfg["model_type"]
+    first = r.opt("first_k_dense_replace", 1 if mt == "glm4_moe" else 3, int)
+    if mt not in DSA_TYPES + ("glm4_moe_lite",):
         return [i >= first for i in range(n)]
     types = cfg.get("mlp_layer_types")
-    if types is None:
-        return [i >= min(first, n) for i in range(n)]
+    if types is None:  # GLM-4.7-Flash's config class has no first_k_dense_replace: one dense layer, always
+        return [i >= (1 if mt == "glm4_moe_lite" else min(first, n)) for i in range(n)]
     if not isinstance(types, list) or len(types) != n or any(t not in ("dense", "sparse") for t in types):
         raise ValueError(f"{r.where}: mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, "
                          f"got {types!r}")
