@@ -73,7 +73,7 @@ class Attention(nn.Module):
         if self.qk_norm_all:  # [B, T, H * D]: one norm over every head's dims
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         q = q.view(b, t, self.num_heads, -1)
         gate = None
         if self.output_gate:

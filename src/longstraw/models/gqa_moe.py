@@ -61,6 +61,7 @@ from longstraw.models.weights import ExpertWeightMap
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe")
 MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")  # every layer sparse, block_sparse_moe / w1 w2 w3 in checkpoints
+ALL_SPARSE = MIXTRAL_LAYOUT + ("olmoe",)  # every layer sparse, the experts ``intermediate_size`` wide
 
 
 def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
@@ -77,7 +78,7 @@ def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
 
 
 def _is_sparse(mt: str, cfg: dict, r: ConfigReader, i: int) -> bool:
-    if mt in MIXTRAL_LAYOUT or mt == "olmoe":
+    if mt in ALL_SPARSE:
         return True
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in only):
@@ -92,21 +93,16 @@ def _ffn(mt: str, cfg: dict, r: ConfigReader, hidden: int, act: str, i: int):
     top_k = r.positive("num_experts_per_tok")
     if experts < 1 or top_k > experts:
         raise ValueError(f"{r.where}: num_experts_per_tok={top_k} must be <= {key}={experts} (and that >= 1)")
-    if mt == "mixtral":
-        return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, True, float_weights=True),
-                              Experts(hidden, experts, r.positive("intermediate_size"), act))
+    width = r.positive("intermediate_size" if mt in ALL_SPARSE else "moe_intermediate_size")
     if mt == "minimax_m2":
-        return SparseMoeBlock(SigmoidGroupedRouter(hidden, experts, top_k, 1, 1, True, 1.0, upcast_logits=False),
-                              Experts(hidden, experts, r.positive("intermediate_size"), act))
-    norm_topk = r.opt("norm_topk_prob", False, bool)
-    if mt == "olmoe":
-        return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, norm_topk),
-                              Experts(hidden, experts, r.positive("intermediate_size"), act))
+        router = SigmoidGroupedRouter(hidden, experts, top_k, 1, 1, True, 1.0, upcast_logits=False)
+        return SparseMoeBlock(router, Experts(hidden, experts, width, act))
+    norm_topk = mt == "mixtral" or r.opt("norm_topk_prob", False, bool)  # Mixtral: always renormalised
     if mt == "qwen2_moe":
-        return qwen_moe_block(hidden, experts, top_k, r.positive("moe_intermediate_size"),
-                              r.positive("shared_expert_intermediate_size"), norm_topk, act)
-    return SparseMoeBlock(SoftmaxTopKRouter(hidden, experts, top_k, norm_topk),
-                          Experts(hidden, experts, r.positive("moe_intermediate_size"), act))
+        return qwen_moe_block(hidden, experts, top_k, width, r.positive("shared_expert_intermediate_size"), norm_topk,
+                              act)
+    router = SoftmaxTopKRouter(hidden, experts, top_k, norm_topk, float_weights=mt == "mixtral")
+    return SparseMoeBlock(router, Experts(hidden, experts, width, act))
 
 
 def build(cfg: dict) -> CausalLM:
@@ -150,34 +146,34 @@ def build(cfg: dict) -> CausalLM:
     layers = [
         DecoderLayer(
             Attention(hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
-                      norm_eps=eps, clip_qkv=_clip_qkv(cfg, r) if mt == "olmoe" else None),
+                      norm_eps=eps, clip_qkv=_clip_qkv(r) if mt == "olmoe" else None),
             _ffn(mt, cfg, r, hidden, act, i),
             RMSNorm(hidden, eps),
             RMSNorm(hidden, eps),
         )
         for i in range(spec.num_layers)
     ]
-    rotary = RotaryEmbedding(rope_params_from_hf(_minimax_rope(cfg, head_dim) if mt == "minimax_m2" else cfg,
+    rotary = RotaryEmbedding(rope_params_from_hf(_minimax_rope(cfg, r, head_dim) if mt == "minimax_m2" else cfg,
                                                  head_dim))
     return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps), rotary))
 
 
-def _clip_qkv(cfg: dict, r: ConfigReader) -> float | None:
-    clip = r.opt("clip_qkv", None, (int, float)) if cfg.get("clip_qkv") is not None else None
+def _clip_qkv(r: ConfigReader) -> float | None:
+    clip = r.opt("clip_qkv", None, (int, float))
     if clip is not None and clip <= 0:
         raise ValueError(f"{r.where}: clip_qkv={clip} must be > 0 (or null)")
     return None if clip is None else float(clip)
 
 
-def _minimax_rope(cfg: dict, head_dim: int) -> dict:
+def _minimax_rope(cfg: dict, r: ConfigReader, head_dim: int) -> dict:
     """MiniMax-M2's RoPE settings as transformers reads them: the released configs' ``rotary_dim`` is a partial
     factor of ``rotary_dim / head_dim`` where no ``partial_rotary_factor`` is given; theta 5e6 when unset."""
     rp = dict(cfg.get("rope_parameters") or {})
     out = dict(cfg)
     if "partial_rotary_factor" not in rp and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
-        rotary_dim = ConfigReader(cfg).positive("rotary_dim")
+        rotary_dim = r.positive("rotary_dim")
         if rotary_dim > head_dim or rotary_dim % 2:
-            raise ValueError(f"config.json: rotary_dim={rotary_dim} must be even and <= head_dim={head_dim}")
+            raise ValueError(f"{r.where}: rotary_dim={rotary_dim} must be even and <= head_dim={head_dim}")
         out["partial_rotary_factor"] = rotary_dim / head_dim
     if rp.get("rope_theta") is None and cfg.get("rope_theta") is None:
         out["rope_theta"] = 5_000_000.0
