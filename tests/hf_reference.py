@@ -113,6 +113,42 @@ def prefill_states(model, ids, p: int, chunk: int, exact: bool = False) -> list:
     return states
 
 
+def cached_pairs(make):
+    """``pair(name) -> (HF model, its checkpoint directory)``: ``make(name)`` builds the model, saved with
+    :func:`save_tiny`, once per process and name."""
+    cache = {}
+
+    def pair(name):
+        if name not in cache:
+            hf = make(name)
+            cache[name] = (hf, save_tiny(hf))
+        return cache[name]
+
+    return pair
+
+
+def moe_save_round_trip(model, source: Path, out: Path, vocab: int) -> tuple[dict, object]:
+    """``save_model(model, out)`` of an MoE model loaded from ``source``: the tensor names are those transformers
+    wrote there (per-expert, none fused), and transformers' model of ``out`` gives ``model``'s float64 logits
+    (<= 1e-10). Returns (the saved tensors by name, transformers' model)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import longstraw
+
+    longstraw.save_model(model, out)
+    saved = load_file(out / "model.safetensors")
+    assert set(saved) == set(load_file(source / "model.safetensors"))  # the names transformers writes
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, experts_implementation="eager").eval()
+    ids = torch.randint(0, vocab, (1, 23))
+    with torch.no_grad(), true_float64():
+        hf_logits = back(ids).logits
+    with torch.no_grad():
+        assert (hf_logits - model(ids)).abs().max().item() <= 1e-10
+    return saved, back
+
+
 def continuation_error(model, ids, p: int, chunk: int) -> tuple[float, list]:
     """Max |logits of positions ``p..`` of ``ids [1, T]`` run on a chunked prefill of ``[0, p)`` - a full forward's|
     (no autograd), and the prefilled states."""

@@ -22,7 +22,7 @@ import peft
 import peft.utils.transformers_weight_conversion as twc
 import pytest
 import torch
-from hf_reference import save_tiny, tiny_moe_hf, true_float64
+from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
@@ -112,15 +112,8 @@ REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_d
             "glm4_moe_lite", "minimax_m2", "olmoe"}
 NAMES = list(FAMILIES)
 
-_PAIRS = {}
-
-
-def pair(name):
-    """(random float64 HF model, its checkpoint directory) of ``name``, built once per process."""
-    if name not in _PAIRS:
-        hf = tiny_moe_hf(FAMILIES[name][0](), seed=NAMES.index(name) + 70)
-        _PAIRS[name] = (hf, save_tiny(hf))
-    return _PAIRS[name]
+# (random float64 HF model, its checkpoint directory) of a family, built once per process
+pair = cached_pairs(lambda name: tiny_moe_hf(FAMILIES[name][0](), seed=NAMES.index(name) + 70))
 
 
 def random_b(modules, seed=0, std=0.1):

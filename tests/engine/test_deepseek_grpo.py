@@ -6,7 +6,7 @@ GLM-4.7-Flash (glm4_moe_lite: MLA + GLM's MoE)."""
 import pytest
 import torch
 from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
-from hf_reference import save_tiny, tiny_moe_hf
+from hf_reference import cached_pairs, tiny_moe_hf
 from transformers import DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig
 
 import longstraw
@@ -32,14 +32,7 @@ CONFIGS = {
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
-_PAIRS = {}
-
-
-def pair(name):
-    if name not in _PAIRS:
-        hf = tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS).index(name) + 40)
-        _PAIRS[name] = (hf, save_tiny(hf))
-    return _PAIRS[name]
+pair = cached_pairs(lambda name: tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS).index(name) + 40))
 
 
 def _group(seed, p, lens):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
-from hf_reference import save_tiny, tiny_moe_hf
+from hf_reference import cached_pairs, tiny_moe_hf
 
 import longstraw
 
@@ -20,14 +20,7 @@ from test_gqa_moe import CONFIGS, V  # noqa: E402  (the family tests' tiny confi
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
-_PAIRS = {}
-
-
-def pair(name):
-    if name not in _PAIRS:
-        hf = tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS).index(name) + 70)
-        _PAIRS[name] = (hf, save_tiny(hf))
-    return _PAIRS[name]
+pair = cached_pairs(lambda name: tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS).index(name) + 70))
 
 
 @pytest.mark.parametrize("prompt_grad", ["exact", "detached"])

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from grpo_reference import assert_grads_close, random_group, reference_loss
-from hf_reference import save_tiny, tiny_hf, tiny_moe_hf
+from hf_reference import cached_pairs, tiny_hf, tiny_moe_hf
 from transformers import DeepseekV3Config, GlmMoeDsaConfig, LlamaConfig, Qwen3NextConfig
 
 import longstraw
@@ -50,14 +50,7 @@ FAMILIES = {  # name: (HF reference builder, MLA form, reference patch)
                                                         index_n_heads=32, indexer_types=["full", "shared", "full"]),
                                         seed=42), "absorbed"),
 }
-_PAIRS = {}
-
-
-def _pair(name):
-    if name not in _PAIRS:
-        hf = FAMILIES[name][0]()
-        _PAIRS[name] = (hf, save_tiny(hf))
-    return _PAIRS[name]
+_pair = cached_pairs(lambda name: FAMILIES[name][0]())
 
 
 def _patch(name):
