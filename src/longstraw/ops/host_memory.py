@@ -165,18 +165,17 @@ def prefetched(blocks: Iterable[tuple[Tensor, ...] | None], device: torch.device
     (module docstring). Drop a yielded block before asking for the next one: at most two are then on the device.
     ``streams``: the copy protocol (default: a side stream on CUDA, in order elsewhere; made at the first block
     to copy, so that a call with nothing in host memory touches no stream)."""
-    chosen = [streams]
-
     def issue(blk):
+        nonlocal streams
         if blk is _END or blk is None:
             return blk
-        if chosen[0] is None:
-            chosen[0] = _SideStream(device) if device.type == "cuda" else _Inline()
-        return chosen[0].issue(lambda: tuple(stage(t, device) for t in blk))
+        if streams is None:
+            streams = _SideStream(device) if device.type == "cuda" else _Inline()
+        return streams.issue(lambda: tuple(stage(t, device) for t in blk))
 
     it = iter(blocks)
     pending = issue(next(it, _END))
     while pending is not _END:
         following = issue(next(it, _END))
-        yield None if pending is None else chosen[0].ready(pending)
+        yield None if pending is None else streams.ready(pending)
         pending = following
