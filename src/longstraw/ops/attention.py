@@ -341,7 +341,9 @@ class kv_blocks:  # noqa: N801 - used as a function: an iterator that keeps no b
 
     def __init__(self, kv: Sequence[tuple[Tensor, Tensor] | None], host: Sequence[bool], q: Tensor):
         self._kv, self._i = kv, 0
-        self._staged = prefetched([p if h else None for p, h in zip(kv, host)], q.device)
+        # every attention call walks its segments through here (each decode step too): nothing in host memory,
+        # no prefetch generator
+        self._staged = prefetched([p if h else None for p, h in zip(kv, host)], q.device) if any(host) else None
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor] | None]:
         return self
@@ -349,8 +351,11 @@ class kv_blocks:  # noqa: N801 - used as a function: an iterator that keeps no b
     def __next__(self) -> tuple[Tensor, Tensor] | None:
         if self._i == len(self._kv):
             raise StopIteration
-        blk, p = next(self._staged), self._kv[self._i]
+        p = self._kv[self._i]
         self._i += 1
+        if self._staged is None:
+            return p
+        blk = next(self._staged)
         if self._i == len(self._kv):
             next(self._staged, None)  # let the prefetch finish: it holds nothing past the last block
         return blk if blk is not None else p
