@@ -221,7 +221,7 @@ def test_token_ids_outside_vocab(good_dir):
         m(torch.tensor([[1.0, 2.0]]))
 
 
-def test_unsupported_rope_and_sliding_window(good_dir, tmp_path):
+def test_unsupported_rope_and_layer_types(good_dir, tmp_path):
     d = _copy(good_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
@@ -235,46 +235,16 @@ def test_unsupported_rope_and_sliding_window(good_dir, tmp_path):
         longstraw.build_model(cfg)
 
 
-def _window_models(tmp_path):
-    """Mistral with transformers' default sliding_window (4096, here shrunk to 40 to test it) and Qwen2 with
-    use_sliding_window for its upper layers: (name, HF model, our model, window)."""
+def test_sliding_window_defaults_follow_transformers():
+    """Mistral's transformers default window (4096) is every layer's; Qwen2's use_sliding_window is off in the
+    released checkpoints (no window). Beyond the window: tests/models/test_sliding_window.py."""
     from transformers import MistralConfig
 
-    mistral = MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=V, max_position_embeddings=128, sliding_window=40)
-    qwen = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=V, max_position_embeddings=128, use_sliding_window=True,
-                       sliding_window=40, max_window_layers=1)
-    out = []
-    for i, cfg in enumerate((mistral, qwen)):
-        hf = tiny_hf(cfg, seed=70 + i)
-        out.append((cfg.model_type, hf, longstraw.load_model(save_tiny(hf)), 40))
-    return out
-
-
-def test_sliding_window_models_are_exact_inside_the_window(tmp_path):
-    """A sliding window equals full attention while every sequence fits in it: such models load, match transformers
-    up to the window, and refuse a longer sequence with a one-line error naming the window (the engine checks
-    prompt + response before computing anything)."""
-    from transformers import MistralConfig
-
-    assert MistralConfig().sliding_window == 4096  # transformers' default, which LongStraw used to refuse outright
-    for name, hf, model, window in _window_models(tmp_path):
-        assert model.spec.sliding_window == window, name
-        ids = torch.randint(0, V, (2, window))
-        with torch.no_grad(), true_float64():
-            want = hf(ids).logits
-        with torch.no_grad():
-            got = model(ids)
-        assert (got - want).abs().max().item() <= 1e-10, name
-        with pytest.raises(ValueError, match=rf"needs {window + 1} positions, more than {name}'s sliding_window="
-                                             rf"{window}: sliding-window attention is not implemented"):
-            model(torch.randint(0, V, (1, window + 1)))
-        prompt, resp = torch.randint(0, V, (window - 3,)), [torch.randint(0, V, (4,))]
-        with pytest.raises(ValueError, match=rf"prompt \({window - 3} tokens\) \+ responses\[0\] \(4 tokens\) needs "
-                                             rf"{window + 1} positions, more than {name}'s sliding_window"):
-            longstraw.grpo_backward(model, prompt, resp, [1.0], longstraw.GRPOConfig())
-        assert all(p.grad is None for p in model.parameters())
+    mistral = longstraw.build_model(MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2,
+                                                  vocab_size=V).to_dict())
+    assert mistral.spec.sliding_window == 4096
+    assert [layer.self_attn.window for layer in mistral.model.layers] == [4096, 4096]
     off = qwen2().to_dict()  # use_sliding_window off (the released checkpoints): no window
     assert longstraw.build_model(off).spec.sliding_window is None
 

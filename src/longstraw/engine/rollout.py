@@ -106,9 +106,6 @@ def generate(model: CausalLM, prompt_ids: Tensor, n: int, sampling: SamplingConf
     p = int(prompt_ids.numel())
     limit = model.spec.max_position_embeddings
     what = f"the model's max_position_embeddings={limit}"
-    if model.spec.sliding_window is not None and model.spec.sliding_window < limit:
-        limit = model.spec.sliding_window
-        what = f"{model.spec.model_type}'s sliding_window={limit} (sliding-window attention is not implemented)"
     if p >= limit:
         raise ValueError(f"a prompt of {p} tokens leaves no room for a response below {what}")
     max_new = min(sampling.max_new_tokens, limit - p)

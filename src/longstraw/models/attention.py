@@ -4,7 +4,9 @@ Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RM
 independent of ``hidden / heads``), MiniMax-M2 and OLMoE (one RMSNorm over all heads' queries, one over all keys:
 ``qk_norm="all"``; OLMoE's optional ``clip_qkv`` clamps q, k, v after them) and the gated attention of Qwen3-Next /
 Qwen3.5 (``q_proj`` emits a per-head ``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k
-norms, partial RoPE).
+norms, partial RoPE). ``window``: a sliding window (Mistral, Mixtral, Qwen2/3 with ``use_sliding_window``): the
+query at position ``p`` sees keys ``p - window < k <= p``; the prompt state still stores every position's K/V
+(the exact reverse pass recomputes each prefill step against the keys before it).
 
 ``forward(x, ctx, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
 ``prefix`` (a list of :class:`KVSegment`: the stored prompt K/V, earlier chunks, generated tokens). The new tokens'
@@ -41,12 +43,16 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         output_gate: bool = False,
         clip_qkv: float | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate, self.clip_qkv = output_gate, clip_qkv
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+            raise ValueError(f"sliding window={window!r} must be an integer >= 2 (or None: full attention)")
+        self.window = window  # sliding window: the query at position p sees keys p - window < k <= p
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -87,14 +93,16 @@ class Attention(nn.Module):
         cos, sin = ctx.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         segments = list(prefix or []) + [KVSegment(k, v, causal=True)]
-        o = segment_attention(q, segments, self.scale)  # [B, H, T, D]
+        o = segment_attention(q, segments, self.scale, window=self.window)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o), (k, v)
 
     def flops_per_token(self, context: int) -> float:
-        """Forward FLOPs per new token: projections plus attention over ``context`` keys."""
+        """Forward FLOPs per new token: projections plus attention over ``context`` keys (at most the window)."""
+        if self.window is not None:
+            context = min(context, self.window)
         hidden = self.k_proj.in_features
         proj = 2.0 * hidden * (self.q_proj.out_features + 2 * self.num_kv_heads * self.head_dim + self.num_heads * self.head_dim)
         return proj + 4.0 * self.num_heads * self.head_dim * context

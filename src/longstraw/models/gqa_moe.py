@@ -50,7 +50,7 @@ from torch import Tensor
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader
 from longstraw.models.deepseek import SigmoidGroupedRouter
-from longstraw.models.dense import sliding_window
+from longstraw.models.dense import layer_windows, narrowest_window
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.moe_block import Experts, SoftmaxTopKRouter, SparseMoeBlock, qwen_moe_block
@@ -110,6 +110,7 @@ def build(cfg: dict) -> CausalLM:
     r = ConfigReader(cfg)
     mt = cfg["model_type"]
     hidden = r.positive("hidden_size")
+    windows = layer_windows(cfg, r)
     spec = ModelSpec(
         model_type=mt, vocab_size=r.positive("vocab_size"), hidden_size=hidden,
         num_layers=r.positive("num_hidden_layers"),
@@ -117,7 +118,7 @@ def build(cfg: dict) -> CausalLM:
                                            {"mixtral": 131072, "minimax_m2": 196608, "olmoe": 4096}.get(mt, 32768)),
         tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"), sliding_window=sliding_window(cfg, r),
+        pad_token_id=cfg.get("pad_token_id"), sliding_window=narrowest_window(windows),
     )
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
@@ -146,7 +147,7 @@ def build(cfg: dict) -> CausalLM:
     layers = [
         DecoderLayer(
             Attention(hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
-                      norm_eps=eps, clip_qkv=_clip_qkv(r) if mt == "olmoe" else None),
+                      norm_eps=eps, clip_qkv=_clip_qkv(r) if mt == "olmoe" else None, window=windows[i]),
             _ffn(mt, cfg, r, hidden, act, i),
             RMSNorm(hidden, eps),
             RMSNorm(hidden, eps),

@@ -39,18 +39,13 @@ class ModelSpec:
     eos_token_id: Any = None
     bos_token_id: Any = None
     pad_token_id: Any = None
-    sliding_window: int | None = None  # set when some layer attends a sliding window (sequences must fit in it)
+    sliding_window: int | None = None  # the narrowest window of a sliding-window layer (None: no layer slides)
 
     def check_length(self, end: int, what: str = "the sequence") -> None:
-        """ValueError if positions ``0 .. end-1`` do not fit the model: ``max_position_embeddings``, and a sliding
-        window, which LongStraw does not implement (within the window it equals full attention, exactly)."""
+        """ValueError if positions ``0 .. end-1`` do not fit the model's ``max_position_embeddings``."""
         if end > self.max_position_embeddings:
             raise ValueError(f"{what} needs {end} positions, more than the model's max_position_embeddings="
                              f"{self.max_position_embeddings}")
-        if self.sliding_window is not None and end > self.sliding_window:
-            raise ValueError(f"{what} needs {end} positions, more than {self.model_type}'s sliding_window="
-                             f"{self.sliding_window}: sliding-window attention is not implemented (up to the window "
-                             "it equals full attention, which LongStraw computes)")
 
 
 def _autocasting(device_type: str) -> bool:

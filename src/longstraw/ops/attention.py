@@ -25,6 +25,10 @@ copied to the queries' device just before its kernel and dropped after it, in th
 (the graph saves the host views), so the device holds one block of the prefix at a time
 (:mod:`longstraw.ops.host_memory`).
 
+Sliding windows (``window=``): the queries are attended in tiles of at most ``window - 1``, each over the keys its
+window reaches, with the masks the kernels have (none, causal, and the causal one on reversed queries and keys for
+the window's lower edge; :mod:`longstraw.ops.window`). Keys no query of a tile sees are never read.
+
 Grouped-query attention without copying the prefix: for an unmasked segment, the ``g = Hq / Hkv`` query heads that
 share a key head are folded into the query-length axis (``[B, Hkv*g, T, D] -> [1, Hkv, B*g*T, D]`` when the segment
 is shared over the batch), so the stored K/V is read in place. Only the small causal own segment is expanded to
@@ -52,6 +56,7 @@ from torch import Tensor
 from longstraw.ops.host_memory import prefetched
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import add_into
+from longstraw.ops.window import BAND, CAUSAL, Part, window_matters, window_tiles
 
 __all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend", "kernels",
            "segment_forward", "segment_backward", "merge_partials", "kv_blocks"]
@@ -65,8 +70,9 @@ class KVSegment:
 
     k: ``[Bk, Hkv, S, Dk]``, v: ``[Bk, Hkv, S, Dv]``. ``Bk`` is 1 (shared by every sequence of the query batch, like
     the prompt state) or equal to the query batch. ``causal``: this is the queries' own segment (``S == T``); query
-    ``t`` sees keys ``0..t``. ``k_grad`` / ``v_grad``: optional accumulators shaped like ``k`` / ``v`` that receive
-    ``dK`` / ``dV`` in place during backward (see module docstring). ``host``: ``k`` / ``v`` are in host memory
+    ``t`` sees keys ``0..t``. ``band``: a square piece of a sliding window (``S == T``, query ``t`` sees keys
+    ``t..S-1``; :mod:`longstraw.ops.window` makes them). ``k_grad`` / ``v_grad``: optional accumulators shaped
+    like ``k`` / ``v`` that receive ``dK`` / ``dV`` in place during backward (see module docstring). ``host``: ``k`` / ``v`` are in host memory
     (``GRPOConfig.offload_state``): each block is copied to the queries' device just before its kernel, in the
     forward and again in the backward (:func:`kv_blocks`; the next block's copy overlaps this one's kernels).
     """
@@ -77,6 +83,7 @@ class KVSegment:
     k_grad: Tensor | None = None
     v_grad: Tensor | None = None
     host: bool = False
+    band: bool = False
 
     @property
     def length(self) -> int:
@@ -270,12 +277,30 @@ def _repeat_heads(x: Tensor, g: int) -> Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
-def segment_forward(fwd, q, seg_k, seg_v, causal, scale):
+def _band_kv(x: Tensor, b: int, g: int) -> Tensor:
+    """A band segment's ``[Bk, Hkv, S, D]`` keys or values as the reversed ``[B, Hq, S, D]`` the causal kernel
+    reads (a copy of ``S <= window`` positions)."""
+    return _repeat_heads(x.expand(b, *x.shape[1:]), g).flip(2)
+
+
+def _band_reduce(dx: Tensor, bk: int, hkv: int) -> Tensor:
+    """``[B, Hq, S, D]`` reversed gradients of :func:`_band_kv`'s output back to the segment's ``[Bk, Hkv, S, D]``."""
+    b, hq = dx.shape[:2]
+    dx = dx.flip(2).reshape(b, hkv, hq // hkv, *dx.shape[2:]).sum(2)
+    return dx.sum(0, keepdim=True) if bk == 1 and b > 1 else dx
+
+
+def segment_forward(fwd, q, seg_k, seg_v, causal, scale, band=False):
     """One segment's partial ``(out [B, Hq, T, Dv], lse [B, Hq, T])`` for queries ``q [B, Hq, T, Dk]`` by the kernel
     forward ``fwd`` (see :func:`kernels`): a causal segment's K/V are repeated to the query heads; an unmasked one is
-    read in place with the query heads folded onto its key heads."""
+    read in place with the query heads folded onto its key heads; a ``band`` one (``S == T``, query ``t`` sees keys
+    ``t..S-1``: :mod:`longstraw.ops.window`) runs the causal kernel on queries and keys both reversed."""
     b, hq, t, _ = q.shape
     hkv = seg_k.shape[1]
+    if band:
+        g = hq // hkv
+        o, lse = fwd(q.flip(2), _band_kv(seg_k, b, g), _band_kv(seg_v, b, g), True, scale)
+        return o.flip(2), lse.flip(2)
     if causal:
         g = hq // hkv
         return fwd(q, _repeat_heads(seg_k, g), _repeat_heads(seg_v, g), True, scale)
@@ -284,11 +309,16 @@ def segment_forward(fwd, q, seg_k, seg_v, causal, scale):
     return _unfold(o, b, hq, t, shared), _unfold(lse, b, hq, t, shared)
 
 
-def segment_backward(bwd, do, q, seg_k, seg_v, o, lse, causal, scale):
+def segment_backward(bwd, do, q, seg_k, seg_v, o, lse, causal, scale, band=False):
     """Backward of :func:`segment_forward` against the MERGED output ``o`` and GLOBAL ``lse`` of all segments:
     ``(dq, dk, dv)``, ``dk, dv`` shaped like the segment's K/V."""
     b, hq, t, _ = q.shape
     hkv = seg_k.shape[1]
+    if band:
+        g, bk = hq // hkv, seg_k.shape[0]
+        r = lambda x: x.flip(2)  # noqa: E731
+        dq, dk, dv = bwd(r(do), r(q), _band_kv(seg_k, b, g), _band_kv(seg_v, b, g), r(o), r(lse), True, scale)
+        return dq.flip(2), _band_reduce(dk, bk, hkv), _band_reduce(dv, bk, hkv)
     if causal:
         g = hq // hkv
         dq, dk, dv = bwd(do, q, _repeat_heads(seg_k, g), _repeat_heads(seg_v, g), o, lse, True, scale)
@@ -367,9 +397,9 @@ class _SegmentAttention(torch.autograd.Function):
         fwd, _ = _KERNELS[backend]
         merge = _OnlineMerge()
         blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) for i in range(len(meta))], [m[3] for m in meta], q)
-        for causal, _, _, _ in meta:
+        for causal, _, _, _, band in meta:
             k, v = next(blocks)
-            merge.add(*segment_forward(fwd, q, k, v, causal, scale))
+            merge.add(*segment_forward(fwd, q, k, v, causal, scale, band))
             del k, v  # a staged block: freed before the one after the next is copied
         out, lse = merge.result(q.dtype)
         ctx.save_for_backward(q, out, lse, *kv)
@@ -385,18 +415,18 @@ class _SegmentAttention(torch.autograd.Function):
         dq = None
         grads: list[Tensor | None] = []
         need = [k_sink is not None or ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
-                for i, (_, k_sink, _, _) in enumerate(ctx.meta)]
+                for i, (_, k_sink, _, _, _) in enumerate(ctx.meta)]
         run = [n or ctx.needs_input_grad[0] for n in need]  # a segment with nothing to compute is not copied in
         blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) if r else None for i, r in enumerate(run)],
                            [m[3] for m in ctx.meta], q)
-        for idx, (causal, k_sink, v_sink, _) in enumerate(ctx.meta):
+        for idx, (causal, k_sink, v_sink, _, band) in enumerate(ctx.meta):
             pair, need_kv = next(blocks), need[idx]
             if pair is None:
                 grads += [None, None]
                 continue
             k, v = pair
             del pair
-            dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, ctx.scale)
+            dq_i, dk, dv = segment_backward(bwd, dout, q, k, v, out, lse, causal, ctx.scale, band)
             del k, v
             # the query gradient sums over every segment (a 1M prompt: 32+ blocks): accumulated in float32 for
             # bf16/fp16 queries (float64 stays float64), rounded once at the end
@@ -414,7 +444,7 @@ class _SegmentAttention(torch.autograd.Function):
 
 
 def _split(seg: KVSegment, size: int) -> list[KVSegment]:
-    if seg.causal or seg.length <= size:
+    if seg.causal or seg.band or seg.length <= size:
         return [seg]
     out = []
     for a in range(0, seg.length, size):
@@ -433,19 +463,63 @@ def segment_attention(
     backend: str | None = None,
     return_lse: bool = False,
     max_segment: int = 32768,
+    window: int | None = None,
 ):
     """Attention of ``q`` over the concatenation of ``segments``, computed per segment and merged by LSE.
 
-    q: ``[B, Hq, T, Dk]``; segments: see :class:`KVSegment` (``Hq`` a multiple of each segment's ``Hkv``).
-    Returns ``out [B, Hq, T, Dv]`` in q's dtype (and ``lse [B, Hq, T]`` in float32/float64 if ``return_lse``).
-    Differentiable w.r.t. q and each segment's k, v (or accumulated into its sinks).
+    q: ``[B, Hq, T, Dk]``; segments: see :class:`KVSegment` (``Hq`` a multiple of each segment's ``Hkv``), in
+    position order. Returns ``out [B, Hq, T, Dv]`` in q's dtype (and ``lse [B, Hq, T]`` in float32/float64 if
+    ``return_lse``). Differentiable w.r.t. q and each segment's k, v (or accumulated into its sinks).
     Unmasked segments longer than ``max_segment`` keys are attended in blocks (views, no copy), so that no
     temporary of the kernels (in particular the backward's ``dK, dV`` before they reach a sink) exceeds one block:
     memory stays bounded at any prompt length.
+
+    ``window``: a sliding window (the query at position ``p`` sees keys ``p - window < k <= p``; the last segment
+    is the queries' own, causal, and the others are contiguous before it). The queries are then attended in tiles
+    of at most ``window - 1`` (:mod:`longstraw.ops.window`), each over the keys its window reaches: keys that no
+    query of a tile sees are never read.
     """
+    nonempty = [s for s in segments if s.key_count > 0]
+    if window is not None:
+        if not nonempty or not getattr(nonempty[-1], "causal", False) or any(
+                getattr(s, "causal", False) for s in nonempty[:-1]):
+            raise ValueError("sliding-window attention needs the queries' own causal segment last, after the prefix")
+        prefix_len = sum(s.key_count for s in nonempty[:-1])
+        if window_matters(prefix_len, q.shape[2], window):
+            if any(isinstance(s, PartitionedSegment) for s in nonempty):
+                raise ValueError(f"sliding window={window} over {prefix_len} stored positions split over processes: "
+                                 "sliding-window attention under context parallelism is not implemented")
+            return _windowed(q, nonempty, scale, window, backend, return_lse, max_segment)
     for s in segments:  # a segment partitioned over processes computes the whole call (ops/partitioned.py)
         if isinstance(s, PartitionedSegment):
             return s.attention(q, segments, scale, backend=backend, return_lse=return_lse, max_segment=max_segment)
+    out, lse = _attend(q, segments, scale, backend, max_segment)
+    return (out, lse) if return_lse else out
+
+
+def _part(seg: KVSegment, part: Part) -> KVSegment:
+    """The keys of ``part`` as a segment: views of ``seg`` (and of its sinks) under the part's mask."""
+    sl = slice(part.start, part.end)
+    return KVSegment(seg.k[:, :, sl], seg.v[:, :, sl], part.kind == CAUSAL,
+                     seg.k_grad[:, :, sl] if seg.k_grad is not None else None,
+                     seg.v_grad[:, :, sl] if seg.v_grad is not None else None, seg.host, part.kind == BAND)
+
+
+def _windowed(q, segments, scale, window, backend, return_lse, max_segment):
+    """Sliding-window attention: each tile of :func:`~longstraw.ops.window.window_tiles` is one merged call over
+    views of the segments; outputs (and LSEs) concatenated over the query axis."""
+    outs, lses = [], []
+    for tile in window_tiles([s.length for s in segments[:-1]], q.shape[2], window):
+        parts = [_part(segments[p.segment], p) for p in tile.parts]
+        o, l = _attend(q[:, :, tile.q_start : tile.q_end], parts, scale, backend, max_segment)
+        outs.append(o)
+        lses.append(l)
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
+    return (out, lse) if return_lse else out
+
+
+def _attend(q, segments, scale, backend, max_segment):
+    """``(out, lse)`` of one merged call over local segments (blocks of ``max_segment`` keys)."""
     segments = [piece for s in segments if s.length > 0 for piece in _split(s, max_segment)]
     if not segments:
         raise ValueError("segment_attention needs at least one non-empty key/value segment")
@@ -457,25 +531,29 @@ def segment_attention(
         assert s.k.shape[-1] == d and s.v.shape[:3] == s.k.shape[:3]
         if s.causal:
             assert s.length == t and bk == b, "a causal segment holds the queries' own tokens"
+        if s.band:
+            assert s.length == t and not s.causal, "a band segment is square"
         assert (s.k_grad is None) == (s.v_grad is None)
     if backend is None:
         backend = default_backend(q, max(d, segments[0].v.shape[-1]))
     kernels(backend)  # ValueError for an unknown one
-    meta = tuple((s.causal, s.k_grad, s.v_grad, s.host) for s in segments)
+    meta = tuple((s.causal, s.k_grad, s.v_grad, s.host, s.band) for s in segments)
     kv = []
     for s in segments:
         if s.k_grad is not None:  # sink segments are read-only data for autograd
             kv += [s.k.detach(), s.v.detach()]
         else:
             kv += [s.k, s.v]
-    out, lse = _SegmentAttention.apply(q.contiguous(), float(scale), backend, meta, *kv)
-    return (out, lse) if return_lse else out
+    return _SegmentAttention.apply(q.contiguous(), float(scale), backend, meta, *kv)
 
 
-def segment_attention_reference(q: Tensor, segments: list[KVSegment], scale: float, return_lse: bool = False):
+def segment_attention_reference(q: Tensor, segments: list[KVSegment], scale: float, return_lse: bool = False,
+                                window: int | None = None):
     """Slow reference: concatenate all segments, full mask, softmax in float64-or-float32, plain autograd.
 
-    Sinks are ignored (gradients flow to ``k``/``v`` through autograd instead).
+    Sinks are ignored (gradients flow to ``k``/``v`` through autograd instead). ``window``: the queries' own causal
+    segment is last; the query at position ``p`` (its own segment starts after every other key) sees keys
+    ``p - window < k <= p``.
     """
     b, hq, t, _ = q.shape
     ks, vs, masks = [], [], []
@@ -490,6 +568,11 @@ def segment_attention_reference(q: Tensor, segments: list[KVSegment], scale: flo
         else:
             masks.append(torch.ones(t, s.length, dtype=torch.bool, device=q.device))
     k, v, mask = torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(masks, 1)
+    if window is not None:
+        assert segments[-1].causal, "a windowed call's own causal segment is last"
+        qpos = torch.arange(k.shape[2] - t, k.shape[2], device=q.device)[:, None]
+        kpos = torch.arange(k.shape[2], device=q.device)[None, :]
+        mask = mask & (kpos > qpos - window)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))

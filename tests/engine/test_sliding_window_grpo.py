@@ -1,0 +1,84 @@
+"""grpo_backward (exact and detached), score and generate with prompts and responses several sliding windows long,
+against the naive float64 HF reference: Mistral (every layer slides), Qwen2 / Qwen3 (some layers slide) and
+Qwen2-MoE; the state's K/V offloaded and kept prompt-step graphs; the planner; context parallelism refused."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
+
+import longstraw
+from longstraw.distributed.placement import check_window
+from longstraw.planner import plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from test_sliding_window import CONFIGS, V, pair  # noqa: E402  (the family tests' tiny windowed models)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
+
+
+@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+@pytest.mark.parametrize("name,p,chunk,branch_batch,checkpoint", [
+    ("mistral", 30, 4, 1, False), ("mistral", 23, 13, 2, True), ("qwen2", 26, 5, 3, False),
+    ("qwen3", 19, 3, 2, False), ("qwen2_moe", 24, 9, 1, True), ("qwen3", 2, 8, 1, False),
+])
+def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, prompt_grad):
+    hf, path = pair(name)
+    prompt, responses, adv = random_group(p, p, [11, 1, 16], V)  # responses longer than the windows
+    model = longstraw.load_model(path)
+    cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, kl_coef=0.05, entropy_coef=0.01, prefill_chunk=chunk,
+                               branch_batch=branch_batch, checkpoint_layers=checkpoint)
+    run_against_reference(model, hf, prompt, responses, adv, cfg, seed=p)
+    assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
+    hf.zero_grad()
+
+
+@pytest.mark.parametrize("extra", [dict(offload_state=True), dict(offload_state_grad=True),
+                                   dict(graph_budget_bytes=1 << 30), dict(graph_budget_bytes=40_000)])
+def test_offloads_and_kept_graphs_beyond_the_window(extra):
+    """The state's K/V in host memory (blocks staged per tile), the state gradient in host memory, and prompt steps
+    kept with autograd (all, or some): exact gradients unchanged."""
+    hf, path = pair("qwen3")
+    prompt, responses, adv = random_group(5, 27, [9, 14], V)
+    model = longstraw.load_model(path)
+    cfg = longstraw.GRPOConfig(prefill_chunk=4, branch_batch=2, **extra)
+    stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=5)
+    assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
+    if "graph_budget_bytes" in extra:
+        assert stats.kept_steps >= 1
+    hf.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2_moe"])
+def test_score_and_generate_beyond_the_window(name):
+    hf, path = pair(name)
+    model = longstraw.load_model(path)
+    prompt, responses, adv = random_group(8, 21, [13, 1, 9], V)
+    got = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=6, branch_batch=2))
+    with torch.no_grad():
+        _, want = reference_loss(hf, prompt, responses, adv)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    sp = longstraw.SamplingConfig(temperature=0.9, top_k=8, max_new_tokens=15, seed=4, stop_token_ids=(5,))
+    ro = longstraw.generate(model, prompt, 3, sp, prefill_chunk=4)
+    assert max(len(r) for r in ro.responses) > CONFIGS[name][1][0]  # decoding went past the window
+    again = longstraw.score(model, prompt, ro.responses, longstraw.GRPOConfig(prefill_chunk=5, temperature=0.9))
+    for a, b in zip(ro.logprobs, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_planner_plans_past_the_window_and_refuses_context_parallelism():
+    cfg = CONFIGS["mistral"][0]().to_dict()
+    kw = dict(prompt_len=200, response_len=8, group=2, dtype="float32")
+    assert plan(cfg, **kw).peak_bytes > 0  # 200 positions, a window of 7
+    with pytest.raises(ValueError, match=r"mistral has sliding-window layers \(sliding_window=7\) and the prompt "
+                                         r"reaches past the window \(199 stored positions\) with cp=2: sliding-window "
+                                         r"attention under context parallelism is not implemented"):
+        plan(cfg, gpus=2, cp=2, **kw)
+    spec = longstraw.build_model(cfg).spec
+    check_window(spec, 6, 2)  # inside the window: nothing to refuse
+    check_window(spec, 500, 1)
+    with pytest.raises(ValueError, match="cp=4"):
+        check_window(spec, 7, 4)
