@@ -84,13 +84,14 @@ def save_tiny(hf_model, dtype=torch.float64, **save_kwargs) -> Path:
     return d
 
 
-def tiny_hf(config, seed: int = 0, dtype=torch.float64, init_std: float = 0.2):
+def tiny_hf(config, seed: int = 0, dtype=torch.float64, init_std: float = 0.2, attn: str = "sdpa"):
     """A random HF causal LM for ``config`` with weights large enough that logits are not all near zero,
-    and norm weights perturbed away from their init so a wrong norm variant would be caught."""
+    and norm weights perturbed away from their init so a wrong norm variant would be caught. ``attn``: transformers'
+    attention implementation (GPT-OSS has no SDPA one: ``"eager"``)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,10 +128,11 @@ def cached_pairs(make):
     return pair
 
 
-def moe_save_round_trip(model, source: Path, out: Path, vocab: int) -> tuple[dict, object]:
+def moe_save_round_trip(model, source: Path, out: Path, vocab: int, **hf_kwargs) -> tuple[dict, object]:
     """``save_model(model, out)`` of an MoE model loaded from ``source``: the tensor names are those transformers
-    wrote there (per-expert, none fused), and transformers' model of ``out`` gives ``model``'s float64 logits
-    (<= 1e-10). Returns (the saved tensors by name, transformers' model)."""
+    wrote there (per-expert, none fused, unless transformers writes them fused), and transformers' model of ``out``
+    (``from_pretrained(..., **hf_kwargs)``) gives ``model``'s float64 logits (<= 1e-10). Returns (the saved tensors
+    by name, transformers' model)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -139,8 +141,10 @@ def moe_save_round_trip(model, source: Path, out: Path, vocab: int) -> tuple[dic
     longstraw.save_model(model, out)
     saved = load_file(out / "model.safetensors")
     assert set(saved) == set(load_file(source / "model.safetensors"))  # the names transformers writes
-    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
-    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, experts_implementation="eager").eval()
+    if not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in load_file(source / "model.safetensors")):
+        assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, experts_implementation="eager",
+                                                **hf_kwargs).eval()
     ids = torch.randint(0, vocab, (1, 23))
     with torch.no_grad(), true_float64():
         hf_logits = back(ids).logits
@@ -173,11 +177,11 @@ def weighted_logit_grads(hf, model, ids, w) -> tuple[dict, dict]:
     return longstraw.hf_grads(model), want
 
 
-def tiny_moe_hf(config, seed: int):
+def tiny_moe_hf(config, seed: int, attn: str = "sdpa"):
     """``tiny_hf`` of an MoE config with eager experts and the DeepSeek/GLM routers' ``e_score_correction_bias``
     perturbed away from zero (so a wrong bias path is caught)."""
     config._experts_implementation = "eager"
-    hf = tiny_hf(config, seed=seed, init_std=0.15)
+    hf = tiny_hf(config, seed=seed, init_std=0.15, attn=attn)
     with torch.no_grad():
         for n, b in hf.named_buffers():
             if n.endswith("e_score_correction_bias"):

@@ -975,8 +975,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         check_window(model.spec, prompt_len - 1, cp)
         longest = min(longest, model.spec.sliding_window)  # a longer prompt would be refused the same way
     if ep > 1:
-        from longstraw.models.moe_block import Experts
+        from longstraw.models.moe_block import Experts, check_expert_parallel
 
+        check_expert_parallel(model)
         counts = sorted({m.num_experts for m in model.modules() if isinstance(m, Experts)})
         if not counts:
             raise ValueError(f"ep={ep}: the model ({hf_config.get('model_type')}) has no routed experts; plan ep=1")

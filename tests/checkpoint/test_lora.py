@@ -26,8 +26,8 @@ from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
-                          LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3Config,
-                          Qwen3MoeConfig, Qwen3NextConfig)
+                          GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -107,13 +107,19 @@ FAMILIES = {
     "olmoe": (lambda: OlmoeConfig(**GQA_MOE, intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                   clip_qkv=0.5, pad_token_id=None, eos_token_id=None),
               ATTN, None),
+    # attention sinks, alternating sliding windows (5; the groups here reach past them), biased experts
+    "gpt_oss": (lambda: GptOssConfig(**GQA_MOE, head_dim=8, intermediate_size=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.5, pad_token_id=None,
+                                     eos_token_id=None, bos_token_id=None),
+                ATTN, None),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
             "glm4_moe_lite", "minimax_m2", "olmoe"}
 NAMES = list(FAMILIES)
 
 # (random float64 HF model, its checkpoint directory) of a family, built once per process
-pair = cached_pairs(lambda name: tiny_moe_hf(FAMILIES[name][0](), seed=NAMES.index(name) + 70))
+pair = cached_pairs(lambda name: tiny_moe_hf(FAMILIES[name][0](), seed=NAMES.index(name) + 70,
+                                             attn="eager" if name == "gpt_oss" else "sdpa"))
 
 
 def random_b(modules, seed=0, std=0.1):

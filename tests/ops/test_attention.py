@@ -157,3 +157,36 @@ def test_bf16_query_gradient_accumulates_over_segments_in_float32():
     err = {ms: float((dq(torch.bfloat16, segment_attention, max_segment=ms) - want).norm() / want.norm())
            for ms in (32, s)}
     assert err[32] <= 1.2 * err[s] and err[s] < 1e-2, err
+
+
+@pytest.mark.parametrize("backend", ["flash_cpu", "math"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_sinks_match_reference_with_their_gradient(backend, window):
+    """GPT-OSS's sinks: one logit per head joins every softmax with a zero value; the op's output, LSE and the
+    gradients of q, K/V, the prefix's sinks and the sink logits equal the reference's (with and without a window,
+    shared prefix in blocks)."""
+    torch.manual_seed(5)
+    b, hq, hkv, t, p, d = 2, 4, 2, 11, 23, 8
+    q = _rand(b, hq, t, d)
+    k, v = torch.randn(1, hkv, p, d, dtype=torch.float64), torch.randn(1, hkv, p, d, dtype=torch.float64)
+    kg, vg = torch.zeros_like(k), torch.zeros_like(v)
+    own = KVSegment(_rand(b, hkv, t, d), _rand(b, hkv, t, d), causal=True)
+    sinks = _rand(hq)
+    out, lse = segment_attention(q, [KVSegment(k, v, k_grad=kg, v_grad=vg), own], 0.4, backend=backend,
+                                 return_lse=True, max_segment=5, window=window, sinks=sinks)
+    kr, vr = k.clone().requires_grad_(), v.clone().requires_grad_()
+    ref, ref_lse = segment_attention_reference(q, [KVSegment(kr, vr), own], 0.4, return_lse=True, window=window,
+                                               sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    do = torch.randn_like(out)
+    inputs = [q, own.k, own.v, sinks]
+    got = torch.autograd.grad(out, inputs, do)
+    want = torch.autograd.grad(ref, inputs + [kr, vr], do)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+    torch.testing.assert_close(kg, want[4], rtol=0, atol=1e-11)
+    torch.testing.assert_close(vg, want[5], rtol=0, atol=1e-11)
+    assert (out - segment_attention_reference(q, [KVSegment(k, v), own], 0.4, window=window)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"sinks must be \[Hq=4\]"):
+        segment_attention(q, [own], 0.4, sinks=sinks[:2])

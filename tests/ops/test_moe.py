@@ -405,3 +405,71 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="grouped_mm"):
         experts_forward(x, ids, w, gu, dn, impl="grouped_mm")  # no float64 kernel
     assert moe.EXPERT_IMPLS == ("auto", "grouped_mm", "loop")
+
+
+def _gpt_oss_form(e, h, i, dtype, limit=0.8):
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(e, h, 2 * i, generator=g, dtype=dtype) * 0.5
+    down = torch.randn(e, i, h, generator=g, dtype=dtype) * 0.5
+    form = moe.ExpertForm(transposed=True, interleaved=True,
+                          gate_up_bias=torch.randn(e, 2 * i, generator=g, dtype=dtype) * 0.3,
+                          down_bias=torch.randn(e, h, generator=g, dtype=dtype) * 0.3,
+                          glu=moe.clamped_swiglu(1.702, limit))
+    return gate_up, down, form
+
+
+@pytest.mark.parametrize("impl,dtype", [("loop", torch.float64), ("grouped_mm", torch.float32),
+                                        ("loop", torch.float32)])
+def test_gpt_oss_experts_match_transformers_and_the_reference(impl, dtype):
+    """GPT-OSS's experts (transposed, interleaved gate/up, biases, clamped SwiGLU; the limit is low enough to clamp)
+    and router (top-k logits, then their softmax) against transformers' GptOssMLP module, and the fast paths
+    against the per-token reference, forward and gradients (biases included)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    e, h, i, k, n = 5, 16, 8, 2, 23
+    gate_up, down, form = _gpt_oss_form(e, h, i, dtype)
+    cfg = GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k,
+                       swiglu_limit=0.8)
+    cfg._experts_implementation = "eager"
+    ref = GptOssMLP(cfg).to(dtype)
+    rw = torch.randn(e, h, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    rb = torch.randn(e, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for p, v in ((ref.router.weight, rw), (ref.router.bias, rb), (ref.experts.gate_up_proj, gate_up),
+                     (ref.experts.down_proj, down), (ref.experts.gate_up_proj_bias, form.gate_up_bias),
+                     (ref.experts.down_proj_bias, form.down_bias)):
+            p.copy_(v)
+    x = torch.randn(n, h, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    weights, ids = moe.topk_softmax_route(F.linear(x, rw, rb), k)
+    got = experts_forward(x, ids, weights, gate_up, down, impl=impl, form=form)
+    with torch.no_grad():
+        want = ref(x[None])[0][0]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, gate_up, down, form.gate_up_bias, form.down_bias)]
+    outs = []
+    for fn in (lambda *a, **kw: experts_forward(*a, impl=impl, **kw), experts_forward_reference):
+        xs, gu, dn, gb, db = (t.detach().clone().requires_grad_() for t in leaves)
+        f = moe.ExpertForm(transposed=True, interleaved=True, gate_up_bias=gb, down_bias=db, glu=form.glu)
+        y = fn(xs, ids, weights, gu, dn, form=f)
+        y.backward(torch.ones_like(y))
+        outs.append([y] + [t.grad for t in (xs, gu, dn, gb, db)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol * 10)
+
+
+def test_expert_form_checks_shapes_and_refuses_lora_on_transposed_experts():
+    gate_up, down, form = _gpt_oss_form(3, 8, 2, torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    ids, w = torch.zeros(5, 1, dtype=torch.int64), torch.ones(5, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"gate_up_proj must be \[E, H, 2\*I\] with H=8"):
+        experts_forward(x, ids, w, gate_up.transpose(1, 2), down, form=form)
+    with pytest.raises(ValueError, match=r"down_bias must be \[E=3, 8\]"):
+        experts_forward(x, ids, w, gate_up, down,
+                        form=moe.ExpertForm(transposed=True, down_bias=torch.zeros(3, 4, dtype=torch.float64)))
+    lora = {"down_proj": (torch.zeros(3, 2, 4, dtype=torch.float64), torch.zeros(3, 8, 2, dtype=torch.float64), 1.0)}
+    with pytest.raises(ValueError, match="LoRA on routed experts needs the"):
+        experts_forward(x, ids, w, gate_up, down, form=form, lora=lora)
+    values, chosen = moe.topk_softmax_route(torch.tensor([[0.0, 2.0, 1.0]]), 2)
+    assert chosen.tolist() == [[1, 2]] and torch.allclose(values, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))

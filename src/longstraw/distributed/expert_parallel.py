@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from longstraw.distributed.context import Comm, ParallelContext
-from longstraw.models.moe_block import Experts
+from longstraw.models.moe_block import Experts, check_expert_parallel
 from longstraw.ops import meta
 from longstraw.ops.moe import combine_slots, experts_forward
 
@@ -253,6 +253,7 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     size = ctx.ep_size
     if size == 1:
         return model
+    check_expert_parallel(model)
     for name, m in model.named_modules():
         if type(m) is not Experts:
             continue

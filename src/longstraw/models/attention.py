@@ -6,7 +6,8 @@ independent of ``hidden / heads``), MiniMax-M2 and OLMoE (one RMSNorm over all h
 Qwen3.5 (``q_proj`` emits a per-head ``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k
 norms, partial RoPE). ``window``: a sliding window (Mistral, Mixtral, Qwen2/3 with ``use_sliding_window``): the
 query at position ``p`` sees keys ``p - window < k <= p``; the prompt state still stores every position's K/V
-(the exact reverse pass recomputes each prefill step against the keys before it).
+(the exact reverse pass recomputes each prefill step against the keys before it). ``sinks``: GPT-OSS's attention
+sinks, a learned logit per head (``self_attn.sinks [H]``) that joins every softmax with a zero value.
 
 ``forward(x, ctx, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
 ``prefix`` (a list of :class:`KVSegment`: the stored prompt K/V, earlier chunks, generated tokens). The new tokens'
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         output_gate: bool = False,
         clip_qkv: float | None = None,
         window: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -53,6 +55,8 @@ class Attention(nn.Module):
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
             raise ValueError(f"sliding window={window!r} must be an integer >= 2 (or None: full attention)")
         self.window = window  # sliding window: the query at position p sees keys p - window < k <= p
+        # GPT-OSS: one learned logit per head in every softmax (with a zero value)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -93,7 +97,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         segments = list(prefix or []) + [KVSegment(k, v, causal=True)]
-        o = segment_attention(q, segments, self.scale, window=self.window)  # [B, H, T, D]
+        o = segment_attention(q, segments, self.scale, window=self.window, sinks=self.sinks)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)

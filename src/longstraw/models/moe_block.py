@@ -92,6 +92,16 @@ class SparseMoeBlock(nn.Module):
         return y.reshape(shape)
 
 
+def check_expert_parallel(model: nn.Module) -> None:
+    """ValueError if ``model`` has routed experts that expert parallelism cannot shard (``ep_supported = False`` on
+    their module: GPT-OSS's biased experts), naming the model type."""
+    odd = [n for n, m in model.named_modules() if getattr(m, "ep_supported", True) is False]
+    if odd:
+        mt = getattr(getattr(model, "spec", None), "model_type", type(model).__name__)
+        raise ValueError(f"expert parallelism is not implemented for {mt}'s experts ({odd[0]}: "
+                         f"{type(model.get_submodule(odd[0])).__name__}); use ep=1")
+
+
 def qwen_moe_block(hidden: int, num_experts: int, top_k: int, moe_intermediate: int, shared_intermediate: int,
                    norm_topk_prob: bool, act: str = "silu") -> SparseMoeBlock:
     """The Qwen3-Next / Qwen3.5-MoE block: softmax top-k router, sigmoid-gated shared expert (always present, as in

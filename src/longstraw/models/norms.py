@@ -2,6 +2,8 @@
 
 * ``RMSNorm`` (Llama/Qwen2/Qwen3/DeepSeek): normalise in float32, cast back to the input dtype, then multiply by
   ``weight`` (initialised to ones).
+* ``RMSNorm(weight_in_float32=True)`` (GPT-OSS): normalise in float32, multiply by ``weight`` in float32, then
+  cast back (transformers keeps these weights in float32).
 * ``RMSNorm(zero_centered=True)`` (Qwen3-Next / Qwen3.5): normalise in float32, multiply by ``1 + weight`` in
   float32 (weight initialised to zeros), then cast back.
 * ``GatedRMSNorm`` (the Gated DeltaNet output norm): ``weight * norm(x)`` then ``* silu(gate)`` in float32; plain
@@ -15,9 +17,9 @@ from torch import Tensor, nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False, weight_in_float32: bool = False):
         super().__init__()
-        self.zero_centered = zero_centered
+        self.zero_centered, self.weight_in_float32 = zero_centered, weight_in_float32
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
@@ -28,6 +30,8 @@ class RMSNorm(nn.Module):
         if self.zero_centered:
             w = self.weight if self.weight.dtype == torch.float64 else self.weight.float()
             return (h * (1.0 + w)).to(dtype)
+        if self.weight_in_float32:
+            return ((self.weight if self.weight.dtype == torch.float64 else self.weight.float()) * h).to(dtype)
         return self.weight * h.to(dtype)
 
     def extra_repr(self) -> str:

@@ -349,6 +349,14 @@ class _OnlineMerge:
         self.acc = self.acc.to(new.dtype) * torch.exp(self.lse - new)[..., None] + o.to(new.dtype) * torch.exp(l - new)[..., None]
         self.lse = new
 
+    def add_sink(self, sink: Tensor) -> None:
+        """An attention sink ``sink [Hq]``: one more logit per head in every query's softmax, with a zero value
+        (a partial whose output is 0 and whose lse is the sink logit)."""
+        s = sink.to(self.lse.dtype).view(1, -1, 1)
+        new = torch.logaddexp(self.lse, s)
+        self.acc = self.acc.to(new.dtype) * torch.exp(self.lse - new)[..., None]
+        self.lse = new
+
     def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return self.acc.to(dtype), self.lse
 
@@ -393,7 +401,7 @@ class kv_blocks:  # noqa: N801 - used as a function: an iterator that keeps no b
 
 class _SegmentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, scale, backend, meta, *kv):
+    def forward(ctx, q, sink, scale, backend, meta, *kv):
         fwd, _ = _KERNELS[backend]
         merge = _OnlineMerge()
         blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) for i in range(len(meta))], [m[3] for m in meta], q)
@@ -401,20 +409,27 @@ class _SegmentAttention(torch.autograd.Function):
             k, v = next(blocks)
             merge.add(*segment_forward(fwd, q, k, v, causal, scale, band))
             del k, v  # a staged block: freed before the one after the next is copied
+        if sink is not None:
+            merge.add_sink(sink)
         out, lse = merge.result(q.dtype)
-        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.save_for_backward(q, out, lse, sink, *kv)
         ctx.scale, ctx.backend, ctx.meta = scale, backend, meta
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse, *kv = ctx.saved_tensors
+        q, out, lse, sink, *kv = ctx.saved_tensors
         _, bwd = _KERNELS[ctx.backend]
         dout = dout.contiguous()
         dq = None
+        d_sink = None
+        if sink is not None and ctx.needs_input_grad[1]:
+            # p_sink = exp(sink - lse) per query; d out / d sink = -out p_sink, so d sink = -sum(dO . O p_sink)
+            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, Hq, T]
+            d_sink = -(delta * torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)).sum((0, 2)).to(sink.dtype)
         grads: list[Tensor | None] = []
-        need = [k_sink is not None or ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
+        need = [k_sink is not None or ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
                 for i, (_, k_sink, _, _, _) in enumerate(ctx.meta)]
         run = [n or ctx.needs_input_grad[0] for n in need]  # a segment with nothing to compute is not copied in
         blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) if r else None for i, r in enumerate(run)],
@@ -440,7 +455,7 @@ class _SegmentAttention(torch.autograd.Function):
             else:  # only dq was needed (a detached prefix): free this block's dK/dV now, so the
                 grads += [None, None]  # backward's memory stays one block's however long the prefix
             del dk, dv
-        return (dq.to(q.dtype) if dq is not None else None, None, None, None, *grads)
+        return (dq.to(q.dtype) if dq is not None else None, d_sink, None, None, None, *grads)
 
 
 def _split(seg: KVSegment, size: int) -> list[KVSegment]:
@@ -464,6 +479,7 @@ def segment_attention(
     return_lse: bool = False,
     max_segment: int = 32768,
     window: int | None = None,
+    sinks: Tensor | None = None,
 ):
     """Attention of ``q`` over the concatenation of ``segments``, computed per segment and merged by LSE.
 
@@ -478,6 +494,9 @@ def segment_attention(
     is the queries' own, causal, and the others are contiguous before it). The queries are then attended in tiles
     of at most ``window - 1`` (:mod:`longstraw.ops.window`), each over the keys its window reaches: keys that no
     query of a tile sees are never read.
+
+    ``sinks``: attention sinks ``[Hq]`` (GPT-OSS): one learned logit per head joins every query's softmax with a
+    zero value, so the weights of the real keys sum to less than one; differentiable.
     """
     nonempty = [s for s in segments if s.key_count > 0]
     if window is not None:
@@ -489,11 +508,14 @@ def segment_attention(
             if any(isinstance(s, PartitionedSegment) for s in nonempty):
                 raise ValueError(f"sliding window={window} over {prefix_len} stored positions split over processes: "
                                  "sliding-window attention under context parallelism is not implemented")
-            return _windowed(q, nonempty, scale, window, backend, return_lse, max_segment)
+            return _windowed(q, nonempty, scale, window, backend, return_lse, max_segment, sinks)
     for s in segments:  # a segment partitioned over processes computes the whole call (ops/partitioned.py)
         if isinstance(s, PartitionedSegment):
+            if sinks is not None:
+                raise ValueError("attention sinks over a prompt state split over processes are not implemented "
+                                 "(context parallelism)")
             return s.attention(q, segments, scale, backend=backend, return_lse=return_lse, max_segment=max_segment)
-    out, lse = _attend(q, segments, scale, backend, max_segment)
+    out, lse = _attend(q, segments, scale, backend, max_segment, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -505,20 +527,20 @@ def _part(seg: KVSegment, part: Part) -> KVSegment:
                      seg.v_grad[:, :, sl] if seg.v_grad is not None else None, seg.host, part.kind == BAND)
 
 
-def _windowed(q, segments, scale, window, backend, return_lse, max_segment):
+def _windowed(q, segments, scale, window, backend, return_lse, max_segment, sinks=None):
     """Sliding-window attention: each tile of :func:`~longstraw.ops.window.window_tiles` is one merged call over
     views of the segments; outputs (and LSEs) concatenated over the query axis."""
     outs, lses = [], []
     for tile in window_tiles([s.length for s in segments[:-1]], q.shape[2], window):
         parts = [_part(segments[p.segment], p) for p in tile.parts]
-        o, l = _attend(q[:, :, tile.q_start : tile.q_end], parts, scale, backend, max_segment)
+        o, l = _attend(q[:, :, tile.q_start : tile.q_end], parts, scale, backend, max_segment, sinks)
         outs.append(o)
         lses.append(l)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
     return (out, lse) if return_lse else out
 
 
-def _attend(q, segments, scale, backend, max_segment):
+def _attend(q, segments, scale, backend, max_segment, sinks=None):
     """``(out, lse)`` of one merged call over local segments (blocks of ``max_segment`` keys)."""
     segments = [piece for s in segments if s.length > 0 for piece in _split(s, max_segment)]
     if not segments:
@@ -534,6 +556,8 @@ def _attend(q, segments, scale, backend, max_segment):
         if s.band:
             assert s.length == t and not s.causal, "a band segment is square"
         assert (s.k_grad is None) == (s.v_grad is None)
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be [Hq={hq}] (one logit per query head), got shape {tuple(sinks.shape)}")
     if backend is None:
         backend = default_backend(q, max(d, segments[0].v.shape[-1]))
     kernels(backend)  # ValueError for an unknown one
@@ -544,16 +568,16 @@ def _attend(q, segments, scale, backend, max_segment):
             kv += [s.k.detach(), s.v.detach()]
         else:
             kv += [s.k, s.v]
-    return _SegmentAttention.apply(q.contiguous(), float(scale), backend, meta, *kv)
+    return _SegmentAttention.apply(q.contiguous(), sinks, float(scale), backend, meta, *kv)
 
 
 def segment_attention_reference(q: Tensor, segments: list[KVSegment], scale: float, return_lse: bool = False,
-                                window: int | None = None):
+                                window: int | None = None, sinks: Tensor | None = None):
     """Slow reference: concatenate all segments, full mask, softmax in float64-or-float32, plain autograd.
 
     Sinks are ignored (gradients flow to ``k``/``v`` through autograd instead). ``window``: the queries' own causal
     segment is last; the query at position ``p`` (its own segment starts after every other key) sees keys
-    ``p - window < k <= p``.
+    ``p - window < k <= p``. ``sinks [Hq]``: one more logit per head in every softmax, with a zero value.
     """
     b, hq, t, _ = q.shape
     ks, vs, masks = [], [], []
@@ -576,6 +600,9 @@ def segment_attention_reference(q: Tensor, segments: list[KVSegment], scale: flo
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(acc).view(1, -1, 1, 1).expand(b, -1, t, 1)], -1)
+        v = torch.cat([v, v.new_zeros(b, v.shape[1], 1, v.shape[3])], 2)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), v.to(acc)).to(q.dtype)
     return (out, lse) if return_lse else out

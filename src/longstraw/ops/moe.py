@@ -42,14 +42,18 @@ routed rows, which equals PEFT's ``(W[e] + s B[e] A[e]) x`` without forming the 
 it adds ``[S, r]`` intermediates (``S = N * k`` slots), and autograd gives ``A`` / ``B`` their gradients from the
 same rows. ``gate_up_proj``'s adapter acts on the fused ``[S, 2I]`` output before the gate/up split, as PEFT's.
 
+GPT-OSS's experts (:class:`ExpertForm`): stored as transformers keeps them, ``gate_up_proj [E, H, 2I]`` with gate
+and up interleaved, ``down_proj [E, I, H]``, a bias after each product and the clamped SwiGLU
+(:func:`clamped_swiglu`); its router (:func:`topk_softmax_route`) takes the top k logits, then their softmax.
+
 Left out on purpose: expert parallelism (``longstraw.distributed.expert_parallel`` moves the tokens and calls
-``experts_forward`` on each rank's experts), capacity limits / token dropping, auxiliary balance losses,
-expert biases. ``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
+``experts_forward`` on each rank's experts), capacity limits / token dropping, auxiliary balance losses. ``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +63,9 @@ from longstraw.ops import meta
 
 __all__ = [
     "softmax_topk_route",
+    "topk_softmax_route",
+    "clamped_swiglu",
+    "ExpertForm",
     "sigmoid_grouped_route",
     "experts_forward",
     "experts_forward_reference",
@@ -120,6 +127,28 @@ def softmax_topk_route(
     return (weights if keep_compute_dtype else weights.to(router_logits.dtype)), ids
 
 
+def topk_softmax_route(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """GPT-OSS routing: the ``top_k`` largest logits (sorted), then a softmax over those k alone, in the logits'
+    dtype. ``router_logits [N, E]`` -> ``(weights [N, k], expert_ids [N, k] int64)``. (Equal to a softmax over all
+    experts renormalised over the top k, but rounded as transformers' ``GptOssTopKRouter`` rounds.)"""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [N, E], got shape {tuple(router_logits.shape)}")
+    _check_top_k(top_k, router_logits.shape[-1])
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[Tensor, Tensor], Tensor]:
+    """GPT-OSS's gated unit ``glu(gate, up) = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = clamp(gate, max=limit)``."""
+
+    def glu(gate: Tensor, up: Tensor) -> Tensor:
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+    return glu
+
+
 def sigmoid_grouped_route(
     router_logits: Tensor,
     correction_bias: Tensor | None,
@@ -171,15 +200,23 @@ def sigmoid_grouped_route(
     return weights * routed_scaling_factor, ids
 
 
-def _check_experts_args(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor):
+def _check_experts_args(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                        form: ExpertForm | None = None):
+    form = form or ExpertForm()
     if x.dim() != 2:
         raise ValueError(f"x must be [N, H], got shape {tuple(x.shape)}")
     n, h = x.shape
-    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2:
-        raise ValueError(f"gate_up_proj must be [E, 2*I, H={h}], got shape {tuple(gate_up_proj.shape)}")
-    e, two_i, _ = gate_up_proj.shape
-    if tuple(down_proj.shape) != (e, h, two_i // 2):
-        raise ValueError(f"down_proj must be [E={e}, H={h}, I={two_i // 2}], got shape {tuple(down_proj.shape)}")
+    in_dim, out_dim = (1, 2) if form.transposed else (2, 1)
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[in_dim] != h or gate_up_proj.shape[out_dim] % 2:
+        want = "[E, H, 2*I]" if form.transposed else "[E, 2*I, H]"
+        raise ValueError(f"gate_up_proj must be {want} with H={h}, got shape {tuple(gate_up_proj.shape)}")
+    e, two_i = gate_up_proj.shape[0], gate_up_proj.shape[out_dim]
+    want_down = (e, two_i // 2, h) if form.transposed else (e, h, two_i // 2)
+    if tuple(down_proj.shape) != want_down:
+        raise ValueError(f"down_proj must be {list(want_down)}, got shape {tuple(down_proj.shape)}")
+    for name, b, size in (("gate_up_bias", form.gate_up_bias, two_i), ("down_bias", form.down_bias, h)):
+        if b is not None and tuple(b.shape) != (e, size):
+            raise ValueError(f"{name} must be [E={e}, {size}], got shape {tuple(b.shape)}")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != n or tuple(weights.shape) != tuple(expert_ids.shape):
         raise ValueError(
             f"expert_ids and weights must both be [N={n}, k], got {tuple(expert_ids.shape)} and {tuple(weights.shape)}"
@@ -217,15 +254,41 @@ def _lora_factors(lora: ExpertLora | None, name: str, dtype: torch.dtype):
     return a.to(dtype), b.to(dtype), s
 
 
-def _expert_rows(xs: Tensor, e: int, gate_up_proj: Tensor, down_proj: Tensor, act_fn, gu_lora, dn_lora) -> Tensor:
+@dataclass(frozen=True)
+class ExpertForm:
+    """How a family's experts are laid out and gated beyond the default (transformers 5's fused SwiGLU):
+    ``transposed``: ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (x @ W, GPT-OSS); ``interleaved``: gate
+    and up alternate along ``2I`` (gate at even indices) instead of gate first; ``gate_up_bias [E, 2I]`` /
+    ``down_bias [E, H]``: added after each product; ``glu(gate, up)``: the gated unit (default ``act(gate) * up``)."""
+
+    transposed: bool = False
+    interleaved: bool = False
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+    glu: Callable[[Tensor, Tensor], Tensor] | None = None
+
+    def split(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """``[.., 2I]`` -> ``(gate, up)``."""
+        return (h[..., 0::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
+
+
+_PLAIN = ExpertForm()
+
+
+def _expert_rows(xs: Tensor, e: int, gate_up_proj: Tensor, down_proj: Tensor, act_fn, gu_lora, dn_lora,
+                 form: ExpertForm = _PLAIN) -> Tensor:
     """Expert ``e`` on its rows ``xs [c, H]`` -> ``[c, H]``, with the LoRA updates of its weights if any."""
-    h = F.linear(xs, gate_up_proj[e])  # [c, 2I]
+    h = xs @ gate_up_proj[e] if form.transposed else F.linear(xs, gate_up_proj[e])  # [c, 2I]
+    if form.gate_up_bias is not None:
+        h = h + form.gate_up_bias[e]
     if gu_lora is not None:
         a, b, s = gu_lora
         h = h + F.linear(F.linear(xs, a[e]), b[e]) * s  # [c, r] -> [c, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    mid = act_fn(gate) * up  # [c, I]
-    y = F.linear(mid, down_proj[e])  # [c, H]
+    gate, up = form.split(h)
+    mid = form.glu(gate, up) if form.glu is not None else act_fn(gate) * up  # [c, I]
+    y = mid @ down_proj[e] if form.transposed else F.linear(mid, down_proj[e])  # [c, H]
+    if form.down_bias is not None:
+        y = y + form.down_bias[e]
     if dn_lora is not None:
         a, b, s = dn_lora
         y = y + F.linear(F.linear(mid, a[e]), b[e]) * s
@@ -237,7 +300,7 @@ def _aligned16(t: Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s, d in zip(t.stride(), t.shape) if s != 1 and d != 1)
 
 
-def _grouped_mm_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> bool:
+def _grouped_mm_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, form: ExpertForm = _PLAIN) -> bool:
     """Whether ``F.grouped_mm`` has a kernel here: CPU float32/bf16/fp16, CUDA bf16; 16-byte aligned strides."""
     if not hasattr(F, "grouped_mm"):
         return False
@@ -245,7 +308,8 @@ def _grouped_mm_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> bool:
     if x.dtype not in allowed.get(x.device.type, ()):
         return False
     es = x.element_size()
-    _, two_i, h = gate_up_proj.shape
+    e_h_2i = gate_up_proj.shape if form.transposed else gate_up_proj.transpose(1, 2).shape
+    h, two_i = e_h_2i[1], e_h_2i[2]
     # the kernel's operands: gathered x [S, H], act output [S, I], gate_up^T [E, H, 2I], down^T [E, I, H]
     return (h * es) % 16 == 0 and (two_i // 2 * es) % 16 == 0 and _aligned16(gate_up_proj) and _aligned16(down_proj)
 
@@ -273,10 +337,12 @@ def experts_forward(
     *,
     impl: str = "auto",
     lora: ExpertLora | None = None,
+    form: ExpertForm | None = None,
 ) -> Tensor:
     """Routed SwiGLU experts. ``x [N, H]``, ``expert_ids [N, k]`` (int), ``weights [N, k]``,
     ``gate_up_proj [E, 2*I, H]`` (gate rows first), ``down_proj [E, H, I]`` -> ``[N, H]`` in x's dtype.
     ``lora``: LoRA factors of the fused weights (:data:`ExpertLora`, module docstring), applied on the routed rows.
+    ``form``: another layout, biases or gated unit (:class:`ExpertForm`; GPT-OSS); LoRA needs the default one.
 
     ``impl``: ``"loop"`` (per-expert ``F.linear`` over the experts that received tokens; one host sync for the
     counts), ``"grouped_mm"`` (``F.grouped_mm`` over all experts, no host sync; CPU float32/bf16/fp16 and CUDA bf16
@@ -284,11 +350,14 @@ def experts_forward(
     """
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {EXPERT_IMPLS}")
-    _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj)
+    form = form or _PLAIN
+    _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj, form)
+    if lora and form.transposed:
+        raise ValueError("LoRA on routed experts needs the [E, out, in] layout; these experts are transposed")
     _check_lora(lora, gate_up_proj, down_proj)
-    num_experts, two_i, _ = gate_up_proj.shape
+    num_experts = gate_up_proj.shape[0]
     gu_lora, dn_lora = _lora_factors(lora, "gate_up_proj", x.dtype), _lora_factors(lora, "down_proj", x.dtype)
-    use_grouped = _grouped_mm_ok(x, gate_up_proj, down_proj) and all(
+    use_grouped = _grouped_mm_ok(x, gate_up_proj, down_proj, form) and all(
         _grouped_lora_ok(f, x) for f in (gu_lora, dn_lora) if f is not None)
     if impl == "grouped_mm" and not use_grouped:
         raise ValueError(f"impl='grouped_mm' has no kernel for {x.dtype} on {x.device.type} with these shapes")
@@ -297,7 +366,7 @@ def experts_forward(
     n, k = expert_ids.shape
     if meta.is_meta(x):  # the memory planner's dry run: routing is data (ops/meta.py)
         ys, token_idx = meta.expert_slot_outputs(
-            x, weights, lambda xs, e: _expert_rows(xs, e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora))
+            x, weights, lambda xs, e: _expert_rows(xs, e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora, form))
         return combine_slots(ys, weights.reshape(-1), token_idx, n, x.dtype)
     flat_ids = expert_ids.reshape(-1)
     with torch.no_grad():
@@ -310,12 +379,18 @@ def experts_forward(
 
     if use_grouped:
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = F.grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offs)  # [S, 2I]
+        t = (lambda w: w) if form.transposed else (lambda w: w.transpose(1, 2))  # noqa: E731
+        h = F.grouped_mm(xs, t(gate_up_proj), offs=offs)  # [S, 2I]
+        slot_expert = flat_ids[order] if form.gate_up_bias is not None or form.down_bias is not None else None
+        if form.gate_up_bias is not None:
+            h = h + form.gate_up_bias[slot_expert]
         if gu_lora is not None:
             h = h + _grouped_lowrank(xs, gu_lora, offs)
-        gate, up = h.chunk(2, dim=-1)
-        mid = act_fn(gate) * up  # [S, I]
-        ys = F.grouped_mm(mid, down_proj.transpose(1, 2), offs=offs)  # [S, H]
+        gate, up = form.split(h)
+        mid = form.glu(gate, up) if form.glu is not None else act_fn(gate) * up  # [S, I]
+        ys = F.grouped_mm(mid, t(down_proj), offs=offs)  # [S, H]
+        if form.down_bias is not None:
+            ys = ys + form.down_bias[slot_expert]
         if dn_lora is not None:
             ys = ys + _grouped_lowrank(mid, dn_lora, offs)
     else:
@@ -324,7 +399,8 @@ def experts_forward(
         for e, c in enumerate(counts.tolist()):
             if c == 0:
                 continue
-            pieces.append(_expert_rows(xs[start : start + c], e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora))
+            pieces.append(_expert_rows(xs[start : start + c], e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora,
+                                       form))
             start += c
         ys = torch.cat(pieces) if pieces else xs.new_zeros(0, x.shape[1])
 
@@ -399,18 +475,22 @@ def experts_forward_reference(
     gate_up_proj: Tensor,
     down_proj: Tensor,
     act_fn: Callable[[Tensor], Tensor] = F.silu,
+    form: ExpertForm | None = None,
 ) -> Tensor:
     """Obviously-correct slow version: a Python loop over tokens and their k slots, the formula as written."""
-    _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj)
-    inter = gate_up_proj.shape[1] // 2
+    form = form or _PLAIN
+    _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj, form)
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros_like(x[t])
         for j in range(expert_ids.shape[1]):
             e = int(expert_ids[t, j])
-            w_gu = gate_up_proj[e]
-            hidden = act_fn(w_gu[:inter] @ x[t]) * (w_gu[inter:] @ x[t])
-            acc = acc + ((down_proj[e] @ hidden) * weights[t, j]).to(x.dtype)
+            w_gu, w_dn = (gate_up_proj[e].T, down_proj[e].T) if form.transposed else (gate_up_proj[e], down_proj[e])
+            h = w_gu @ x[t] + (form.gate_up_bias[e] if form.gate_up_bias is not None else 0)  # [2I]
+            gate, up = form.split(h)
+            hidden = form.glu(gate, up) if form.glu is not None else act_fn(gate) * up
+            y = w_dn @ hidden + (form.down_bias[e] if form.down_bias is not None else 0)
+            acc = acc + (y * weights[t, j]).to(x.dtype)
         rows.append(acc)
     return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
 

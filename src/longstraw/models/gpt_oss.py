@@ -1,0 +1,188 @@
+"""GPT-OSS (``gpt_oss``: gpt-oss-20b, gpt-oss-120b): GQA attention with sinks and alternating sliding windows, and
+a mixture of biased experts with a clamped SwiGLU.
+
+As transformers' ``modeling_gpt_oss`` computes it:
+
+* attention: q/k/v/o with biases (``attention_bias``, on in the released configs), RoPE (YaRN with ``truncate:
+  false`` in the released configs; theta 150000 when unset), and per head a learned *sink* logit
+  (``self_attn.sinks [H]``) that joins every query's softmax with a zero value
+  (``segment_attention(sinks=)``). ``layer_types`` (default: even layers ``sliding_attention``, odd ones
+  ``full_attention``) give the layers whose keys are limited to a ``sliding_window`` (128 released);
+* feed-forward: the router ``mlp.router`` (``weight [E, H]`` and ``bias [E]``) keeps the top ``num_experts_per_tok``
+  logits and softmaxes those (:func:`~longstraw.ops.moe.topk_softmax_route`); the experts keep transformers'
+  in-memory layout, which is also the checkpoints': ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up
+  interleaved (gate at even columns), ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias
+  [E, H]``, and ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = clamp(gate, max=limit)``
+  (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7);
+* RMSNorms multiply by their weight in float32 before casting back (transformers keeps them in float32).
+
+Names and layouts are transformers' own, so loading, saving and ``hf_grads`` need no mapping.
+
+Not supported (each refused with a ValueError): the released MXFP4 checkpoints (``quantization_config`` with
+``quant_method: mxfp4``: dequantise first, e.g. transformers' ``Mxfp4Config(dequantize=True)`` then
+``save_pretrained``), LoRA on the routed experts (``target_parameters``; the attention projections take
+adapters), expert parallelism, and context parallelism past the sliding window. Left out as for every family: the
+auxiliary load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from longstraw.models.attention import Attention
+from longstraw.models.config import ConfigReader
+from longstraw.models.family import Family
+from longstraw.models.norms import RMSNorm
+from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
+from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
+from longstraw.ops.moe import ExpertForm, clamped_swiglu, experts_forward, topk_softmax_route
+
+MODEL_TYPES = ("gpt_oss",)
+_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+         "original_max_position_embeddings": 4096}  # transformers' default for gpt_oss
+
+
+class GptOssRouter(nn.Module):
+    """``mlp.router``: logits ``x @ weight.T + bias`` in x's dtype, top k, softmax over the k."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_local_experts={num_experts}")
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x ``[N, H]`` -> (weights ``[N, k]`` in x's dtype, expert ids ``[N, k]``)."""
+        return topk_softmax_route(nn.functional.linear(x, self.weight, self.bias), self.top_k)
+
+
+class GptOssExperts(nn.Module):
+    """``mlp.experts``: ``E`` biased experts in transformers' layout (module docstring). Expert parallelism does not
+    shard them (``ep_supported``: the planner and ``shard_experts`` refuse ``ep > 1``), LoRA does not adapt them
+    (``lora_supported``: ``target_parameters`` naming them is refused)."""
+
+    ep_supported = False
+    lora_supported = False
+
+    def __init__(self, hidden: int, num_experts: int, intermediate: int, alpha: float, limit: float):
+        super().__init__()
+        self.num_experts, self.intermediate, self.alpha, self.limit = num_experts, intermediate, alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate).normal_(0, 0.02))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden).normal_(0, 0.02))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self._glu = clamped_swiglu(alpha, limit)
+
+    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        """x ``[N, H]``, expert_ids / weights ``[N, k]`` -> ``[N, H]``."""
+        form = ExpertForm(transposed=True, interleaved=True, gate_up_bias=self.gate_up_proj_bias,
+                          down_bias=self.down_proj_bias, glu=self._glu)
+        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, form=form)
+
+
+class GptOssMoE(nn.Module):
+    """``mlp``: router + experts; ``forward(x [B, T, H]) -> [B, T, H]``."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, alpha: float, limit: float):
+        super().__init__()
+        self.router = GptOssRouter(hidden, num_experts, top_k)
+        self.experts = GptOssExperts(hidden, num_experts, intermediate, alpha, limit)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat)
+        return self.experts(flat, ids, weights).reshape(x.shape)
+
+    def flops_per_token(self) -> float:
+        e = self.experts
+        hidden = e.gate_up_proj.shape[1]
+        return 2.0 * self.router.top_k * 3 * hidden * e.intermediate + 2.0 * hidden * e.num_experts
+
+
+def layer_windows(cfg: dict, r: ConfigReader, n: int) -> list[int | None]:
+    """Each layer's window: ``sliding_window`` on the ``sliding_attention`` layers of ``layer_types`` (default: the
+    even layers), None on the others."""
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if bad or len(types) != n:
+        raise ValueError(f"{r.where}: layer_types must give 'full_attention' or 'sliding_attention' for each of the "
+                         f"{n} layers, got {types!r}")
+    window = cfg.get("sliding_window", 128)
+    slides = [t == "sliding_attention" for t in types]
+    if any(slides) and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 2 when layers slide")
+    return [window if s else None for s in slides]
+
+
+def _check_not_quantized(cfg: dict, r: ConfigReader) -> None:
+    q = cfg.get("quantization_config")
+    if q:
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise ValueError(f"{r.where}: quantization_config (quant_method={method!r}) is not supported: dequantise the "
+                         "checkpoint first (for GPT-OSS's MXFP4 release: transformers' "
+                         "Mxfp4Config(dequantize=True), then save_pretrained) and load that")
+
+
+def _rope_config(cfg: dict) -> dict:
+    """``cfg`` with transformers' gpt_oss defaults where it gives no RoPE settings: YaRN (``_YARN``), theta 150000."""
+    out = dict(cfg)
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if not rp:
+        out["rope_parameters"] = {**_YARN, "rope_theta": cfg.get("rope_theta", 150000.0)}
+    elif "rope_theta" not in rp and cfg.get("rope_theta") is None:
+        out["rope_theta"] = 150000.0
+    return out
+
+
+def build(cfg: dict) -> CausalLM:
+    """Build a randomly initialised model from an HF config dict."""
+    r = ConfigReader(cfg)
+    _check_not_quantized(cfg, r)
+    hidden = r.positive("hidden_size")
+    n = r.positive("num_hidden_layers")
+    windows = layer_windows(cfg, r, n)
+    spec = ModelSpec(
+        model_type=cfg["model_type"], vocab_size=r.positive("vocab_size"), hidden_size=hidden, num_layers=n,
+        max_position_embeddings=r.positive("max_position_embeddings", 131072),
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+        sliding_window=min((w for w in windows if w is not None), default=None),
+    )
+    heads = r.positive("num_attention_heads")
+    kv_heads = r.opt("num_key_value_heads", heads, int)
+    head_dim = r.opt("head_dim", hidden // heads, int)
+    eps = r.opt("rms_norm_eps", 1e-5, float)
+    bias = r.opt("attention_bias", True, bool)
+    experts = r.positive("num_local_experts", cfg.get("num_experts", 128))
+    if cfg.get("num_experts") is not None and cfg.get("num_local_experts") is not None \
+            and cfg["num_experts"] != cfg["num_local_experts"]:
+        raise ValueError(f"{r.where}: num_experts={cfg['num_experts']} and num_local_experts="
+                         f"{cfg['num_local_experts']} disagree")
+    top_k = r.positive("num_experts_per_tok", 4)
+    inter = r.positive("intermediate_size")
+    alpha = r.opt("swiglu_alpha", 1.702, (int, float))
+    limit = r.opt("swiglu_limit", 7.0, (int, float))
+    if limit <= 0:
+        raise ValueError(f"{r.where}: swiglu_limit={limit} must be > 0")
+    layers = [
+        DecoderLayer(
+            Attention(hidden, heads, kv_heads, head_dim, qkv_bias=bias, o_bias=bias, norm_eps=eps, window=w,
+                      sinks=True),
+            GptOssMoE(hidden, experts, top_k, inter, float(alpha), float(limit)),
+            RMSNorm(hidden, eps, weight_in_float32=True),
+            RMSNorm(hidden, eps, weight_in_float32=True),
+        )
+        for w in windows
+    ]
+    rotary = RotaryEmbedding(rope_params_from_hf(_rope_config(cfg), head_dim))
+    return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps, weight_in_float32=True),
+                                        rotary))
+
+
+FAMILY = Family("gpt_oss", MODEL_TYPES, build)

@@ -1,0 +1,123 @@
+"""GPT-OSS (``gpt_oss``): logits and gradients against transformers in float64 on sequences several sliding windows
+long (sinks, alternating windows, biased experts with the clamped SwiGLU, YaRN), float32 and bf16 logits, chunked
+prefill + continuation, save/load through transformers, the released configs' defaults, what is refused."""
+
+import pytest
+import torch
+from hf_reference import (cached_pairs, continuation_error, moe_save_round_trip, tiny_moe_hf, true_float64,
+                          weighted_logit_grads)
+from transformers import AutoModelForCausalLM, GptOssConfig
+
+import longstraw
+from longstraw.models.gpt_oss import GptOssExperts, GptOssMoE
+from longstraw.state import KVState
+
+V = 61
+
+
+def gpt_oss(**changes):
+    """Alternating sliding (window 5) / full layers, 4 experts of 16, swiglu_limit low enough to clamp here."""
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+              max_position_embeddings=256, swiglu_limit=1.5, pad_token_id=None, eos_token_id=None,
+              bos_token_id=None)
+    return GptOssConfig(**{**kw, **changes})
+
+
+CONFIGS = {
+    "gpt_oss": gpt_oss,
+    # no biases on attention, plain RoPE, every layer full, top-1
+    "gpt_oss-plain": lambda: gpt_oss(attention_bias=False, num_experts_per_tok=1,
+                                     layer_types=["full_attention"] * 3,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
+pair = cached_pairs(lambda name: tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS).index(name) + 40, attn="eager"))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_grads_match_transformers_float64(name):
+    hf, path = pair(name)
+    model = longstraw.load_model(path)
+    ids = torch.randint(0, V, (2, 37))
+    with torch.no_grad(), true_float64():
+        want = hf(ids).logits
+    with torch.no_grad():
+        got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-10
+    got_g, want_g = weighted_logit_grads(hf, model, ids[:, :23], torch.randn(2, 23, V, dtype=torch.float64))
+    assert set(got_g) == set(want_g)
+    assert {n for n in got_g if n.endswith(("sinks", "router.bias", "gate_up_proj_bias", "down_proj_bias"))}
+    for n, g in want_g.items():
+        assert (got_g[n] - g).abs().max().item() <= 1e-9 * max(1.0, g.abs().max().item()), n
+
+
+def test_float32_and_bf16_logits_close_to_transformers():
+    _, path = pair("gpt_oss")
+    ids = torch.randint(0, V, (2, 19))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager",
+                                                  attn_implementation="eager").eval()
+        model = longstraw.load_model(path, dtype=str(dtype).removeprefix("torch."))
+        with torch.no_grad():
+            want, got = hf(ids).logits.float(), model(ids).float()
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), dtype
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13])
+def test_chunked_prefill_then_continuation_equals_full_forward(chunk):
+    _, path = pair("gpt_oss")
+    err, states = continuation_error(longstraw.load_model(path), torch.randint(0, V, (1, 40)), 27, chunk)
+    assert all(isinstance(st, KVState) and st.length == 27 for st in states) and err <= 1e-10
+
+
+def test_save_model_round_trips_through_transformers(tmp_path):
+    _, path = pair("gpt_oss")
+    model = longstraw.load_model(path)
+    saved, back = moe_save_round_trip(model, path, tmp_path / "out", V, attn_implementation="eager")
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)  # [E, H, 2I], as transformers
+    assert {n for n, _ in back.named_parameters()} == {n for n, _ in model.named_parameters()}
+
+
+def test_released_config_defaults():
+    """What the released config.json leaves to transformers' defaults: alternating layers from sliding, window
+    128, YaRN (factor 32, truncate off) at theta 150000, float32 norm weights, attention biases, sinks."""
+    cfg = {k: v for k, v in gpt_oss().to_dict().items()
+           if k not in ("layer_types", "rope_parameters", "sliding_window", "attention_bias")}
+    model = longstraw.build_model(cfg)
+    assert [layer.self_attn.window for layer in model.model.layers] == [128, None, 128]
+    p = model.model.rotary_emb.params
+    assert (p.rope_type, p.theta, p.extra["factor"], p.extra["truncate"]) == ("yarn", 150000.0, 32.0, False)
+    hf_p = GptOssConfig(**cfg).to_dict()["rope_parameters"]
+    assert longstraw.build_model({**cfg, "rope_parameters": hf_p}).model.rotary_emb.params == p
+    layer = model.model.layers[0]
+    assert layer.self_attn.sinks.shape == (4,) and layer.self_attn.q_proj.bias is not None
+    assert layer.input_layernorm.weight_in_float32 and isinstance(layer.mlp, GptOssMoE)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, r"quant_method='mxfp4'\) is not supported: dequantise"),
+    ({"layer_types": ["full_attention"] * 2}, r"layer_types must give 'full_attention' or 'sliding_attention' for "
+                                              r"each of the 3 layers"),
+    ({"sliding_window": 1}, r"sliding_window=1 must be an integer >= 2"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be between 1 and num_local_experts=4"),
+    ({"swiglu_limit": 0.0}, r"swiglu_limit=0.0 must be > 0"),
+])
+def test_bad_configs_are_refused(changes, match):
+    with pytest.raises(ValueError, match=match):
+        longstraw.build_model({**gpt_oss().to_dict(), **changes})
+
+
+def test_expert_lora_and_expert_parallelism_are_refused():
+    from longstraw.models.lora import LoraSettings, add_adapters
+    from longstraw.planner import plan
+
+    model = longstraw.build_model(gpt_oss().to_dict())
+    with pytest.raises(ValueError, match=r"'mlp.experts.gate_up_proj' names 'model.layers.0.mlp.experts.gate_up_proj'"
+                                         r": LoRA on these routed experts \(GptOssExperts\) is not implemented"):
+        add_adapters(model, LoraSettings(r=4, lora_alpha=8, target_modules=("q_proj",),
+                                         target_parameters=("mlp.experts.gate_up_proj",)))
+    assert not GptOssExperts.ep_supported
+    with pytest.raises(ValueError, match=r"expert parallelism is not implemented for gpt_oss's experts"):
+        plan(gpt_oss().to_dict(), prompt_len=5, response_len=2, group=2, dtype="float32", gpus=2, ep=2)
