@@ -136,6 +136,11 @@ FAMILY_CONFIGS = {
                       "q_lora_rank": 10, "rms_norm_eps": 1e-5},
     "olmoe": {**_DENSE, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 4.0,
               "pad_token_id": None, "eos_token_id": None},
+    # added 2026-12-05 (second session): attention sinks, sliding windows past their edge (the tiled band kernels),
+    # biased experts in the transposed interleaved layout (grouped_mm with biases on CUDA bf16)
+    "gpt_oss": {**_DENSE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 11, "swiglu_limit": 3.0, "pad_token_id": None, "eos_token_id": None,
+                "bos_token_id": None},
 }
 
 

@@ -97,7 +97,7 @@ def test_released_config_defaults():
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"quantization_config": {"quant_method": "mxfp4"}}, r"quant_method='mxfp4'\) is not supported: dequantise"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"quant_method='fp8'\) is not supported for gpt_oss: MXFP4"),
     ({"layer_types": ["full_attention"] * 2}, r"layer_types must give 'full_attention' or 'sliding_attention' for "
                                               r"each of the 3 layers"),
     ({"sliding_window": 1}, r"sliding_window=1 must be an integer >= 2"),
@@ -121,3 +121,67 @@ def test_expert_lora_and_expert_parallelism_are_refused():
     assert not GptOssExperts.ep_supported
     with pytest.raises(ValueError, match=r"expert parallelism is not implemented for gpt_oss's experts"):
         plan(gpt_oss().to_dict(), prompt_len=5, response_len=2, group=2, dtype="float32", gpus=2, ep=2)
+
+
+def _quantised_checkpoint(hf, tmp_path):
+    """transformers' checkpoint of ``hf`` with its experts replaced by random MXFP4 blocks and scales, as the
+    released checkpoints store them (``quantization_config: mxfp4``), and ``hf`` with the experts set to their
+    dequantised values (transformers' own converter)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    d = tmp_path / "mxfp4"
+    hf.save_pretrained(d)
+    tensors = load_file(d / "model.safetensors")
+    gen = torch.Generator().manual_seed(11)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, h_in, out = tensors.pop(name).shape  # in-memory [E, in, out]
+        blocks = torch.randint(0, 256, (e, out, h_in // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 128, (e, out, h_in // 32), generator=gen, dtype=torch.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float64))
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                      "model.layers.*.mlp.router"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_mxfp4_checkpoint_is_dequantised_on_load_and_saved_plain(tmp_path):
+    """A released-style MXFP4 checkpoint (experts as blocks + scales, H and I multiples of 32) loads with the
+    dequantised experts (logits equal transformers' with them, float64); save_model writes plain weights and a
+    config without the quantisation, which transformers loads."""
+    hf = tiny_moe_hf(gpt_oss(hidden_size=64, intermediate_size=32), seed=9, attn="eager")
+    d = _quantised_checkpoint(hf, tmp_path)
+    model = longstraw.load_model(d, dtype="float64")
+    ids = torch.randint(0, V, (1, 21))
+    with torch.no_grad(), true_float64():
+        want = hf(ids).logits
+    with torch.no_grad():
+        assert (model(ids) - want).abs().max().item() <= 1e-10
+    longstraw.save_model(model, tmp_path / "plain")
+    import json
+
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float64,
+                                                experts_implementation="eager", attn_implementation="eager").eval()
+    with torch.no_grad(), true_float64():
+        assert (back(ids).logits - want).abs().max().item() <= 1e-10
+    assert longstraw.load_model(d).model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float64  # its dtype
+
+
+def test_mxfp4_pair_must_be_complete(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = _quantised_checkpoint(tiny_moe_hf(gpt_oss(hidden_size=64, intermediate_size=32), seed=9, attn="eager"),
+                              tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"has model.layers.1.mlp.experts.down_proj_blocks but not "
+                                         r"model.layers.1.mlp.experts.down_proj_scales \(MXFP4 needs both\)"):
+        longstraw.load_model(d)

@@ -566,6 +566,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
                 _atomic_write_text(p / INDEX, index_json(files))
             cfg = dict(model.hf_config)
             cfg.pop("torch_dtype", None)
+            cfg.pop("quantization_config", None)  # a quantised checkpoint (GPT-OSS's MXFP4) was dequantised on load
             cfg["dtype"] = _dtype_name(out_dtype or (named[0][1].dtype if named else torch.float32))
             _atomic_write_text(p / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             source = getattr(model, "source_dir", None)

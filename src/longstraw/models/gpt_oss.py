@@ -16,16 +16,20 @@ As transformers' ``modeling_gpt_oss`` computes it:
   (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7);
 * RMSNorms multiply by their weight in float32 before casting back (transformers keeps them in float32).
 
-Names and layouts are transformers' own, so loading, saving and ``hf_grads`` need no mapping.
+Names and layouts are transformers' own, so saving and ``hf_grads`` need no mapping. The released checkpoints
+store the experts in MXFP4 (``quantization_config: {quant_method: mxfp4}``; ``mlp.experts.gate_up_proj_blocks
+[E, 2I, H/32, 16]`` / ``_scales [E, 2I, H/32]``, ``down_proj_blocks`` / ``_scales`` likewise): :class:`GptOssWeightMap`
+dequantises them expert by expert as they load (:mod:`longstraw.ops.mxfp4`), into the layout above, and the model
+trains in its dtype; ``save_model`` writes the dequantised weights and a config without the quantisation.
 
-Not supported (each refused with a ValueError): the released MXFP4 checkpoints (``quantization_config`` with
-``quant_method: mxfp4``: dequantise first, e.g. transformers' ``Mxfp4Config(dequantize=True)`` then
-``save_pretrained``), LoRA on the routed experts (``target_parameters``; the attention projections take
-adapters), expert parallelism, and context parallelism past the sliding window. Left out as for every family: the
-auxiliary load-balancing loss.
+Not supported (each refused with a ValueError): other quantisations, LoRA on the routed experts
+(``target_parameters``; the attention projections take adapters), expert parallelism, and context parallelism past
+the sliding window. Left out as for every family: the auxiliary load-balancing loss.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +40,9 @@ from longstraw.models.family import Family
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
+from longstraw.models.weights import CheckpointReader, Rows, WeightMap, WeightSource, tensor_source
 from longstraw.ops.moe import ExpertForm, clamped_swiglu, experts_forward, topk_softmax_route
+from longstraw.ops.mxfp4 import dequantize_mxfp4
 
 MODEL_TYPES = ("gpt_oss",)
 _YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -119,13 +125,15 @@ def layer_windows(cfg: dict, r: ConfigReader, n: int) -> list[int | None]:
     return [window if s else None for s in slides]
 
 
-def _check_not_quantized(cfg: dict, r: ConfigReader) -> None:
+def _check_quantization(cfg: dict, r: ConfigReader) -> None:
+    """MXFP4 (the released checkpoints) is dequantised on load; any other quantisation is refused."""
     q = cfg.get("quantization_config")
     if q:
         method = q.get("quant_method") if isinstance(q, dict) else q
-        raise ValueError(f"{r.where}: quantization_config (quant_method={method!r}) is not supported: dequantise the "
-                         "checkpoint first (for GPT-OSS's MXFP4 release: transformers' "
-                         "Mxfp4Config(dequantize=True), then save_pretrained) and load that")
+        if method != "mxfp4":
+            raise ValueError(f"{r.where}: quantization_config (quant_method={method!r}) is not supported for "
+                             "gpt_oss: MXFP4 (the released checkpoints) is dequantised on load; dequantise other "
+                             "formats first")
 
 
 def _rope_config(cfg: dict) -> dict:
@@ -142,7 +150,7 @@ def _rope_config(cfg: dict) -> dict:
 def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised model from an HF config dict."""
     r = ConfigReader(cfg)
-    _check_not_quantized(cfg, r)
+    _check_quantization(cfg, r)
     hidden = r.positive("hidden_size")
     n = r.positive("num_hidden_layers")
     windows = layer_windows(cfg, r, n)
@@ -185,4 +193,60 @@ def build(cfg: dict) -> CausalLM:
                                         rotary))
 
 
-FAMILY = Family("gpt_oss", MODEL_TYPES, build)
+_PACKED = re.compile(r"(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
+
+
+def _mxfp4_source(param: str, blocks: str, scales: str, reader: CheckpointReader) -> WeightSource:
+    """Expert parameter ``param`` ``[E, 32 G, R]`` from MXFP4 ``blocks [E, R, G, 16]`` / ``scales [E, R, G]``:
+    rows (experts) ``[a, b)`` read and dequantised one expert at a time, transposed to transformers' in-memory
+    layout (bfloat16 without ``out``: every value is exact in it)."""
+    bshape, sshape = tuple(reader.shape(blocks)), tuple(reader.shape(scales))
+    if len(bshape) != 4 or bshape[3] != 16 or bshape[:3] != sshape:
+        raise ValueError(f"{param}: MXFP4 {blocks} {bshape} and {scales} {sshape} must be [E, R, G, 16] and "
+                         "[E, R, G]")
+    e, rows_out, g = sshape
+    shape = (e, 32 * g, rows_out)
+
+    def read(rows: Rows, out: torch.Tensor | None) -> torch.Tensor:
+        a, b = rows if rows is not None else (0, e)
+        if out is None:
+            out = torch.empty((b - a, *shape[1:]), dtype=torch.bfloat16)
+        for i in range(a, b):
+            deq = dequantize_mxfp4(reader.read(blocks, (i, i + 1))[0], reader.read(scales, (i, i + 1))[0])
+            out[i - a].copy_(deq.T)  # [R, 32 G] -> [32 G, R]
+            del deq
+        return out
+
+    return WeightSource(param, shape, read)
+
+
+class GptOssWeightMap(WeightMap):
+    """Transformers' names as they are; MXFP4 expert pairs (``<param>_blocks`` + ``<param>_scales``) dequantised into
+    ``<param>`` (module docstring)."""
+
+    def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
+        self.warn_skipped(ckpt_names)
+        out, packed = [], {}
+        for n in ckpt_names:
+            p = self.param_name(n)
+            if p is None:
+                continue
+            m = _PACKED.fullmatch(p)
+            if m:
+                packed.setdefault(m.group(1), {})[m.group(2)] = n
+            else:
+                out.append(tensor_source(p, n, reader))
+        for param, parts in packed.items():
+            if set(parts) != {"blocks", "scales"}:
+                have = next(iter(parts))
+                raise ValueError(f"the checkpoint has {param}_{have} but not "
+                                 f"{param}_{'scales' if have == 'blocks' else 'blocks'} (MXFP4 needs both)")
+            out.append(_mxfp4_source(param, parts["blocks"], parts["scales"], reader))
+        return out
+
+
+def weights(cfg: dict) -> WeightMap:
+    return GptOssWeightMap()
+
+
+FAMILY = Family("gpt_oss", MODEL_TYPES, build, weights)

@@ -90,7 +90,7 @@ class WeightSource:
         return self._read(rows, out)
 
 
-def _tensor_source(param: str, name: str, reader: CheckpointReader) -> WeightSource:
+def tensor_source(param: str, name: str, reader: CheckpointReader) -> WeightSource:
     """Parameter ``param`` is checkpoint tensor ``name`` as it is (the same rows)."""
     return WeightSource(param, tuple(reader.shape(name)), lambda rows, out: _into(reader.read(name, rows), out))
 
@@ -130,7 +130,7 @@ class WeightMap:
         for n in ckpt_names:
             p = self.param_name(n)
             if p is not None:
-                out.append(_tensor_source(p, n, reader))
+                out.append(tensor_source(p, n, reader))
         return out
 
     def load_tensors(self, ckpt_names: list[str], reader: CheckpointReader | Mapping[str, Tensor]
@@ -208,7 +208,7 @@ class ExpertWeightMap(WeightMap):
             if m:
                 experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = n
                 continue
-            out.append(_tensor_source(p, n, reader))
+            out.append(tensor_source(p, n, reader))
         for prefix, parts in experts.items():
             count = 1 + max(e for e, _ in parts)
             missing = [f"{prefix}.{e}.{w}.weight" for e in range(count) for w in ("gate_proj", "up_proj", "down_proj")

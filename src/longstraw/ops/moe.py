@@ -47,7 +47,8 @@ and up interleaved, ``down_proj [E, I, H]``, a bias after each product and the c
 (:func:`clamped_swiglu`); its router (:func:`topk_softmax_route`) takes the top k logits, then their softmax.
 
 Left out on purpose: expert parallelism (``longstraw.distributed.expert_parallel`` moves the tokens and calls
-``experts_forward`` on each rank's experts), capacity limits / token dropping, auxiliary balance losses. ``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
+``experts_forward`` on each rank's experts), capacity limits / token dropping, auxiliary balance losses.
+``experts_forward_reference`` is the obviously-correct per-token loop the tests hold the fast path to.
 """
 
 from __future__ import annotations
