@@ -97,6 +97,21 @@ def test_hf_grads_match_transformers(pair):
         torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_pad_token_row_gets_no_gradient_as_in_transformers(tied):
+    """transformers builds every family's embedding with ``padding_idx=pad_token_id``: the pad token's row gets no
+    gradient (GLM, GPT-OSS and Gemma releases set a pad id that occurs in text, e.g. ``<|endoftext|>``)."""
+    hf = tiny_hf(LlamaConfig(**{**llama(tied=tied).to_dict(), "pad_token_id": 7}), seed=4)
+    model = longstraw.load_model(save_tiny(hf))
+    assert model.model.embed_tokens.padding_idx == 7
+    ids = torch.tensor([[3, 7, 7, 11, 7, 2], [7, 5, 9, 7, 1, 0]])
+    got, want = weighted_logit_grads(hf, model, ids, torch.randn(2, 6, V, dtype=torch.float64))
+    emb = "model.embed_tokens.weight"
+    assert want[emb][7].abs().max() == 0 or tied  # tied: the LM head's gradient reaches the row
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
 def test_save_model_round_trips_through_transformers(pair, tmp_path):
     _, path = pair
     model = longstraw.load_model(path)

@@ -160,6 +160,11 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
         self.placement: Placement = LOCAL
         self.compute_dtype: torch.dtype | None = None  # autocast dtype of every pass (master weights): see run()
+        pad = spec.pad_token_id
+        if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < spec.vocab_size:
+            # as transformers' embeddings (nn.Embedding(..., padding_idx=pad_token_id) in every family): the pad
+            # token's row gets no gradient (its forward is the row as it is)
+            backbone.embed_tokens.padding_idx = pad
         self.tie_weights()
 
     # ------------------------------------------------------------------ structure
