@@ -141,6 +141,10 @@ FAMILY_CONFIGS = {
     "gpt_oss": {**_DENSE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "sliding_window": 11, "swiglu_limit": 3.0, "pad_token_id": None, "eos_token_id": None,
                 "bos_token_id": None},
+    # two RoPEs (the sliding layers' and the full one's), sandwich norms, scaled embeddings, windows past their edge
+    "gemma3_text": {**_DENSE, "hidden_size": 64, "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 11,
+                    "query_pre_attn_scalar": 24, "layer_types": ["sliding_attention", "full_attention",
+                                                              "sliding_attention"]},
 }
 
 

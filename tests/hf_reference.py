@@ -69,10 +69,11 @@ def true_float64():
 
 
 def float32_rope(model):
+    """RoPE tables in float32, as transformers builds them (a model cast to float64 casts its ``inv_freq`` buffers
+    too; Gemma 3 keeps one per layer type: ``full_attention_inv_freq``, ...)."""
     for mod in model.modules():
-        for name in ("inv_freq", "original_inv_freq"):
-            buf = getattr(mod, name, None)
-            if isinstance(buf, torch.Tensor) and buf.dtype == torch.float64:
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if name.endswith("inv_freq") and buf.dtype == torch.float64:
                 setattr(mod, name, buf.float())
     return model
 

@@ -25,9 +25,9 @@ import torch
 from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
-                          GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
-                          Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
+                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -112,6 +112,12 @@ FAMILIES = {
                                      num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.5, pad_token_id=None,
                                      eos_token_id=None, bos_token_id=None),
                 ATTN, None),
+    # two RoPEs, sandwich norms, scaled embeddings, sliding windows (5), pad id 0 in the groups
+    "gemma3": (lambda: Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                        query_pre_attn_scalar=24, max_position_embeddings=256,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+               ATTN + MLP, None),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
             "glm4_moe_lite", "minimax_m2", "olmoe"}
@@ -119,7 +125,7 @@ NAMES = list(FAMILIES)
 
 # (random float64 HF model, its checkpoint directory) of a family, built once per process
 pair = cached_pairs(lambda name: tiny_moe_hf(FAMILIES[name][0](), seed=NAMES.index(name) + 70,
-                                             attn="eager" if name == "gpt_oss" else "sdpa"))
+                                             attn="eager" if name in ("gpt_oss", "gemma3") else "sdpa"))
 
 
 def random_b(modules, seed=0, std=0.1):

@@ -46,6 +46,8 @@ class Attention(nn.Module):
         clip_qkv: float | None = None,
         window: int | None = None,
         sinks: bool = False,
+        scale: float | None = None,
+        local_rope: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -57,7 +59,8 @@ class Attention(nn.Module):
         self.window = window  # sliding window: the query at position p sees keys p - window < k <= p
         # GPT-OSS: one learned logit per head in every softmax (with a zero value)
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # Gemma 3: query_pre_attn_scalar ** -0.5
+        self.local_rope = local_rope  # rotate with the call's local RoPE (ctx.local: Gemma 3's sliding layers)
         self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = ctx.rope
+        cos, sin = ctx.local_rope if self.local_rope else ctx.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         segments = list(prefix or []) + [KVSegment(k, v, causal=True)]
         o = segment_attention(q, segments, self.scale, window=self.window, sinks=self.sinks)  # [B, H, T, D]

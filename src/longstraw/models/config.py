@@ -35,3 +35,22 @@ class ConfigReader:
         if value < 1:
             raise ValueError(f"{self.where}: {key}={value} must be >= 1")
         return value
+
+
+def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures: dict[str, str]) -> dict:
+    """The config of the text model: ``cfg`` itself unless its ``model_type`` is a key of ``multimodal`` (a
+    multimodal checkpoint: Qwen3.5's, Gemma 3's); then its ``text_config`` with the ``model_type`` the map gives and
+    ``architectures`` of that text-only causal LM, and the checkpoint's dtype where the text config has none."""
+    mt = cfg.get("model_type")
+    if mt not in multimodal:
+        return dict(cfg)
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict):
+        raise ValueError(f"config.json: model_type {mt!r} needs a 'text_config' object, got {type(tc).__name__}")
+    text = dict(tc)
+    text["model_type"] = multimodal[mt]
+    text["architectures"] = [architectures[multimodal[mt]]]
+    for key in ("dtype", "torch_dtype"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    return text

@@ -18,16 +18,25 @@ from torch import Tensor
 @dataclass
 class CallContext:
     """Per-call data of one ``model.run``: ``cos, sin [T, rotary_dim]`` (None for a model without RoPE), the first
-    position ``start`` and the number of new tokens ``length``, and ``shared`` (layer-to-layer data)."""
+    position ``start`` and the number of new tokens ``length``, and ``shared`` (layer-to-layer data).
+    ``local``: a second ``(cos, sin)`` pair for the layers that rotate with other RoPE settings (Gemma 3's sliding
+    layers: ``Backbone(local_rotary=)``)."""
 
     start: int
     length: int
     cos: Tensor | None = None
     sin: Tensor | None = None
     shared: dict[int, Any] = field(default_factory=dict)
+    local: tuple[Tensor, Tensor] | None = None
 
     @property
     def rope(self) -> tuple[Tensor, Tensor]:
         """``(cos, sin)``; a layer that rotates positions needs them (AssertionError if the model has none)."""
         assert self.cos is not None, "this model has no rotary embedding"
         return self.cos, self.sin
+
+    @property
+    def local_rope(self) -> tuple[Tensor, Tensor]:
+        """The local layers' ``(cos, sin)`` (AssertionError if the model has no second rotary embedding)."""
+        assert self.local is not None, "this model has no local rotary embedding"
+        return self.local

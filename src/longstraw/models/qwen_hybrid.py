@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader
+from longstraw.models.config import ConfigReader, multimodal_text_config
 from longstraw.models.deltanet import GatedDeltaNet
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
@@ -53,19 +53,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 def text_config(cfg: dict) -> dict:
     """The config of the text model: ``cfg`` itself for the text types; for ``qwen3_5`` / ``qwen3_5_moe`` its
     ``text_config`` with ``model_type`` and ``architectures`` of the matching text-only causal LM."""
-    mt = cfg.get("model_type")
-    if mt not in MULTIMODAL:
-        return dict(cfg)
-    tc = cfg.get("text_config")
-    if not isinstance(tc, dict):
-        raise ValueError(f"config.json: model_type {mt!r} needs a 'text_config' object, got {type(tc).__name__}")
-    text = dict(tc)
-    text["model_type"] = MULTIMODAL[mt]
-    text["architectures"] = [ARCHITECTURES[MULTIMODAL[mt]]]
-    for key in ("dtype", "torch_dtype"):
-        if key not in text and key in cfg:
-            text[key] = cfg[key]
-    return text
+    return multimodal_text_config(cfg, MULTIMODAL, ARCHITECTURES)
 
 
 def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:

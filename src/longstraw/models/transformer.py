@@ -108,12 +108,14 @@ class Backbone(nn.Module):
     (``CausalLM.run``): a module call, so that parallelism applied from outside wraps a whole pass (FSDP's root)."""
 
     def __init__(self, vocab: int, hidden: int, layers: list[DecoderLayer], norm: nn.Module,
-                 rotary: RotaryEmbedding | None):
+                 rotary: RotaryEmbedding | None, *, local_rotary: RotaryEmbedding | None = None,
+                 embedding: nn.Embedding | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens = embedding if embedding is not None else nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rotary
+        self.local_rotary_emb = local_rotary  # a second RoPE for some layers (Gemma 3's sliding ones): ctx.local
 
     def forward(self, ids: Tensor, start: int, prefix: list[Any] | None, need_hidden: bool,
                 checkpoint_layers: bool, grad_from_layer: int | None = None, stop_at_layer: int | None = None):
@@ -128,6 +130,8 @@ class Backbone(nn.Module):
         if self.rotary_emb is not None:
             pos = torch.arange(start, start + t, device=ids.device)
             ctx.cos, ctx.sin = self.rotary_emb(pos, x.dtype)
+        if self.local_rotary_emb is not None:
+            ctx.local = self.local_rotary_emb(torch.arange(start, start + t, device=ids.device), x.dtype)
         pieces = []
         boundary = None
         for i, layer in enumerate(self.layers[:stop]):
