@@ -969,11 +969,12 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     model.spec.check_length(prompt_len + response_len, f"a prompt of {prompt_len} tokens and a response of "
                                                         f"{response_len}")
     longest = model.spec.max_position_embeddings - response_len
-    if cp > 1 and model.spec.sliding_window is not None:
+    if cp > 1:
         from longstraw.distributed.placement import check_window
 
-        check_window(model.spec, prompt_len - 1, cp)
-        longest = min(longest, model.spec.sliding_window)  # a longer prompt would be refused the same way
+        check_window(model.spec, prompt_len - 1, cp, model)
+        if model.spec.sliding_window is not None:  # a longer prompt would be refused the same way
+            longest = min(longest, model.spec.sliding_window)
     if ep > 1:
         from longstraw.models.moe_block import Experts, check_expert_parallel
 

@@ -163,6 +163,122 @@ class KVState:
         return KVDecoder(self, batch, max_new)
 
 
+@dataclass
+class _Tail:
+    """Positions ``[start, start + k.shape[2])`` of a sliding layer's K/V (and their gradient sinks)."""
+
+    start: int
+    k: Tensor
+    v: Tensor
+    k_grad: Tensor | None = None
+    v_grad: Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.k.shape[2]
+
+
+@dataclass
+class SlidingKVState:
+    """Sliding-window attention (window ``W``): post-RoPE K/V of only the positions a later read can see.
+
+    Reads come at the boundaries the prefill writes end on (the next step's prefix, the exact reverse pass's
+    recomputation of that step, and ``prefix(P)`` for the replay and the rollouts), and a read at ``b`` sees
+    positions ``>= b - W + 1``: a write of ``[start, end)`` keeps ``[max(start, end - W + 1), end)`` (its *tail*,
+    copied: ``W - 1`` positions per step, not the step's whole K/V). Exact mode keeps every tail (the reverse pass
+    reads each boundary again); detached mode drops the tails that no later read reaches, so the state is about
+    ``W`` positions whatever the prompt's length. A prefix is the last ``min(length, W - 1)`` positions as one
+    segment per tail it overlaps: the attention op's window is relative, so the positions before it need not be
+    there. Gradient sinks (exact mode) cover the tails only: the rest of a step's keys are seen by that step's own
+    queries alone, inside its recomputed graph. Under context parallelism (refused past the window) a
+    :class:`KVState` holds the shard instead (``distributed.cp_state``).
+    """
+
+    capacity: int
+    window: int
+    exact: bool = False
+    tails: list[_Tail] = field(default_factory=list)
+    length: int = 0
+    grad_offload: bool = False
+    home: torch.device | None = None  # set while the tails are in host memory
+    _grad: tuple[torch.dtype | None, bool] | None = None  # enable_grad's arguments: later tails get sinks too
+
+    def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
+        k, v = piece
+        assert k.shape[0] == 1 and k.shape[2] == end - start, "prefill writes one sequence, one chunk at a time"
+        assert self.home is None, "the state was moved to host memory: its prefill is over"
+        first = end - self.window + 1  # the first position a read at ``end`` or later sees
+        keep = max(start, first)
+        if not self.exact:  # nothing reads before ``first`` again
+            self.tails = [t for t in self.tails if t.end > first]
+        tail = _Tail(keep, k[:, :, keep - start:].clone(), v[:, :, keep - start:].clone())
+        self.tails.append(tail)
+        if self._grad is not None:
+            self._sinks(tail)
+        self.length = max(self.length, end)
+
+    def _sinks(self, t: _Tail) -> None:
+        dtype, offload = self._grad
+        dt = dtype or grad_dtype_for(t.k.dtype)
+        t.k_grad, t.v_grad = new_sink(t.k, dt, offload, self.home), new_sink(t.v, dt, offload, self.home)
+
+    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
+        self._grad, self.grad_offload = (dtype, offload), offload
+        for t in self.tails:
+            self._sinks(t)
+
+    def offload(self) -> None:
+        """Move the tails to host memory (as :meth:`KVState.offload`)."""
+        if not self.tails or self.home is not None or not offloads_state(self.tails[0].k):
+            return
+        self.home = self.tails[0].k.device
+        for t in self.tails:
+            t.k, t.v = to_host(t.k), to_host(t.v)
+
+    def release_grad(self) -> None:
+        self._grad = None
+        for t in self.tails:
+            t.k_grad = t.v_grad = None
+
+    def prefix(self, length: int, grad: bool) -> list[KVSegment]:
+        lo = max(0, length - self.window + 1)
+        segs, covered = [], 0
+        for t in self.tails:
+            a, b = max(lo, t.start), min(length, t.end)
+            if a >= b:
+                continue
+            sl = slice(a - t.start, b - t.start)
+            g = grad and t.k_grad is not None
+            segs.append(KVSegment(t.k[:, :, sl], t.v[:, :, sl], k_grad=t.k_grad[:, :, sl] if g else None,
+                                  v_grad=t.v_grad[:, :, sl] if g else None, host=self.home is not None))
+            covered += b - a
+        assert covered == length - lo, f"positions [{lo}, {length}) of a sliding layer were not kept"
+        return segs
+
+    def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        k, v = piece
+        for t in self.tails:
+            if t.end == end and t.start >= start and t.k_grad is not None:
+                off = t.start - start
+                return [(k[:, :, off:], read(t.k_grad, k)), (v[:, :, off:], read(t.v_grad, v))]
+        return []
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for t in self.tails for x in (t.k, t.v))
+
+    def grad_nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for t in self.tails for x in (t.k_grad, t.v_grad) if x is not None)
+
+    def grad_host_nbytes(self) -> int:
+        return self.grad_nbytes() if self.tails and offloads(self.home or self.tails[0].k, self.grad_offload) else 0
+
+    def host_nbytes(self) -> int:
+        return self.nbytes() if self.home is not None else 0
+
+    def decoder(self, batch: int, max_new: int) -> "KVDecoder":
+        return KVDecoder(self, batch, max_new)
+
+
 class KVDecoder:
     """Decoding ``batch`` branches: the shared prompt K/V (batch 1, read in place) plus per-branch buffers of the
     generated tokens' K/V ``[batch, Hkv, max_new, D]``."""

@@ -443,6 +443,7 @@ SCENARIOS = {
     "mixtral_detached": lambda p: grpo_two_groups(p, family="mixtral", prompt_grad="detached"),
     "minimax_exact": lambda p: grpo_two_groups(p, family="minimax_m2", branch_batch=2),
     "olmoe_detached": lambda p: grpo_two_groups(p, family="olmoe", prompt_grad="detached"),
+    "gemma3_exact": lambda p: grpo_two_groups(p, family="gemma3", chunk=4),
     # GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's MLA with GLM's MoE, both MLA forms
     "lite_exact": lambda p: grpo_two_groups(p, family="glm4_moe_lite", mla_mode="absorbed"),
     "lite_detached": lambda p: grpo_two_groups(p, family="glm4_moe_lite", prompt_grad="detached",

@@ -27,9 +27,9 @@ import torch
 from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
-from transformers import (DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig,
-                          LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen3Config, Qwen3MoeConfig,
-                          Qwen3NextConfig)
+from transformers import (DeepseekV3Config, DeepseekV32Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
+                          GlmMoeDsaConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen3Config,
+                          Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -51,7 +51,7 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
         "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact",
-        "olmoe_detached"]
+        "olmoe_detached", "gemma3_exact"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -143,6 +143,11 @@ def paths():
                                 pad_token_id=None, eos_token_id=None),
            "minimax_m2": MiniMaxM2Config(**_GQA_MOE, head_dim=8, intermediate_size=16, num_local_experts=6,
                                          num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None),
+           # sliding layers (window 32: every group fits in it; CP refuses a prompt past the window), two RoPEs
+           "gemma3": Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                                      query_pre_attn_scalar=24, max_position_embeddings=512, pad_token_id=None,
+                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
            "glm4_moe_lite": Glm4MoeLiteConfig(**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"},
                                               **_MLA)}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),

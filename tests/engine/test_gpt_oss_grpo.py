@@ -64,9 +64,18 @@ def test_score_and_generate_equal_naive_logprobs():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def test_planner_plans_past_the_window():
-    """Every layer's K/V is kept, the sliding ones' too (the exact reverse pass needs them): 2 x 2 heads x 8 dims
-    x 4 bytes per position and layer."""
+def test_context_parallelism_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match=r"gpt_oss has attention sinks, which context parallelism does not "
+                                         r"implement \(cp=2\); use cp=1"):
+        plan(CONFIGS["gpt_oss"]().to_dict(), prompt_len=4, response_len=2, group=2, dtype="float32", gpus=2, cp=2)
+
+
+@pytest.mark.parametrize("prompt_grad,sliding_positions", [("exact", 13 * 4), ("detached", 4)])
+def test_planner_counts_the_sliding_layers_tails(prompt_grad, sliding_positions):
+    """The full layer keeps all 199 prefilled positions (2 x 2 heads x 8 dims x 4 bytes each); the two sliding
+    layers (window 5) keep the last 4 positions of each of the 13 prefill steps (exact: the reverse pass reads each
+    boundary again) or of the last step only (detached)."""
     cfg = CONFIGS["gpt_oss"]().to_dict()
-    pl = plan(cfg, prompt_len=200, response_len=16, group=4, dtype="float32")
-    assert pl.breakdown["prompt_state"] == 199 * 3 * 2 * 2 * 8 * 4
+    pl = plan(cfg, prompt_len=200, response_len=16, group=4, dtype="float32",
+              cfg=longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=16))
+    assert pl.breakdown["prompt_state"] == (199 + 2 * sliding_positions) * 2 * 2 * 8 * 4

@@ -82,3 +82,25 @@ def test_planner_plans_past_the_window_and_refuses_context_parallelism():
     check_window(spec, 500, 1)
     with pytest.raises(ValueError, match="cp=4"):
         check_window(spec, 7, 4)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_sliding_layers_keep_only_what_later_reads_see(exact):
+    """Mistral (window 7) prefilled in steps of 5 and of 9: a sliding layer keeps the last 6 positions of each step
+    (exact: the reverse pass reads every boundary again; steps of 5 < 6 keep everything) or only what a read at
+    the last boundaries sees (detached), and its prefix of the whole prompt is positions 34..39, in order."""
+    from longstraw.engine.prefill import prefill
+    from longstraw.state import SlidingKVState
+
+    _, path = pair("mistral")
+    model = longstraw.load_model(path)
+    ids = torch.randint(0, V, (40,))
+    whole = prefill(model, ids, 40, exact=exact)  # one step: its tail is positions 34..39
+    for chunk, kept in ((5, 40 if exact else 10), (9, 4 * 6 + 4 if exact else 6 + 4)):
+        state = prefill(model, ids, chunk, exact=exact)
+        for ls, ref in zip(state.layers, whole.layers):
+            assert isinstance(ls, SlidingKVState) and ls.length == 40
+            assert sum(t.k.shape[2] for t in ls.tails) == kept, (chunk, kept)
+            segs = ls.prefix(40, False)
+            torch.testing.assert_close(torch.cat([s.k for s in segs], 2), ref.tails[-1].k, rtol=0, atol=1e-12)
+            torch.testing.assert_close(torch.cat([s.v for s in segs], 2), ref.tails[-1].v, rtol=0, atol=1e-12)

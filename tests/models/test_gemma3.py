@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import longstraw
 from longstraw.models.gemma3 import GemmaDecoderLayer, ScaledEmbedding
-from longstraw.state import KVState
+from longstraw.state import KVState, SlidingKVState
 
 V = 61
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -74,7 +74,11 @@ def test_float32_and_bf16_logits_close_to_transformers():
 def test_chunked_prefill_then_continuation_equals_full_forward(chunk):
     _, path = pair("gemma3")
     err, states = continuation_error(longstraw.load_model(path), torch.randint(0, V, (1, 40)), 27, chunk)
-    assert all(isinstance(st, KVState) and st.length == 27 for st in states) and err <= 1e-10
+    assert err <= 1e-10 and all(st.length == 27 for st in states)
+    for st, layer in zip(states, longstraw.load_model(path).model.layers):  # a sliding layer keeps its window only
+        w = layer.self_attn.window
+        assert isinstance(st, KVState if w is None else SlidingKVState)
+        assert w is None or sum(t.k.shape[2] for t in st.tails) < w + chunk
 
 
 def test_save_model_round_trips_through_transformers(tmp_path):

@@ -28,7 +28,7 @@ from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
 from longstraw.distributed.expert_parallel import ep_param_ids, set_ep_divide_factor
 from longstraw.distributed.fsdp import fsdp_modules, is_sharded
-from longstraw.state import KVDecoder, KVState, LayerState, PromptState
+from longstraw.state import KVDecoder, KVState, LayerState, PromptState, SlidingKVState
 
 __all__ = ["ShardLayout", "shard_layout", "PositionShardedState", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
            "register_cp_kind", "shard_states"]
@@ -262,7 +262,12 @@ class ShardedPromptState(PromptState):
             p.grad = g if old is None else old.add_(g)
 
 
-_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState}
+def _sliding(local: SlidingKVState, layout: ShardLayout, comm: Comm) -> ShardedKVState:
+    """A sliding layer under CP: every position kept (placement.check_window refuses a prompt past the window)."""
+    return ShardedKVState(KVState(local.capacity), layout, comm)
+
+
+_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState, SlidingKVState: _sliding}
 
 
 def register_cp_kind(state_type: type, factory: Callable[[Any, ShardLayout, Comm], Any]) -> None:

@@ -24,7 +24,7 @@ from longstraw.models.context import CallContext
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import apply_rope
 from longstraw.ops.attention import KVSegment, segment_attention
-from longstraw.state import KVState
+from longstraw.state import KVState, SlidingKVState
 
 
 class Attention(nn.Module):
@@ -75,9 +75,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def new_state(self, capacity: int, exact: bool = False) -> KVState:
-        """Empty prompt state for ``capacity`` positions (exact mode needs nothing extra: K/V of every position
-        are stored anyway)."""
+    def new_state(self, capacity: int, exact: bool = False) -> KVState | SlidingKVState:
+        """Empty prompt state for ``capacity`` positions: every position's K/V, or for a sliding layer only the
+        positions a later read can see (:class:`~longstraw.state.SlidingKVState`)."""
+        if self.window is not None:
+            return SlidingKVState(capacity, self.window, exact)
         return KVState(capacity)
 
     def forward(self, x: Tensor, ctx: CallContext, prefix: list[KVSegment] | None):
