@@ -145,6 +145,11 @@ FAMILY_CONFIGS = {
     "gemma3_text": {**_DENSE, "hidden_size": 64, "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 11,
                     "query_pre_attn_scalar": 24, "layer_types": ["sliding_attention", "full_attention",
                                                               "sliding_attention"]},
+    # post-norm blocks, q/k norms over all heads, sliding windows with their own RoPE (YaRN on the full layer's)
+    "olmo3": {**_DENSE, "num_hidden_layers": 4, "sliding_window": 11, "eos_token_id": None,
+              "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64, "rope_theta": 5e5},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}},
 }
 
 

@@ -26,8 +26,8 @@ from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig,
-                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, Olmo3Config,
+                          OlmoeConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -118,6 +118,11 @@ FAMILIES = {
                                         query_pre_attn_scalar=24, max_position_embeddings=256,
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
                ATTN + MLP, None),
+    # post-norm blocks, q/k norms over all heads, sliding windows (5) with their own RoPE
+    "olmo3": (lambda: Olmo3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+                                  max_position_embeddings=256, eos_token_id=None, pad_token_id=None),
+              ATTN + MLP, None),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
             "glm4_moe_lite", "minimax_m2", "olmoe"}

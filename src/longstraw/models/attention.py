@@ -48,6 +48,7 @@ class Attention(nn.Module):
         sinks: bool = False,
         scale: float | None = None,
         local_rope: bool = False,
+        qk_norm_weight_in_float32: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -70,8 +71,9 @@ class Attention(nn.Module):
         self.qk_norm_all = qk_norm == "all"  # the norms' width: every head's dims (else one head's)
         if qk_norm:
             q_dim, k_dim = (num_heads * head_dim, num_kv_heads * head_dim) if self.qk_norm_all else (head_dim,) * 2
-            self.q_norm = RMSNorm(q_dim, norm_eps, zero_centered=qk_norm_zero_centered)
-            self.k_norm = RMSNorm(k_dim, norm_eps, zero_centered=qk_norm_zero_centered)
+            kw = dict(zero_centered=qk_norm_zero_centered, weight_in_float32=qk_norm_weight_in_float32)
+            self.q_norm = RMSNorm(q_dim, norm_eps, **kw)
+            self.k_norm = RMSNorm(k_dim, norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
 

@@ -34,7 +34,7 @@ from longstraw.models.context import CallContext
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
-from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
+from longstraw.models.rope import RotaryEmbedding, layer_type_ropes
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 from longstraw.models.weights import WeightMap
 
@@ -83,21 +83,6 @@ def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:
         raise ValueError(f"{r.where}: layer_types must give one of {list(LAYER_TYPES)} for each of the {n} layers, "
                          f"got {types!r}")
     return list(types)
-
-
-def ropes(cfg: dict, head_dim: int):
-    """``(full layers' RopeParams, sliding layers' RopeParams)`` from transformers 5's per-type
-    ``rope_parameters`` or transformers 4's ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``."""
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
-        full = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e6), **(rp.get("full_attention") or {})}
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4),
-                 **(rp.get("sliding_attention") or {})}
-    else:
-        full = {"rope_type": "default", "rope_theta": cfg.get("rope_theta") or 1e6, **(cfg.get("rope_scaling") or {})}
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq") or 1e4}
-    return (rope_params_from_hf({"rope_parameters": full}, head_dim),
-            rope_params_from_hf({"rope_parameters": local}, head_dim))
 
 
 def _refuse(text: dict, r: ConfigReader) -> None:
@@ -152,7 +137,8 @@ def build(cfg: dict) -> CausalLM:
         )
         for w in windows
     ]
-    full, local = ropes(text, head_dim)
+    full, local = layer_type_ropes(text, head_dim, full_theta=text.get("rope_theta") or 1e6,
+                                   local_theta=text.get("rope_local_base_freq") or 1e4)
     backbone = Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps, zero_centered=True),
                         RotaryEmbedding(full), local_rotary=RotaryEmbedding(local),
                         embedding=ScaledEmbedding(spec.vocab_size, hidden, hidden**0.5))

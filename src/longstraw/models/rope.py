@@ -45,6 +45,24 @@ def rope_params_from_hf(cfg: dict, head_dim: int) -> RopeParams:
     return RopeParams(rope_type, theta, rotary_dim, extra)
 
 
+def layer_type_ropes(cfg: dict, head_dim: int, *, full_theta: float, local_theta: float
+                     ) -> tuple[RopeParams, RopeParams]:
+    """``(full layers' RopeParams, sliding layers' RopeParams)`` of a model whose RoPE depends on the layer type
+    (Gemma 3, OLMo 3): transformers 5's ``rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}``,
+    or transformers 4's ``rope_theta`` + ``rope_scaling`` for the full layers and ``local_theta`` (the caller reads
+    its family's key) with plain RoPE for the sliding ones. A theta a type does not give is ``full_theta`` /
+    ``local_theta``."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full = {"rope_type": "default", "rope_theta": full_theta, **(rp.get("full_attention") or {})}
+        local = {"rope_type": "default", "rope_theta": local_theta, **(rp.get("sliding_attention") or {})}
+    else:
+        full = {"rope_type": "default", "rope_theta": full_theta, **(cfg.get("rope_scaling") or {})}
+        local = {"rope_type": "default", "rope_theta": local_theta}
+    return (rope_params_from_hf({"rope_parameters": full}, head_dim),
+            rope_params_from_hf({"rope_parameters": local}, head_dim))
+
+
 def _base_inv_freq(theta: float, dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
 
