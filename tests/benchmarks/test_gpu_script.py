@@ -26,7 +26,11 @@ def test_gpu_check_smoke(tmp_path):
         assert sec["ok"], (name, {k: v for k, v in sec.items() if k in ("error", "traceback")})
     a = res["sections"]["a"]
     fams = {e["family"] for e in a["entries"]}
-    assert len(fams) == 18 and all(e["ok"] for e in a["entries"])  # 16 families, and 2 with LoRA adapters
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check import FAMILY_CONFIGS, LORA_FAMILIES
+
+    assert fams == set(FAMILY_CONFIGS) | {f + " + LoRA" for f in LORA_FAMILIES}  # every family, some with LoRA
+    assert all(e["ok"] for e in a["entries"])
     lora = [e for e in a["entries"] if e["family"].endswith(" + LoRA")]
     assert {e["dtype"] for e in lora} == {"float32", "bfloat16"} and len(lora) == 4
     assert all(e["exact"]["params"] > 0 and ".lora_" in e["exact"]["worst_param"] for e in lora)  # adapters only
