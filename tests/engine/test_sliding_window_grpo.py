@@ -23,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 @pytest.mark.parametrize("name,p,chunk,branch_batch,checkpoint", [
     ("mistral", 30, 4, 1, False), ("mistral", 23, 13, 2, True), ("qwen2", 26, 5, 3, False),
     ("qwen3", 19, 3, 2, False), ("qwen2_moe", 24, 9, 1, True), ("qwen3", 2, 8, 1, False),
+    ("ministral", 21, 4, 2, False), ("ministral3", 25, 7, 1, True),
 ])
 def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, prompt_grad):
     hf, path = pair(name)

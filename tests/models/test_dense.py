@@ -263,3 +263,14 @@ def test_sliding_window_defaults_follow_transformers():
     off = qwen2().to_dict()  # use_sliding_window off (the released checkpoints): no window
     assert longstraw.build_model(off).spec.sliding_window is None
 
+
+
+def test_quantised_checkpoints_are_refused_before_anything_is_read(good_dir, tmp_path):
+    """An FP8 (DeepSeek-V3, MiniMax-M2 style) or other quantised checkpoint: one line naming the method, before any
+    tensor is read (GPT-OSS's MXFP4 is dequantised on load: tests/models/test_gpt_oss.py)."""
+    d = _copy(good_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method='fp8'\) is not supported: dequantise"):
+        longstraw.load_model(d)

@@ -1,18 +1,22 @@
-"""Sliding-window attention beyond the window, per family that has it (Mistral, Qwen2/Qwen3 with
-``use_sliding_window``, Qwen3-MoE, Qwen2-MoE, Mixtral): which layers slide (as transformers decides), float64 logits
+"""Sliding-window attention beyond the window, per family that has it (Mistral, Ministral, Ministral 3, Qwen2/Qwen3
+with ``use_sliding_window``, Qwen3-MoE, Qwen2-MoE, Mixtral): which layers slide (as transformers decides), float64 logits
 and gradients against transformers on sequences several windows long, chunked prefill + continuation with chunks
 shorter and longer than the window, bad window values."""
 
 import pytest
 import torch
 from hf_reference import cached_pairs, continuation_error, tiny_moe_hf, true_float64, weighted_logit_grads
-from transformers import MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 import longstraw
 
 V = 61
 BASE = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 SLIDE, FULL = "sliding_attention", "full_attention"
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 8,
+                   "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0,
+                   "mscale": 1.0, "llama_4_scaling_beta": 0.1}
 # name -> (config, each layer's window as transformers sets it)
 CONFIGS = {
     "mistral": (lambda: MistralConfig(**BASE, num_hidden_layers=2, intermediate_size=48, sliding_window=7), [7, 7]),
@@ -33,6 +37,13 @@ CONFIGS = {
                   [6, None, 6]),
     "mixtral": (lambda: MixtralConfig(**BASE, num_hidden_layers=2, intermediate_size=16, num_local_experts=4,
                                       num_experts_per_tok=2, sliding_window=8), [8, 8]),
+    # Ministral: layer_types
+    "ministral": (lambda: MinistralConfig(**BASE, num_hidden_layers=3, intermediate_size=48, head_dim=8,
+                                          sliding_window=5, layer_types=[SLIDE, FULL, SLIDE]), [5, None, 5]),
+    # Ministral 3: every layer slides when a window is set; YaRN, and the queries scaled with the position
+    # (original_max_position_embeddings 8: the scale changes every 8 positions here)
+    "ministral3": (lambda: Ministral3Config(**BASE, num_hidden_layers=2, intermediate_size=48, head_dim=8,
+                                            sliding_window=6, rope_parameters=MINISTRAL3_ROPE), [6, 6]),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
@@ -93,3 +104,46 @@ def test_qwen2_window_needs_use_sliding_window_and_layer_types_must_fit():
     assert _windows(longstraw.build_model(off)) == [None, None, None]
     with pytest.raises(ValueError, match=r"layer_types has 2 entries for num_hidden_layers=3"):
         longstraw.build_model({**cfg, "layer_types": [SLIDE, FULL]})
+
+
+def test_ministral3_query_scale_and_the_multimodal_checkpoint(tmp_path):
+    """Ministral 3 scales the queries by ``1 + beta log(1 + floor(p / L))`` (from the RoPE settings); a multimodal
+    ``mistral3`` checkpoint (Pixtral vision tower) loads as its text model with transformers' logits, the vision
+    tower skipped with one warning, and save_model writes the text model."""
+    import json
+    import warnings
+
+    from hf_reference import float32_rope
+    from transformers import AutoModelForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    model = longstraw.build_model(CONFIGS["ministral3"][0]().to_dict())
+    assert model.model.layers[0].self_attn.position_q_scale == (0.1, 8)
+    with pytest.raises(ValueError, match="llama_4_scaling_beta needs original_max_position_embeddings >= 1"):
+        longstraw.build_model({**CONFIGS["ministral3"][0]().to_dict(),
+                               "rope_parameters": {"rope_type": "default", "llama_4_scaling_beta": 0.1}})
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=16, patch_size=4, head_dim=8)
+    cfg = Mistral3Config(vision_config=vision.to_dict(), text_config=CONFIGS["ministral3"][0]().to_dict(),
+                         image_token_index=V - 1)
+    torch.manual_seed(6)
+    hf = Mistral3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
+    hf = float32_rope(hf.to(torch.float64)).eval()
+    hf.save_pretrained(tmp_path / "mm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = longstraw.load_model(tmp_path / "mm")
+    assert len([w for w in caught if "vision tower" in str(w.message)]) == 1
+    assert ours.spec.model_type == "ministral3"
+    ids = torch.randint(0, V - 2, (2, 30))
+    with torch.no_grad(), true_float64():
+        want = hf(input_ids=ids).logits
+    with torch.no_grad():
+        assert (ours(ids) - want).abs().max().item() <= 1e-10
+    longstraw.save_model(ours, tmp_path / "text")
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "ministral3"
+    back = float32_rope(AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64).eval())
+    with torch.no_grad(), true_float64():
+        assert (back(ids).logits - want).abs().max().item() <= 1e-10

@@ -309,6 +309,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     p = Path(path)
     cfg = read_config(p)
     family = family_for(cfg.get("model_type"))
+    family.check_quantization(cfg)
     kind, files, weight_map = _weight_files(p, allow_pickle)
     dtype = parse_dtype(dtype) or _config_dtype(cfg) or torch.float32
     master = _master_dtype(dtype, master_dtype)

@@ -49,6 +49,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         local_rope: bool = False,
         qk_norm_weight_in_float32: bool = False,
+        position_q_scale: tuple[float, int] | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -62,6 +63,8 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.scale = head_dim**-0.5 if scale is None else scale  # Gemma 3: query_pre_attn_scalar ** -0.5
         self.local_rope = local_rope  # rotate with the call's local RoPE (ctx.local: Gemma 3's sliding layers)
+        # Ministral 3 (Llama 4's long-context scaling): queries times 1 + beta log(1 + floor(position / L))
+        self.position_q_scale = position_q_scale
         self.q_proj = nn.Linear(hidden, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -103,6 +106,10 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = ctx.local_rope if self.local_rope else ctx.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.position_q_scale is not None:
+            beta, span = self.position_q_scale
+            pos = torch.arange(ctx.start, ctx.start + t, device=q.device, dtype=torch.float32)
+            q = q * (1 + beta * torch.log(1 + torch.floor(pos / span)))[:, None].to(q.dtype)  # [T, 1]
         segments = list(prefix or []) + [KVSegment(k, v, causal=True)]
         o = segment_attention(q, segments, self.scale, window=self.window, sinks=self.sinks)  # [B, H, T, D]
         o = o.transpose(1, 2).reshape(b, t, -1)

@@ -37,10 +37,13 @@ class ConfigReader:
         return value
 
 
-def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures: dict[str, str]) -> dict:
+def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures: dict[str, str],
+                           tie_default: bool = False) -> dict:
     """The config of the text model: ``cfg`` itself unless its ``model_type`` is a key of ``multimodal`` (a
-    multimodal checkpoint: Qwen3.5's, Gemma 3's); then its ``text_config`` with the ``model_type`` the map gives and
-    ``architectures`` of that text-only causal LM, and the checkpoint's dtype where the text config has none."""
+    multimodal checkpoint: Qwen3.5's, Gemma 3's, Mistral 3's); then its ``text_config`` with the ``model_type`` the
+    map gives and ``architectures`` of that text-only causal LM, and the checkpoint's dtype where the text config
+    has none. Whether the LM head is tied to the embedding is the multimodal config's ``tie_word_embeddings`` (what
+    transformers' model of it reads; ``tie_default``: its config class's default), not the text config's."""
     mt = cfg.get("model_type")
     if mt not in multimodal:
         return dict(cfg)
@@ -53,4 +56,6 @@ def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures:
     for key in ("dtype", "torch_dtype"):
         if key not in text and key in cfg:
             text[key] = cfg[key]
+    tie = cfg.get("tie_word_embeddings")
+    text["tie_word_embeddings"] = tie_default if tie is None else tie
     return text

@@ -1,23 +1,43 @@
-"""Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3``, ``mistral``.
+"""Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``ministral``, ``ministral3`` (and the
+text model of the multimodal ``mistral3`` checkpoints: Mistral Small 3.x, Ministral 3).
 
 They differ only in switches of the shared blocks: attention/MLP bias (Llama's ``attention_bias`` and
-``mlp_bias``), Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``. Sliding-window attention
-(Mistral's ``sliding_window``, transformers' default 4096; Qwen2/Qwen3's ``use_sliding_window`` for the layers from
-``max_window_layers`` on) is per layer, as transformers decides it (:func:`layer_windows`); the attention op tiles
-the queries so that no key outside a window is read (:mod:`longstraw.ops.window`).
+``mlp_bias``), Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``, Ministral 3's query scaling
+with the position (``rope_parameters["llama_4_scaling_beta"]``: queries times
+``1 + beta log(1 + floor(p / original_max_position_embeddings))``, after RoPE). Sliding-window attention
+(Mistral's ``sliding_window``, transformers' default 4096; Ministral's ``layer_types``; Qwen2/Qwen3's
+``use_sliding_window`` for the layers from ``max_window_layers`` on) is per layer, as transformers decides it
+(:func:`layer_windows`); the attention op tiles the queries so that no key outside a window is read
+(:mod:`longstraw.ops.window`). ``mistral3`` checkpoints hold the text weights under ``model.language_model.`` (or
+the released ``language_model.model.``); the vision tower and projector are skipped with a warning.
 """
 
 from __future__ import annotations
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader
+from longstraw.models.config import ConfigReader, multimodal_text_config
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
+from longstraw.models.weights import WeightMap
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3")
+_ARCHITECTURES = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
+
+
+def text_config(cfg: dict) -> dict:
+    """``cfg``, or for a multimodal ``mistral3`` checkpoint its text model's (``text_config``: ``mistral`` or
+    ``ministral3``)."""
+    if cfg.get("model_type") != "mistral3":
+        return dict(cfg)
+    tc = cfg.get("text_config")
+    kind = tc.get("model_type", "mistral") if isinstance(tc, dict) else "mistral"
+    if kind not in _ARCHITECTURES:
+        raise ValueError(f"config.json: mistral3 text_config model_type {kind!r} is not supported; supported: "
+                         f"{', '.join(_ARCHITECTURES)}")
+    return multimodal_text_config(cfg, {"mistral3": kind}, _ARCHITECTURES, tie_default=True)
 
 
 def model_spec(cfg: dict, r: ConfigReader) -> ModelSpec:
@@ -48,12 +68,14 @@ def layer_windows(cfg: dict, r: ConfigReader) -> list[int | None]:
     if bad:
         raise ValueError(f"{r.where}: layer_types {bad} are not supported for {mt}; supported: "
                          "['full_attention', 'sliding_attention']")
-    if types is not None and mt in ("qwen2", "qwen3", "qwen2_moe") and len(types) != n:
+    if types is not None and mt in ("qwen2", "qwen3", "qwen2_moe", "ministral") and len(types) != n:
         raise ValueError(f"{r.where}: layer_types has {len(types)} entries for num_hidden_layers={n}")
     window = cfg.get("sliding_window")
     on = bool(cfg.get("use_sliding_window"))
-    if mt in ("mistral", "mixtral"):
+    if mt in ("mistral", "mixtral", "ministral3"):
         slides = [window is not None] * n
+    elif mt == "ministral":  # layer_types (default: every layer sliding when a window is set)
+        slides = ([t == "sliding_attention" for t in types] if types is not None else [window is not None] * n)
     elif mt == "qwen3_moe":
         slides = [on and window is not None] * n
     elif mt in ("qwen2", "qwen3"):
@@ -81,7 +103,20 @@ def narrowest_window(windows: list[int | None]) -> int | None:
     return min((w for w in windows if w is not None), default=None)
 
 
+def _position_q_scale(cfg: dict) -> tuple[float, int] | None:
+    """Ministral 3's ``(llama_4_scaling_beta, original_max_position_embeddings)`` from its RoPE settings, if set."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta, span = rp.get("llama_4_scaling_beta"), rp.get("original_max_position_embeddings")
+    if beta is None:
+        return None
+    if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+        raise ValueError(f"config.json: llama_4_scaling_beta needs original_max_position_embeddings >= 1 in the "
+                         f"RoPE settings, got {span!r}")
+    return float(beta), span
+
+
 def build(cfg: dict) -> CausalLM:
+    cfg = text_config(cfg)
     r = ConfigReader(cfg)
     mt = cfg["model_type"]
     spec = model_spec(cfg, r)
@@ -96,13 +131,14 @@ def build(cfg: dict) -> CausalLM:
     elif mt == "qwen3":
         attn_bias = r.opt("attention_bias", False, bool)
         qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, False, True
-    else:  # llama, mistral
+    else:  # llama, mistral, ministral, ministral3
         attn_bias = r.opt("attention_bias", False, bool)
         qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, r.opt("mlp_bias", False, bool), False
     layers = [
         DecoderLayer(
             Attention(spec.hidden_size, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
-                      qk_norm=qk_norm, norm_eps=eps, window=window),
+                      qk_norm=qk_norm, norm_eps=eps, window=window,
+                      position_q_scale=_position_q_scale(cfg) if mt == "ministral3" else None),
             GatedMLP(spec.hidden_size, inter, act, bias=mlp_bias),
             RMSNorm(spec.hidden_size, eps),
             RMSNorm(spec.hidden_size, eps),
@@ -114,4 +150,16 @@ def build(cfg: dict) -> CausalLM:
                                         rotary))
 
 
-FAMILY = Family("dense", MODEL_TYPES, build)
+def weights(cfg: dict) -> WeightMap:
+    """transformers' names; a ``mistral3`` checkpoint's text weights renamed, its vision tower skipped."""
+    wm = WeightMap()
+    if cfg.get("model_type") == "mistral3":
+        wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
+                       (r"^language_model\.lm_head\.", "lm_head.")]
+        wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*",
+                                     "vision tower weights are not used: LongStraw trains the text model of this "
+                                     "multimodal checkpoint"))
+    return wm
+
+
+FAMILY = Family("dense", MODEL_TYPES, build, weights)

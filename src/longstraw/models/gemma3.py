@@ -97,7 +97,7 @@ def _refuse(text: dict, r: ConfigReader) -> None:
 
 def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised model from an HF config dict (``gemma3_text`` or the multimodal ``gemma3``)."""
-    text = multimodal_text_config(cfg, MULTIMODAL, ARCHITECTURES)
+    text = multimodal_text_config(cfg, MULTIMODAL, ARCHITECTURES, tie_default=True)
     r = ConfigReader(text, "config.json" if text.get("model_type") == cfg.get("model_type") else
                      "config.json text_config")
     _refuse(text, r)

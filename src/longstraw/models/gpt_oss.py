@@ -249,4 +249,4 @@ def weights(cfg: dict) -> WeightMap:
     return GptOssWeightMap()
 
 
-FAMILY = Family("gpt_oss", MODEL_TYPES, build, weights)
+FAMILY = Family("gpt_oss", MODEL_TYPES, build, weights, quantizations=("mxfp4",))
