@@ -1,7 +1,7 @@
 """Sliding-window attention beyond the window, per family that has it (Mistral, Ministral, Ministral 3, Qwen2/Qwen3
-with ``use_sliding_window``, Qwen3-MoE, Qwen2-MoE, Mixtral): which layers slide (as transformers decides), float64 logits
-and gradients against transformers on sequences several windows long, chunked prefill + continuation with chunks
-shorter and longer than the window, bad window values."""
+with ``use_sliding_window``, Qwen3-MoE, Qwen2-MoE, Mixtral): which layers slide (as transformers decides), float64
+logits and gradients against transformers on sequences several windows long, chunked prefill + continuation with
+chunks shorter and longer than the window, bad window values; Ministral 3's query scale and multimodal checkpoint."""
 
 import pytest
 import torch
