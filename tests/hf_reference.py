@@ -188,3 +188,94 @@ def tiny_moe_hf(config, seed: int, attn: str = "sdpa"):
             if n.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, dtype=b.dtype) * 0.3)
     return hf
+
+
+def check_float64_parity(hf, model, vocab: int, ids, grad_len: int = 23, rel: float = 1e-9) -> dict:
+    """``model``'s float64 logits of ``ids [B, T]`` equal transformers' (<= 1e-10), and the gradients of a weighted
+    sum of the logits of the first ``grad_len`` positions equal transformers' for every parameter (relative to
+    ``rel``, under transformers' names). Returns our gradients."""
+    with torch.no_grad(), true_float64():
+        want = hf(ids).logits
+    with torch.no_grad():
+        got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-10
+    b = ids.shape[0]
+    got_g, want_g = weighted_logit_grads(hf, model, ids[:, :grad_len],
+                                         torch.randn(b, grad_len, vocab, dtype=torch.float64))
+    assert set(got_g) == set(want_g)
+    for n, g in want_g.items():
+        assert (got_g[n] - g).abs().max().item() <= rel * max(1.0, g.abs().max().item()), n
+    return got_g
+
+
+def check_low_precision(path: Path, vocab: int, **hf_kwargs) -> None:
+    """float32 logits within 1e-4 and bfloat16 within 5% (of the largest logit) of transformers' model loaded in the
+    same dtype (``from_pretrained(..., **hf_kwargs)``)."""
+    from transformers import AutoModelForCausalLM
+
+    import longstraw
+
+    ids = torch.randint(0, vocab, (2, 19))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hf_kwargs).eval()
+        model = longstraw.load_model(path, dtype=str(dtype).removeprefix("torch."))
+        with torch.no_grad():
+            want, got = hf(ids).logits.float(), model(ids).float()
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), dtype
+
+
+def randomised(model, seed: int):
+    """``model`` (a multimodal transformers model built from its config) with random weights large enough to
+    matter (matrices N(0, 0.2), vectors perturbed by N(0, 0.1)), in float64 with float32 RoPE tables, eval mode."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
+    return float32_rope(model.to(torch.float64)).eval()
+
+
+def check_multimodal_text_model(hf, tmp: Path, text_type: str, ids, **hf_kwargs):
+    """A multimodal checkpoint saved by transformers from ``hf``: LongStraw loads its text model (``text_type``) with
+    one warning about the vision tower and transformers' logits of ``ids`` (float64, <= 1e-10); ``save_model``
+    writes a text-only checkpoint (``model_type`` ``text_type``, no ``vision_config``) that transformers loads
+    (``from_pretrained(..., **hf_kwargs)``) with the same logits. Returns LongStraw's model."""
+    import json
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    import longstraw
+
+    hf.save_pretrained(tmp / "mm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = longstraw.load_model(tmp / "mm")
+    assert len([w for w in caught if "vision tower" in str(w.message)]) == 1
+    assert model.spec.model_type == text_type and model.hf_config["model_type"] == text_type
+    with torch.no_grad(), true_float64():
+        want = hf(input_ids=ids).logits
+    with torch.no_grad():
+        assert (model(ids) - want).abs().max().item() <= 1e-10
+    longstraw.save_model(model, tmp / "text")
+    cfg = json.loads((tmp / "text" / "config.json").read_text())
+    assert cfg["model_type"] == text_type and "vision_config" not in cfg
+    back = float32_rope(AutoModelForCausalLM.from_pretrained(tmp / "text", dtype=torch.float64, **hf_kwargs).eval())
+    with torch.no_grad(), true_float64():
+        assert (back(ids).logits - want).abs().max().item() <= 1e-10
+    return model
+
+
+def check_windowed_continuation(path: Path, vocab: int, chunk: int, total: int = 40, p: int = 27) -> None:
+    """A chunked prefill of ``p`` of ``total`` random positions and the continuation equal a full forward (float64,
+    <= 1e-10); a full-attention layer's state holds every position (``KVState``), a sliding one's only its tails
+    (``SlidingKVState``: fewer than ``window + chunk`` positions in detached mode)."""
+    import longstraw
+    from longstraw.state import KVState, SlidingKVState
+
+    model = longstraw.load_model(path)
+    err, states = continuation_error(model, torch.randint(0, vocab, (1, total)), p, chunk)
+    assert err <= 1e-10 and all(st.length == p for st in states)
+    for st, layer in zip(states, model.model.layers):
+        w = layer.self_attn.window
+        assert isinstance(st, KVState if w is None else SlidingKVState)
+        assert w is None or sum(t.k.shape[2] for t in st.tails) < w + chunk

@@ -116,6 +116,32 @@ def assert_grads_close(ours: dict, hf_model, rel=1e-8):
     return worst
 
 
+def check_group(model, hf, prompt, responses, adv, cfg, *, seed=0, rel=1e-8):
+    """:func:`run_against_reference` on one group, then every parameter's gradient (``hf_grads``) against the
+    reference's to ``rel``; the reference's ``.grad`` is cleared after. Returns the step's stats."""
+    stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=seed)
+    assert_grads_close(longstraw.hf_grads(model), hf, rel=rel)
+    hf.zero_grad()
+    return stats
+
+
+def check_score_and_generate(model, hf, prompt, responses, adv, sampling, *, g=3):
+    """``score`` equals the naive reference's log-probs (1e-10); ``generate`` samples ``g`` branches with
+    ``sampling`` and its log-probs equal a ``score`` of what it sampled (at the sampling temperature). Returns the
+    rollout."""
+    got = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=6, branch_batch=2))
+    with torch.no_grad():
+        _, want = reference_loss(hf, prompt, responses, adv)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    ro = longstraw.generate(model, prompt, g, sampling, prefill_chunk=4)
+    again = longstraw.score(model, prompt, ro.responses,
+                            longstraw.GRPOConfig(prefill_chunk=5, temperature=sampling.temperature))
+    for a, b in zip(ro.logprobs, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    return ro
+
+
 def _value(x):
     return getattr(x, "value", x)  # a config enum's string
 

@@ -5,8 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
+from grpo_reference import check_group, check_score_and_generate, random_group
 
 import longstraw
 
@@ -24,36 +23,21 @@ def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, promp
     hf, path = pair(name)
     prompt, responses, adv = random_group(p, p, [8, 1, 11], V)
     prompt[2] = 0  # the pad id: its embedding row gets no gradient, as in transformers
-    model = longstraw.load_model(path)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, kl_coef=0.05, entropy_coef=0.01, prefill_chunk=chunk,
                                branch_batch=branch_batch, checkpoint_layers=checkpoint)
-    run_against_reference(model, hf, prompt, responses, adv, cfg, seed=p)
-    assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
-    hf.zero_grad()
+    check_group(longstraw.load_model(path), hf, prompt, responses, adv, cfg, seed=p)
 
 
-def test_offloads_and_kept_graphs():
+@pytest.mark.parametrize("cfg", [dict(branch_batch=2, offload_state=True, offload_state_grad=True),
+                                 dict(graph_budget_bytes=1 << 30)])
+def test_offloads_and_kept_graphs(cfg):
     hf, path = pair("gemma3")
     prompt, responses, adv = random_group(3, 19, [9, 6], V)
-    for cfg in (longstraw.GRPOConfig(prefill_chunk=4, branch_batch=2, offload_state=True, offload_state_grad=True),
-                longstraw.GRPOConfig(prefill_chunk=4, graph_budget_bytes=1 << 30)):
-        model = longstraw.load_model(path)
-        run_against_reference(model, hf, prompt, responses, adv, cfg, seed=3)
-        assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
-        hf.zero_grad()
+    check_group(longstraw.load_model(path), hf, prompt, responses, adv,
+                longstraw.GRPOConfig(prefill_chunk=4, **cfg), seed=3)
 
 
 def test_score_and_generate_equal_naive_logprobs():
     hf, path = pair("gemma3")
-    model = longstraw.load_model(path)
-    prompt, responses, adv = random_group(8, 15, [9, 1, 12], V)
-    got = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=6, branch_batch=2))
-    with torch.no_grad():
-        _, want = reference_loss(hf, prompt, responses, adv)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     sp = longstraw.SamplingConfig(temperature=0.9, top_k=8, max_new_tokens=12, seed=4, stop_token_ids=(5,))
-    ro = longstraw.generate(model, prompt, 3, sp, prefill_chunk=4)
-    again = longstraw.score(model, prompt, ro.responses, longstraw.GRPOConfig(prefill_chunk=5, temperature=0.9))
-    for a, b in zip(ro.logprobs, again):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    check_score_and_generate(longstraw.load_model(path), hf, *random_group(8, 15, [9, 1, 12], V), sp)

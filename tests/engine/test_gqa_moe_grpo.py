@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
+from grpo_reference import check_group, check_score_and_generate, random_group
 from hf_reference import cached_pairs, tiny_moe_hf
 
 import longstraw
@@ -32,26 +31,13 @@ pair = cached_pairs(lambda name: tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS)
 def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, prompt_grad):
     hf, path = pair(name)
     prompt, responses, adv = random_group(p, p, [5, 1, 7], V)
-    model = longstraw.load_model(path)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, kl_coef=0.05, entropy_coef=0.01, prefill_chunk=chunk,
                                branch_batch=branch_batch, checkpoint_layers=checkpoint)
-    run_against_reference(model, hf, prompt, responses, adv, cfg, seed=p)
-    assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
-    hf.zero_grad()
+    check_group(longstraw.load_model(path), hf, prompt, responses, adv, cfg, seed=p)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe"])
 def test_score_and_generate_equal_naive_logprobs(name):
     hf, path = pair(name)
-    model = longstraw.load_model(path)
-    prompt, responses, adv = random_group(8, 19, [5, 1, 8], V)
-    got = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=6, branch_batch=2))
-    with torch.no_grad():
-        _, want = reference_loss(hf, prompt, responses, adv)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     sp = longstraw.SamplingConfig(temperature=0.9, top_k=8, max_new_tokens=9, seed=4, stop_token_ids=(5, 7))
-    ro = longstraw.generate(model, prompt, 4, sp, prefill_chunk=4)
-    again = longstraw.score(model, prompt, ro.responses, longstraw.GRPOConfig(prefill_chunk=5, temperature=0.9))
-    for a, b in zip(ro.logprobs, again):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    check_score_and_generate(longstraw.load_model(path), hf, *random_group(8, 19, [5, 1, 8], V), sp, g=4)

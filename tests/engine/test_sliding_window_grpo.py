@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
+from grpo_reference import check_group, check_score_and_generate, random_group
 
 import longstraw
 from longstraw.distributed.placement import check_window
@@ -28,12 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 def test_matches_naive_reference(name, p, chunk, branch_batch, checkpoint, prompt_grad):
     hf, path = pair(name)
     prompt, responses, adv = random_group(p, p, [11, 1, 16], V)  # responses longer than the windows
-    model = longstraw.load_model(path)
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, kl_coef=0.05, entropy_coef=0.01, prefill_chunk=chunk,
                                branch_batch=branch_batch, checkpoint_layers=checkpoint)
-    run_against_reference(model, hf, prompt, responses, adv, cfg, seed=p)
-    assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
-    hf.zero_grad()
+    check_group(longstraw.load_model(path), hf, prompt, responses, adv, cfg, seed=p)
 
 
 @pytest.mark.parametrize("extra", [dict(offload_state=True), dict(offload_state_grad=True),
@@ -43,31 +40,17 @@ def test_offloads_and_kept_graphs_beyond_the_window(extra):
     kept with autograd (all, or some): exact gradients unchanged."""
     hf, path = pair("qwen3")
     prompt, responses, adv = random_group(5, 27, [9, 14], V)
-    model = longstraw.load_model(path)
-    cfg = longstraw.GRPOConfig(prefill_chunk=4, branch_batch=2, **extra)
-    stats = run_against_reference(model, hf, prompt, responses, adv, cfg, seed=5)
-    assert_grads_close(longstraw.hf_grads(model), hf, rel=1e-8)
-    if "graph_budget_bytes" in extra:
-        assert stats.kept_steps >= 1
-    hf.zero_grad()
+    stats = check_group(longstraw.load_model(path), hf, prompt, responses, adv,
+                        longstraw.GRPOConfig(prefill_chunk=4, branch_batch=2, **extra), seed=5)
+    assert stats.kept_steps >= 1 or "graph_budget_bytes" not in extra
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2_moe"])
 def test_score_and_generate_beyond_the_window(name):
     hf, path = pair(name)
-    model = longstraw.load_model(path)
-    prompt, responses, adv = random_group(8, 21, [13, 1, 9], V)
-    got = longstraw.score(model, prompt, responses, longstraw.GRPOConfig(prefill_chunk=6, branch_batch=2))
-    with torch.no_grad():
-        _, want = reference_loss(hf, prompt, responses, adv)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     sp = longstraw.SamplingConfig(temperature=0.9, top_k=8, max_new_tokens=15, seed=4, stop_token_ids=(5,))
-    ro = longstraw.generate(model, prompt, 3, sp, prefill_chunk=4)
+    ro = check_score_and_generate(longstraw.load_model(path), hf, *random_group(8, 21, [13, 1, 9], V), sp)
     assert max(len(r) for r in ro.responses) > CONFIGS[name][1][0]  # decoding went past the window
-    again = longstraw.score(model, prompt, ro.responses, longstraw.GRPOConfig(prefill_chunk=5, temperature=0.9))
-    for a, b in zip(ro.logprobs, again):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
 def test_planner_plans_past_the_window_and_refuses_context_parallelism():

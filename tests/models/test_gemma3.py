@@ -3,17 +3,15 @@ transformers in float64 on sequences several sliding windows long (two RoPEs, sa
 query_pre_attn_scalar, the pad row's gradient), float32 and bf16 logits, chunked prefill + continuation, save/load,
 transformers 4's config keys, the multimodal checkpoint, what is refused."""
 
-import json
-import warnings
 
 import pytest
 import torch
-from hf_reference import cached_pairs, continuation_error, float32_rope, tiny_hf, true_float64, weighted_logit_grads
+from hf_reference import (cached_pairs, check_float64_parity, check_low_precision, check_multimodal_text_model,
+                          check_windowed_continuation, float32_rope, randomised, tiny_hf, true_float64)
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import longstraw
 from longstraw.models.gemma3 import GemmaDecoderLayer, ScaledEmbedding
-from longstraw.state import KVState, SlidingKVState
 
 V = 61
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -45,40 +43,18 @@ pair = cached_pairs(lambda name: tiny_hf(CONFIGS[name](), seed=list(CONFIGS).ind
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_transformers_float64(name):
     hf, path = pair(name)
-    model = longstraw.load_model(path)
     ids = torch.randint(0, V, (2, 37))
     ids[:, 3] = 0  # the pad id
-    with torch.no_grad(), true_float64():
-        want = hf(ids).logits
-    with torch.no_grad():
-        got = model(ids)
-    assert (got - want).abs().max().item() <= 1e-10
-    got_g, want_g = weighted_logit_grads(hf, model, ids[:, :23], torch.randn(2, 23, V, dtype=torch.float64))
-    assert set(got_g) == set(want_g)
-    for n, g in want_g.items():
-        assert (got_g[n] - g).abs().max().item() <= 1e-9 * max(1.0, g.abs().max().item()), n
+    check_float64_parity(hf, longstraw.load_model(path), V, ids)
 
 
 def test_float32_and_bf16_logits_close_to_transformers():
-    _, path = pair("gemma3")
-    ids = torch.randint(0, V, (2, 19))
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
-        model = longstraw.load_model(path, dtype=str(dtype).removeprefix("torch."))
-        with torch.no_grad():
-            want, got = hf(ids).logits.float(), model(ids).float()
-        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), dtype
+    check_low_precision(pair("gemma3")[1], V, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 13])
 def test_chunked_prefill_then_continuation_equals_full_forward(chunk):
-    _, path = pair("gemma3")
-    err, states = continuation_error(longstraw.load_model(path), torch.randint(0, V, (1, 40)), 27, chunk)
-    assert err <= 1e-10 and all(st.length == 27 for st in states)
-    for st, layer in zip(states, longstraw.load_model(path).model.layers):  # a sliding layer keeps its window only
-        w = layer.self_attn.window
-        assert isinstance(st, KVState if w is None else SlidingKVState)
-        assert w is None or sum(t.k.shape[2] for t in st.tails) < w + chunk
+    check_windowed_continuation(pair("gemma3")[1], V, chunk)
 
 
 def test_save_model_round_trips_through_transformers(tmp_path):
@@ -117,7 +93,7 @@ def test_structure_and_transformers_4_config_keys():
     ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50.0 is not supported"),
     ({"use_bidirectional_attention": True}, r"use_bidirectional_attention=true is not supported"),
     ({"layer_types": [SLIDE, "chunked_attention", SLIDE, SLIDE]}, r"layer_types must give one of"),
-    ({"sliding_window": 1}, r"sliding_window=1 must be >= 2"),
+    ({"sliding_window": 1}, r"sliding_window=1 must be an integer >= 2"),
 ])
 def test_bad_configs_are_refused(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -135,28 +111,6 @@ def test_multimodal_checkpoint_text_weights(tmp_path):
                        image_token_index=V - 1, boi_token_index=V - 3, eoi_token_index=V - 2)
     cfg._attn_implementation = "eager"
     cfg.text_config._attn_implementation = "eager"
-    torch.manual_seed(5)
-    hf = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
-    hf = float32_rope(hf.to(torch.float64)).eval()
-    hf.save_pretrained(tmp_path / "mm")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = longstraw.load_model(tmp_path / "mm")
-    assert len([w for w in caught if "vision tower" in str(w.message)]) == 1
-    assert model.spec.model_type == "gemma3_text" and model.hf_config["model_type"] == "gemma3_text"
-    ids = torch.randint(0, V - 4, (2, 30))
-    with torch.no_grad(), true_float64():
-        want = hf(input_ids=ids).logits
-    with torch.no_grad():
-        assert (model(ids) - want).abs().max().item() <= 1e-10
-    longstraw.save_model(model, tmp_path / "text")
-    saved = json.loads((tmp_path / "text" / "config.json").read_text())
-    assert saved["model_type"] == "gemma3_text" and "vision_config" not in saved
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64,
-                                                attn_implementation="eager").eval()
-    with torch.no_grad(), true_float64():
-        assert (float32_rope(back)(ids).logits - want).abs().max().item() <= 1e-10
-
+    hf = randomised(Gemma3ForConditionalGeneration(cfg), seed=5)
+    check_multimodal_text_model(hf, tmp_path, "gemma3_text", torch.randint(0, V - 4, (2, 30)),
+                                attn_implementation="eager")

@@ -4,13 +4,12 @@ prefill + continuation, save/load through transformers, the released configs' de
 
 import pytest
 import torch
-from hf_reference import (cached_pairs, continuation_error, moe_save_round_trip, tiny_moe_hf, true_float64,
-                          weighted_logit_grads)
+from hf_reference import (cached_pairs, check_float64_parity, check_low_precision, check_windowed_continuation,
+                          moe_save_round_trip, tiny_moe_hf, true_float64)
 from transformers import AutoModelForCausalLM, GptOssConfig
 
 import longstraw
 from longstraw.models.gpt_oss import GptOssExperts, GptOssMoE
-from longstraw.state import KVState, SlidingKVState
 
 V = 61
 
@@ -39,41 +38,17 @@ pair = cached_pairs(lambda name: tiny_moe_hf(CONFIGS[name](), seed=list(CONFIGS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_transformers_float64(name):
     hf, path = pair(name)
-    model = longstraw.load_model(path)
-    ids = torch.randint(0, V, (2, 37))
-    with torch.no_grad(), true_float64():
-        want = hf(ids).logits
-    with torch.no_grad():
-        got = model(ids)
-    assert (got - want).abs().max().item() <= 1e-10
-    got_g, want_g = weighted_logit_grads(hf, model, ids[:, :23], torch.randn(2, 23, V, dtype=torch.float64))
-    assert set(got_g) == set(want_g)
-    assert {n for n in got_g if n.endswith(("sinks", "router.bias", "gate_up_proj_bias", "down_proj_bias"))}
-    for n, g in want_g.items():
-        assert (got_g[n] - g).abs().max().item() <= 1e-9 * max(1.0, g.abs().max().item()), n
+    got = check_float64_parity(hf, longstraw.load_model(path), V, torch.randint(0, V, (2, 37)))
+    assert {n for n in got if n.endswith(("sinks", "router.bias", "gate_up_proj_bias", "down_proj_bias"))}
 
 
 def test_float32_and_bf16_logits_close_to_transformers():
-    _, path = pair("gpt_oss")
-    ids = torch.randint(0, V, (2, 19))
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager",
-                                                  attn_implementation="eager").eval()
-        model = longstraw.load_model(path, dtype=str(dtype).removeprefix("torch."))
-        with torch.no_grad():
-            want, got = hf(ids).logits.float(), model(ids).float()
-        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), dtype
+    check_low_precision(pair("gpt_oss")[1], V, experts_implementation="eager", attn_implementation="eager")
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 13])
 def test_chunked_prefill_then_continuation_equals_full_forward(chunk):
-    _, path = pair("gpt_oss")
-    err, states = continuation_error(longstraw.load_model(path), torch.randint(0, V, (1, 40)), 27, chunk)
-    assert err <= 1e-10 and all(st.length == 27 for st in states)
-    for st, layer in zip(states, longstraw.load_model(path).model.layers):  # a sliding layer keeps its window only
-        w = layer.self_attn.window
-        assert isinstance(st, KVState if w is None else SlidingKVState)
-        assert w is None or sum(t.k.shape[2] for t in st.tails) < w + chunk
+    check_windowed_continuation(pair("gpt_oss")[1], V, chunk)
 
 
 def test_save_model_round_trips_through_transformers(tmp_path):
@@ -102,8 +77,8 @@ def test_released_config_defaults():
 
 @pytest.mark.parametrize("changes,match", [
     ({"quantization_config": {"quant_method": "fp8"}}, r"quant_method='fp8'\) is not supported for gpt_oss: MXFP4"),
-    ({"layer_types": ["full_attention"] * 2}, r"layer_types must give 'full_attention' or 'sliding_attention' for "
-                                              r"each of the 3 layers"),
+    ({"layer_types": ["full_attention"] * 2}, r"layer_types must give one of \['sliding_attention', "
+                                              r"'full_attention'\] for each of the 3 layers"),
     ({"sliding_window": 1}, r"sliding_window=1 must be an integer >= 2"),
     ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 must be between 1 and num_local_experts=4"),
     ({"swiglu_limit": 0.0}, r"swiglu_limit=0.0 must be > 0"),

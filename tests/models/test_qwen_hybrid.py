@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 import torch
-from hf_reference import continuation_error, float32_rope, save_tiny, tiny_hf, true_float64, weighted_logit_grads
+from hf_reference import (check_multimodal_text_model, continuation_error, randomised, save_tiny,
+                          tiny_hf, true_float64, weighted_logit_grads)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
@@ -136,41 +137,20 @@ def _multimodal(kind):
         cls = Qwen3_5MoeForConditionalGeneration
     cfg._experts_implementation = "eager"
     cfg.text_config._experts_implementation = "eager"
-    torch.manual_seed(3)
-    m = cls(cfg)
-    with torch.no_grad():
-        for _, p in m.named_parameters():
-            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
-    return float32_rope(m.to(torch.float64)).eval()
+    return randomised(cls(cfg), seed=3)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_multimodal_checkpoint_text_weights(kind, tmp_path):
+    """The text model of a multimodal checkpoint (``model.visual.`` skipped with one warning), transformers'
+    logits, and save_model writing the text model (a text-only checkpoint transformers loads)."""
     hf = _multimodal(kind)
-    hf.save_pretrained(tmp_path / "mm")
-    names = load_file(tmp_path / "mm" / "model.safetensors")
+    hf.save_pretrained(tmp_path / "layout")
+    names = load_file(tmp_path / "layout" / "model.safetensors")
     assert any(n.startswith("model.visual.") for n in names) and any(n.startswith("model.language_model.")
                                                                      for n in names)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = longstraw.load_model(tmp_path / "mm")
-    vision_warnings = [w for w in caught if "vision tower" in str(w.message)]
-    assert len(vision_warnings) == 1
-    assert model.spec.model_type == kind + "_text" and model.hf_config["model_type"] == kind + "_text"
-    ids = torch.randint(0, V - 4, (2, 90))
-    with torch.no_grad(), true_float64():
-        want = hf(input_ids=ids).logits
-    with torch.no_grad():
-        got = model(ids)
-    assert (got - want).abs().max().item() <= 1e-10
-    # save_model writes the text model: a text-only checkpoint that transformers loads with identical logits
-    longstraw.save_model(model, tmp_path / "text")
-    cfg = json.loads((tmp_path / "text" / "config.json").read_text())
-    assert cfg["model_type"] == kind + "_text" and "vision_config" not in cfg
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64,
-                                                experts_implementation="eager").eval()
-    with torch.no_grad(), true_float64():
-        assert (back(ids).logits - want).abs().max().item() <= 1e-10
+    check_multimodal_text_model(hf, tmp_path, kind + "_text", torch.randint(0, V - 4, (2, 90)),
+                                experts_implementation="eager")
 
 
 # ----------------------------------------------------------------------------------------------- bad input

@@ -5,7 +5,8 @@ chunks shorter and longer than the window, bad window values; Ministral 3's quer
 
 import pytest
 import torch
-from hf_reference import cached_pairs, continuation_error, tiny_moe_hf, true_float64, weighted_logit_grads
+from hf_reference import (cached_pairs, check_float64_parity, check_multimodal_text_model, continuation_error,
+                          randomised, tiny_moe_hf)
 from transformers import (Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
                           Qwen3Config, Qwen3MoeConfig)
 
@@ -61,16 +62,7 @@ def test_logits_and_grads_match_transformers_beyond_the_window(name):
     want_windows = CONFIGS[name][1]
     assert _windows(model) == want_windows
     assert model.spec.sliding_window == min(w for w in want_windows if w is not None)
-    ids = torch.randint(0, V, (2, 41))  # several windows long
-    with torch.no_grad(), true_float64():
-        want = hf(ids).logits
-    with torch.no_grad():
-        got = model(ids)
-    assert (got - want).abs().max().item() <= 1e-10
-    got_g, want_g = weighted_logit_grads(hf, model, ids[:, :29], torch.randn(2, 29, V, dtype=torch.float64))
-    assert set(got_g) == set(want_g)
-    for n, g in want_g.items():
-        assert (got_g[n] - g).abs().max().item() <= 1e-9 * max(1.0, g.abs().max().item()), n
+    check_float64_parity(hf, model, V, torch.randint(0, V, (2, 41)), grad_len=29)  # several windows long
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen3", "qwen2_moe"])
@@ -110,11 +102,7 @@ def test_ministral3_query_scale_and_the_multimodal_checkpoint(tmp_path):
     """Ministral 3 scales the queries by ``1 + beta log(1 + floor(p / L))`` (from the RoPE settings); a multimodal
     ``mistral3`` checkpoint (Pixtral vision tower) loads as its text model with transformers' logits, the vision
     tower skipped with one warning, and save_model writes the text model."""
-    import json
-    import warnings
-
-    from hf_reference import float32_rope
-    from transformers import AutoModelForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 
     model = longstraw.build_model(CONFIGS["ministral3"][0]().to_dict())
     assert model.model.layers[0].self_attn.position_q_scale == (0.1, 8)
@@ -125,25 +113,5 @@ def test_ministral3_query_scale_and_the_multimodal_checkpoint(tmp_path):
                                  image_size=16, patch_size=4, head_dim=8)
     cfg = Mistral3Config(vision_config=vision.to_dict(), text_config=CONFIGS["ministral3"][0]().to_dict(),
                          image_token_index=V - 1)
-    torch.manual_seed(6)
-    hf = Mistral3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
-    hf = float32_rope(hf.to(torch.float64)).eval()
-    hf.save_pretrained(tmp_path / "mm")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours = longstraw.load_model(tmp_path / "mm")
-    assert len([w for w in caught if "vision tower" in str(w.message)]) == 1
-    assert ours.spec.model_type == "ministral3"
-    ids = torch.randint(0, V - 2, (2, 30))
-    with torch.no_grad(), true_float64():
-        want = hf(input_ids=ids).logits
-    with torch.no_grad():
-        assert (ours(ids) - want).abs().max().item() <= 1e-10
-    longstraw.save_model(ours, tmp_path / "text")
-    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "ministral3"
-    back = float32_rope(AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64).eval())
-    with torch.no_grad(), true_float64():
-        assert (back(ids).logits - want).abs().max().item() <= 1e-10
+    hf = randomised(Mistral3ForConditionalGeneration(cfg), seed=6)
+    check_multimodal_text_model(hf, tmp_path, "ministral3", torch.randint(0, V - 2, (2, 30)))

@@ -59,3 +59,26 @@ def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures:
     tie = cfg.get("tie_word_embeddings")
     text["tie_word_embeddings"] = tie_default if tie is None else tie
     return text
+
+
+WINDOW_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def interleaved_windows(cfg: dict, r: ConfigReader, n: int, *, full_every: int, default_window: int
+                        ) -> list[int | None]:
+    """Each layer's attention window for the families that interleave sliding and full layers (Gemma 3, GPT-OSS,
+    OLMo 3), as transformers sets them: ``layer_types`` (one of :data:`WINDOW_LAYER_TYPES` per layer), by default
+    every ``full_every``-th layer full and the others sliding; ``sliding_window`` (default ``default_window``) on
+    the sliding layers, None on the full ones."""
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % full_every else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in WINDOW_LAYER_TYPES for t in types):
+        raise ValueError(f"{r.where}: layer_types must give one of {list(WINDOW_LAYER_TYPES)} for each of the {n} "
+                         f"layers, got {types!r}")
+    slides = [t == "sliding_attention" for t in types]
+    window = cfg.get("sliding_window")
+    window = default_window if window is None else window
+    if any(slides) and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 2 when layers slide")
+    return [window if s else None for s in slides]

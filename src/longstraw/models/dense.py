@@ -21,7 +21,7 @@ from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import WeightMap
+from longstraw.models.weights import WeightMap, skip_vision_tower
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3")
 _ARCHITECTURES = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
@@ -152,14 +152,7 @@ def build(cfg: dict) -> CausalLM:
 
 def weights(cfg: dict) -> WeightMap:
     """transformers' names; a ``mistral3`` checkpoint's text weights renamed, its vision tower skipped."""
-    wm = WeightMap()
-    if cfg.get("model_type") == "mistral3":
-        wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
-                       (r"^language_model\.lm_head\.", "lm_head.")]
-        wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*",
-                                     "vision tower weights are not used: LongStraw trains the text model of this "
-                                     "multimodal checkpoint"))
-    return wm
+    return skip_vision_tower(WeightMap()) if cfg.get("model_type") == "mistral3" else WeightMap()
 
 
 FAMILY = Family("dense", MODEL_TYPES, build, weights)

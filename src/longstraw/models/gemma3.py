@@ -29,19 +29,18 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, multimodal_text_config
+from longstraw.models.config import ConfigReader, interleaved_windows, multimodal_text_config
 from longstraw.models.context import CallContext
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, layer_type_ropes
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import WeightMap
+from longstraw.models.weights import WeightMap, skip_vision_tower
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 MULTIMODAL = {"gemma3": "gemma3_text"}
 ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
-LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -73,18 +72,6 @@ class GemmaDecoderLayer(DecoderLayer):
         return x, piece
 
 
-def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:
-    """``layer_types``, or every ``sliding_window_pattern``-th layer full (transformers' default, pattern 6)."""
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = r.positive("sliding_window_pattern", 6)
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-        raise ValueError(f"{r.where}: layer_types must give one of {list(LAYER_TYPES)} for each of the {n} layers, "
-                         f"got {types!r}")
-    return list(types)
-
-
 def _refuse(text: dict, r: ConfigReader) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if text.get(key) is not None:
@@ -106,11 +93,8 @@ def build(cfg: dict) -> CausalLM:
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
     head_dim = r.opt("head_dim", hidden // heads, int)
-    types = layer_types(text, r, n)
-    window = r.positive("sliding_window", 4096)
-    if "sliding_attention" in types and window < 2:
-        raise ValueError(f"{r.where}: sliding_window={window} must be >= 2 when layers slide")
-    windows = [window if t == "sliding_attention" else None for t in types]
+    windows = interleaved_windows(text, r, n, full_every=r.positive("sliding_window_pattern", 6),
+                                  default_window=4096)
     spec = ModelSpec(
         model_type="gemma3_text", vocab_size=r.positive("vocab_size"), hidden_size=hidden, num_layers=n,
         max_position_embeddings=r.positive("max_position_embeddings", 131072),
@@ -118,7 +102,7 @@ def build(cfg: dict) -> CausalLM:
         eos_token_id=text.get("eos_token_id", cfg.get("eos_token_id")),
         bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
         pad_token_id=text.get("pad_token_id", cfg.get("pad_token_id", 0)),
-        sliding_window=window if any(w is not None for w in windows) else None,
+        sliding_window=min((w for w in windows if w is not None), default=None),
     )
     eps = r.opt("rms_norm_eps", 1e-6, float)
     scalar = r.opt("query_pre_attn_scalar", 256, (int, float))
@@ -148,13 +132,7 @@ def build(cfg: dict) -> CausalLM:
 def weights(cfg: dict) -> WeightMap:
     """transformers' names; the multimodal checkpoints' text weights (``model.language_model.`` or the released
     ``language_model.model.``) renamed to ``model.``, the vision tower and projector skipped with one warning."""
-    wm = WeightMap()
-    wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
-                   (r"^language_model\.lm_head\.", "lm_head.")]
-    wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*",
-                                 "vision tower weights are not used: LongStraw trains the text model of this "
-                                 "multimodal checkpoint"))
-    return wm
+    return skip_vision_tower(WeightMap())
 
 
 FAMILY = Family("gemma3", MODEL_TYPES, build, weights)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader
+from longstraw.models.config import ConfigReader, interleaved_windows
 from longstraw.models.family import Family
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
@@ -108,23 +108,6 @@ class GptOssMoE(nn.Module):
         return 2.0 * self.router.top_k * 3 * hidden * e.intermediate + 2.0 * hidden * e.num_experts
 
 
-def layer_windows(cfg: dict, r: ConfigReader, n: int) -> list[int | None]:
-    """Each layer's window: ``sliding_window`` on the ``sliding_attention`` layers of ``layer_types`` (default: the
-    even layers), None on the others."""
-    types = cfg.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if bad or len(types) != n:
-        raise ValueError(f"{r.where}: layer_types must give 'full_attention' or 'sliding_attention' for each of the "
-                         f"{n} layers, got {types!r}")
-    window = cfg.get("sliding_window", 128)
-    slides = [t == "sliding_attention" for t in types]
-    if any(slides) and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
-        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 2 when layers slide")
-    return [window if s else None for s in slides]
-
-
 def _check_quantization(cfg: dict, r: ConfigReader) -> None:
     """MXFP4 (the released checkpoints) is dequantised on load; any other quantisation is refused."""
     q = cfg.get("quantization_config")
@@ -153,7 +136,7 @@ def build(cfg: dict) -> CausalLM:
     _check_quantization(cfg, r)
     hidden = r.positive("hidden_size")
     n = r.positive("num_hidden_layers")
-    windows = layer_windows(cfg, r, n)
+    windows = interleaved_windows(cfg, r, n, full_every=2, default_window=128)  # even layers slide
     spec = ModelSpec(
         model_type=cfg["model_type"], vocab_size=r.positive("vocab_size"), hidden_size=hidden, num_layers=n,
         max_position_embeddings=r.positive("max_position_embeddings", 131072),

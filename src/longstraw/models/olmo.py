@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader
+from longstraw.models.config import ConfigReader, interleaved_windows
 from longstraw.models.context import CallContext
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
@@ -26,7 +26,6 @@ from longstraw.models.rope import RotaryEmbedding, layer_type_ropes, rope_params
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 
 MODEL_TYPES = ("olmo2", "olmo3")
-LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class PostNormDecoderLayer(DecoderLayer):
@@ -46,19 +45,6 @@ class PostNormDecoderLayer(DecoderLayer):
         return x, piece
 
 
-def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:
-    """OLMo 3's ``layer_types`` (default: every fourth layer full, as transformers); OLMo 2: every layer full."""
-    if cfg["model_type"] == "olmo2":
-        return ["full_attention"] * n
-    types = cfg.get("layer_types")
-    if types is None:
-        return ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-        raise ValueError(f"{r.where}: layer_types must give one of {list(LAYER_TYPES)} for each of the {n} layers, "
-                         f"got {types!r}")
-    return list(types)
-
-
 def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised model from an HF config dict."""
     r = ConfigReader(cfg)
@@ -68,17 +54,14 @@ def build(cfg: dict) -> CausalLM:
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
     head_dim = r.opt("head_dim", hidden // heads, int)
-    types = layer_types(cfg, r, n)
-    window = r.positive("sliding_window", 4096) if "sliding_attention" in types else None
-    if window is not None and window < 2:
-        raise ValueError(f"{r.where}: sliding_window={window} must be >= 2 when layers slide")
-    windows = [window if t == "sliding_attention" else None for t in types]
+    # OLMo 3: every fourth layer full by default (transformers); OLMo 2: every layer full
+    windows = (interleaved_windows(cfg, r, n, full_every=4, default_window=4096) if mt == "olmo3" else [None] * n)
     spec = ModelSpec(
         model_type=mt, vocab_size=r.positive("vocab_size"), hidden_size=hidden, num_layers=n,
         max_position_embeddings=r.positive("max_position_embeddings", 2048),
         tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"), sliding_window=window,
+        pad_token_id=cfg.get("pad_token_id"), sliding_window=min((w for w in windows if w is not None), default=None),
     )
     eps = r.opt("rms_norm_eps", 1e-5, float)
     bias = r.opt("attention_bias", False, bool)

@@ -153,6 +153,18 @@ class WeightMap:
         return param_name
 
 
+def skip_vision_tower(wm: WeightMap) -> WeightMap:
+    """``wm`` for a multimodal checkpoint of the llava layout (Gemma 3, Mistral 3): the text weights under
+    ``model.language_model.`` (transformers 5) or ``language_model.model.`` / ``language_model.lm_head.`` (the
+    released files) renamed to the text model's names, the vision tower and projector skipped with one warning."""
+    wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
+                   (r"^language_model\.lm_head\.", "lm_head.")]
+    wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*",
+                                 "vision tower weights are not used: LongStraw trains the text model of this "
+                                 "multimodal checkpoint"))
+    return wm
+
+
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
