@@ -208,20 +208,34 @@ def check_float64_parity(hf, model, vocab: int, ids, grad_len: int = 23, rel: fl
     return got_g
 
 
-def check_low_precision(path: Path, vocab: int, **hf_kwargs) -> None:
+def check_low_precision(path: Path, vocab: int, hf64=None, **hf_kwargs) -> None:
     """float32 logits within 1e-4 and bfloat16 within 5% (of the largest logit) of transformers' model loaded in the
-    same dtype (``from_pretrained(..., **hf_kwargs)``)."""
+    same dtype (``from_pretrained(..., **hf_kwargs)``). ``hf64`` (transformers' float64 model: MoE families): in
+    bfloat16 a router's near-ties flip experts on either side, so ours is held to the float64 logits instead, no
+    further from them than transformers' bfloat16 model is (mean over 8 seeded inputs, 25% and 0.01 of slack)."""
     from transformers import AutoModelForCausalLM
 
     import longstraw
 
-    ids = torch.randint(0, vocab, (2, 19))
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hf_kwargs).eval()
         model = longstraw.load_model(path, dtype=str(dtype).removeprefix("torch."))
-        with torch.no_grad():
-            want, got = hf(ids).logits.float(), model(ids).float()
-        assert (got - want).abs().max().item() <= tol * want.abs().max().item(), dtype
+        seeds = range(8) if hf64 is not None and dtype == torch.bfloat16 else range(1)
+        ours, theirs = [], []
+        for seed in seeds:
+            ids = torch.randint(0, vocab, (2, 19), generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                want, got = hf(ids).logits.float(), model(ids).float()
+                if hf64 is None or dtype == torch.float32:
+                    assert (got - want).abs().max().item() <= tol * want.abs().max().item(), dtype
+                    continue
+                with true_float64():
+                    ref = hf64(ids).logits.float()
+            scale = ref.abs().max().item()
+            ours.append((got - ref).abs().max().item() / scale)
+            theirs.append((want - ref).abs().max().item() / scale)
+        if ours:
+            assert sum(ours) / len(ours) <= 1.25 * sum(theirs) / len(theirs) + 0.01, (ours, theirs)
 
 
 def randomised(model, seed: int):

@@ -43,7 +43,8 @@ def test_logits_and_grads_match_transformers_float64(name):
 
 
 def test_float32_and_bf16_logits_close_to_transformers():
-    check_low_precision(pair("gpt_oss")[1], V, experts_implementation="eager", attn_implementation="eager")
+    hf, path = pair("gpt_oss")
+    check_low_precision(path, V, hf64=hf, experts_implementation="eager", attn_implementation="eager")
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 13])
