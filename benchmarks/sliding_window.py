@@ -14,8 +14,13 @@ reverse pass shrink towards the projections' and MLP's share as the prompt grows
 positions per prefill step in exact mode (the reverse pass reads each boundary again) and about ``W`` positions in
 all in detached mode, instead of every position.
 
+``--op-windows W1,W2,..``: instead, the attention op alone (``segment_attention``, forward + backward, float32):
+``--op-queries`` queries over ``--op-stored`` stored keys (with gradient sinks, as the exact mode's state) and their
+own, 8 query / 2 K/V heads of 32, full attention against each window; fastest of 2.
+
 Usage:
   python benchmarks/sliding_window.py --prompt-lens 8192,16384 --window 1024 --repeats 2
+  python benchmarks/sliding_window.py --op-windows 128,512,1024,2048,4096
 """
 
 from __future__ import annotations
@@ -33,6 +38,33 @@ def config(window: int | None, args) -> dict:
             "max_position_embeddings": 1 << 22, "sliding_window": window, "tie_word_embeddings": False}
 
 
+def op_bench(windows: list[int], t: int, p: int) -> dict:
+    """Seconds (forward, forward + backward) of the op for full attention and each window (module docstring)."""
+    import torch
+
+    from longstraw.ops.attention import KVSegment, segment_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, t, 32, requires_grad=True)
+    pk, pv = torch.randn(1, 2, p, 32), torch.randn(1, 2, p, 32)
+    kg, vg = torch.zeros_like(pk), torch.zeros_like(pv)
+    k, v = torch.randn(1, 2, t, 32, requires_grad=True), torch.randn(1, 2, t, 32, requires_grad=True)
+    out = {}
+    for w in [None, *windows]:
+        best = (float("inf"), float("inf"))
+        for _ in range(2):
+            t0 = time.perf_counter()
+            o = segment_attention(q, [KVSegment(pk, pv, k_grad=kg, v_grad=vg), KVSegment(k, v, causal=True)],
+                                  32 ** -0.5, window=w)
+            fwd = time.perf_counter() - t0
+            o.sum().backward()
+            best = min(best, (fwd, time.perf_counter() - t0))
+        out["full" if w is None else str(w)] = {"forward_s": best[0], "forward_backward_s": best[1]}
+        print(f"{'full' if w is None else f'window {w}'}: forward {best[0]:.3f} s, forward + backward "
+              f"{best[1]:.3f} s")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-lens", default="8192,16384", help="comma-separated prompt lengths")
@@ -46,11 +78,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="exact,detached")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--op-windows", default=None, help="time the attention op alone for these windows (see above)")
+    ap.add_argument("--op-queries", type=int, default=4096)
+    ap.add_argument("--op-stored", type=int, default=12288)
     args = ap.parse_args(argv)
 
     import torch
 
     import longstraw
+
+    if args.op_windows:
+        print(f"segment_attention: {args.op_queries} queries over {args.op_stored} stored keys and their own")
+        out = {"machine": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "op": op_bench([int(x) for x in args.op_windows.split(",")], args.op_queries, args.op_stored)}
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=2)
+        return out
 
     torch.manual_seed(0)
     windowed = longstraw.build_model(config(args.window, args))

@@ -17,3 +17,8 @@ def test_runs_and_reports_ratios(tmp_path):
     assert runs["exact"]["state_ratio"] == 3 * 15 / 95  # W - 1 positions of each of the 3 chunks, of 95
     assert runs["detached"]["state_ratio"] < runs["exact"]["state_ratio"]
     assert all(r[k]["seconds"] > 0 for r in runs.values() for k in ("window", "full"))
+
+
+def test_op_mode():
+    out = sliding_window.main(["--op-windows", "8,16", "--op-queries", "64", "--op-stored", "96"])
+    assert set(out["op"]) == {"full", "8", "16"} and all(v["forward_backward_s"] > 0 for v in out["op"].values())
