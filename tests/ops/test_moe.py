@@ -459,7 +459,7 @@ def test_gpt_oss_experts_match_transformers_and_the_reference(impl, dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=tol * 10)
 
 
-def test_expert_form_checks_shapes_and_refuses_lora_on_transposed_experts():
+def test_expert_form_checks_shapes_and_lora_factors_of_transposed_experts():
     gate_up, down, form = _gpt_oss_form(3, 8, 2, torch.float64)
     x = torch.randn(5, 8, dtype=torch.float64)
     ids, w = torch.zeros(5, 1, dtype=torch.int64), torch.ones(5, 1, dtype=torch.float64)
@@ -468,8 +468,34 @@ def test_expert_form_checks_shapes_and_refuses_lora_on_transposed_experts():
     with pytest.raises(ValueError, match=r"down_bias must be \[E=3, 8\]"):
         experts_forward(x, ids, w, gate_up, down,
                         form=moe.ExpertForm(transposed=True, down_bias=torch.zeros(3, 4, dtype=torch.float64)))
-    lora = {"down_proj": (torch.zeros(3, 2, 4, dtype=torch.float64), torch.zeros(3, 8, 2, dtype=torch.float64), 1.0)}
-    with pytest.raises(ValueError, match="LoRA on routed experts needs the"):
+    lora = {"down_proj": (torch.zeros(3, 2, 8, dtype=torch.float64), torch.zeros(3, 8, 2, dtype=torch.float64), 1.0)}
+    with pytest.raises(ValueError, match=r"expert LoRA on down_proj \(3, 2, 8\): A must be \[E, r, 2\] and B "
+                                         r"\[E, 8, r\]"):  # x @ W: down_proj's in is I = 2
         experts_forward(x, ids, w, gate_up, down, form=form, lora=lora)
     values, chosen = moe.topk_softmax_route(torch.tensor([[0.0, 2.0, 1.0]]), 2)
     assert chosen.tolist() == [[1, 2]] and torch.allclose(values, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_gpt_oss_experts_with_lora_equal_folded_weights(impl):
+    """LoRA on transposed experts (GPT-OSS, ``W [E, in, out]``): ``x W[e] + s (x A[e]^T) B[e]^T`` on the routed rows
+    equals the reference on the folded weights ``W[e] + s (B[e] A[e])^T`` (PEFT's fold for ``is_transposed``
+    experts), forward and the adapters' gradients; float32 (grouped_mm has a kernel)."""
+    e, h, i, k, n, r = 4, 16, 8, 2, 21, 4  # rank 4: 16-byte rows, as grouped_mm needs
+    gate_up, down, form = _gpt_oss_form(e, h, i, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    lora = {name: (torch.randn(e, r, w.shape[1], generator=g).requires_grad_(),
+                   torch.randn(e, w.shape[2], r, generator=g).requires_grad_(), 0.7)
+            for name, w in (("gate_up_proj", gate_up), ("down_proj", down))}
+    x = torch.randn(n, h, generator=g)
+    weights, ids = moe.topk_softmax_route(torch.randn(n, e, generator=g), k)
+    got = experts_forward(x, ids, weights, gate_up, down, impl=impl, form=form, lora=lora)
+    factors = [t for ab in lora.values() for t in ab[:2]]
+    grads = torch.autograd.grad(got.square().sum(), factors)
+    fold = {name: w + s * torch.bmm(b, a).transpose(1, 2) for (name, (a, b, s)), w in
+            zip(lora.items(), (gate_up, down))}
+    want = experts_forward_reference(x, ids, weights, fold["gate_up_proj"], fold["down_proj"], form=form)
+    ref = torch.autograd.grad(want.square().sum(), factors)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * max(1.0, b.abs().max().item()))

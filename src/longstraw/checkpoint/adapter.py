@@ -527,11 +527,12 @@ def merged_weights(model) -> dict[str, tuple]:
     # with its experts' part of the adapter (save_model writes each EP rank's rows itself)
     for name, m in expert_adapters(model).items():
         w = model.get_parameter(name)
-        out[name] = (tuple(w.shape), w.dtype, _merger(m, w))
+        transposed = getattr(model.get_submodule(name.rpartition(".")[0]), "transposed", False)
+        out[name] = (tuple(w.shape), w.dtype, _merger(m, w, transposed))
     return out
 
 
-def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor):
+def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor, transposed: bool = False):
     def make() -> torch.Tensor:
         w, a, b = _full(weight.detach()), _full(m.lora_A.weight.detach()), _full(m.lora_B.weight.detach())
         acc = torch.float64 if w.dtype == torch.float64 else torch.float32
@@ -539,6 +540,8 @@ def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor):
         if isinstance(m, ExpertLoRA):  # per expert B_e A_e, PEFT's layout (models.lora.ExpertLoRA.factors)
             e = m.num_experts
             delta = torch.bmm(b.view(m.out_features, m.r, e).permute(2, 0, 1), a.view(e, m.r, m.in_features))
+            if transposed:  # experts kept as [E, in, out] (GPT-OSS: x @ W)
+                delta = delta.transpose(1, 2)
         else:
             delta = b @ a
         return (w.to(acc) + delta * m.scaling).to(w.dtype)

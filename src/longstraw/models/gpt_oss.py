@@ -22,9 +22,10 @@ store the experts in MXFP4 (``quantization_config: {quant_method: mxfp4}``; ``ml
 dequantises them expert by expert as they load (:mod:`longstraw.ops.mxfp4`), into the layout above, and the model
 trains in its dtype; ``save_model`` writes the dequantised weights and a config without the quantisation.
 
-Not supported (each refused with a ValueError): other quantisations, LoRA on the routed experts
-(``target_parameters``; the attention projections take adapters), expert parallelism, and context parallelism past
-the sliding window. Left out as for every family: the auxiliary load-balancing loss.
+LoRA: the attention projections (``target_modules``) and the routed experts (``target_parameters``, PEFT's
+``ParamWrapper`` layout on the ``[E, in, out]`` weights). Not supported (each refused with a ValueError): other
+quantisations, expert parallelism, and context parallelism (attention sinks; and past the sliding window). Left out
+as for every family: the auxiliary load-balancing loss.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader, interleaved_windows
 from longstraw.models.family import Family
+from longstraw.models.lora import expert_lora
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
@@ -66,12 +68,13 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    """``mlp.experts``: ``E`` biased experts in transformers' layout (module docstring). Expert parallelism does not
-    shard them (``ep_supported``: the planner and ``shard_experts`` refuse ``ep > 1``), LoRA does not adapt them
-    (``lora_supported``: ``target_parameters`` naming them is refused)."""
+    """``mlp.experts``: ``E`` biased experts in transformers' layout (module docstring), applied as ``x @ W``
+    (``transposed``: LoRA's ``target_parameters`` adapters take ``in = H`` / ``out = 2I`` for ``gate_up_proj``, as
+    PEFT's ``ParamWrapper`` does for transformers' ``is_transposed`` experts). Expert parallelism does not shard
+    them (``ep_supported``: the planner and ``shard_experts`` refuse ``ep > 1``)."""
 
     ep_supported = False
-    lora_supported = False
+    transposed = True
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, alpha: float, limit: float):
         super().__init__()
@@ -86,7 +89,8 @@ class GptOssExperts(nn.Module):
         """x ``[N, H]``, expert_ids / weights ``[N, k]`` -> ``[N, H]``."""
         form = ExpertForm(transposed=True, interleaved=True, gate_up_bias=self.gate_up_proj_bias,
                           down_bias=self.down_proj_bias, glu=self._glu)
-        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, form=form)
+        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, form=form,
+                               lora=expert_lora(self))
 
 
 class GptOssMoE(nn.Module):

@@ -395,13 +395,21 @@ def expert_peft_names(targets: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def expert_in_out(experts: nn.Module, w: Tensor) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an adapter on the fused expert weight ``w``: ``[E, out, in]``
+    (transformers 5's fused experts) or, for experts applied as ``x @ W`` (``experts.transposed``: GPT-OSS; PEFT
+    reads transformers' ``is_transposed`` alike), ``[E, in, out]``."""
+    return (w.shape[1], w.shape[2]) if getattr(experts, "transposed", False) else (w.shape[2], w.shape[1])
+
+
 def expert_adapter_shapes(model: nn.Module, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
     """The shapes of the expert adapters ``settings`` puts on ``model``, by our parameter name: the whole adapters'
     (PEFT's file), also on an expert-parallel model, whose modules hold part of the experts."""
     shapes = {}
     for key in expert_targets(model, settings):
-        _, out_f, in_f = model.get_parameter(key).shape
-        e = model.get_submodule(key.rpartition(".")[0]).num_experts  # the model's, not this rank's share
+        experts = model.get_submodule(key.rpartition(".")[0])
+        in_f, out_f = expert_in_out(experts, model.get_parameter(key))
+        e = experts.num_experts  # the model's, not this rank's share
         r, _ = settings.rank_alpha(key)
         module, _, pname = key.rpartition(".")
         shapes[f"{module}.lora_adapters.{pname}.lora_A.weight"] = (e * r, in_f)
@@ -541,7 +549,8 @@ def add_adapters(model: nn.Module, settings: LoraSettings, generator: torch.Gene
             experts.lora_adapters = nn.ModuleDict()
         # an expert-parallel module (distributed.expert_parallel) holds experts [first, first + local) of
         # num_experts: the adapter holds those (drawn whole, then sliced: the values of one process)
-        experts.lora_adapters[pname] = ExpertLoRA(w.shape[0], w.shape[2], w.shape[1], r, alpha,
+        in_f, out_f = expert_in_out(experts, w)
+        experts.lora_adapters[pname] = ExpertLoRA(w.shape[0], in_f, out_f, r, alpha,
                                                   settings.scaling(r, alpha), device=w.device, dtype=w.dtype,
                                                   first=getattr(experts, "first", 0),
                                                   total=getattr(experts, "num_experts", w.shape[0]))

@@ -235,12 +235,12 @@ ExpertLora = dict[str, tuple[Tensor, Tensor, float]]
 """``{"gate_up_proj" | "down_proj": (A [E, r, in], B [E, out, r], scaling)}``: LoRA factors of the fused weights."""
 
 
-def _check_lora(lora: ExpertLora | None, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+def _check_lora(lora: ExpertLora | None, gate_up_proj: Tensor, down_proj: Tensor, transposed: bool = False) -> None:
     for name, (a, b, _) in (lora or {}).items():
         w = {"gate_up_proj": gate_up_proj, "down_proj": down_proj}.get(name)
         if w is None:
             raise ValueError(f"expert LoRA on {name!r}: only 'gate_up_proj' and 'down_proj' are fused expert weights")
-        e, out_f, in_f = w.shape
+        e, out_f, in_f = (w.shape[0], w.shape[2], w.shape[1]) if transposed else w.shape
         if a.dim() != 3 or b.dim() != 3 or a.shape[0] != e or a.shape[2] != in_f or tuple(b.shape[:2]) != (e, out_f) \
                 or b.shape[2] != a.shape[1]:
             raise ValueError(f"expert LoRA on {name} {tuple(w.shape)}: A must be [E, r, {in_f}] and B [E, {out_f}, r], "
@@ -343,7 +343,8 @@ def experts_forward(
     """Routed SwiGLU experts. ``x [N, H]``, ``expert_ids [N, k]`` (int), ``weights [N, k]``,
     ``gate_up_proj [E, 2*I, H]`` (gate rows first), ``down_proj [E, H, I]`` -> ``[N, H]`` in x's dtype.
     ``lora``: LoRA factors of the fused weights (:data:`ExpertLora`, module docstring), applied on the routed rows.
-    ``form``: another layout, biases or gated unit (:class:`ExpertForm`; GPT-OSS); LoRA needs the default one.
+    ``form``: another layout, biases or gated unit (:class:`ExpertForm`; GPT-OSS); the LoRA factors are the same
+    ``A [E, r, in]``, ``B [E, out, r]`` whichever way ``W`` is stored.
 
     ``impl``: ``"loop"`` (per-expert ``F.linear`` over the experts that received tokens; one host sync for the
     counts), ``"grouped_mm"`` (``F.grouped_mm`` over all experts, no host sync; CPU float32/bf16/fp16 and CUDA bf16
@@ -353,9 +354,7 @@ def experts_forward(
         raise ValueError(f"impl={impl!r} is not one of {EXPERT_IMPLS}")
     form = form or _PLAIN
     _check_experts_args(x, expert_ids, weights, gate_up_proj, down_proj, form)
-    if lora and form.transposed:
-        raise ValueError("LoRA on routed experts needs the [E, out, in] layout; these experts are transposed")
-    _check_lora(lora, gate_up_proj, down_proj)
+    _check_lora(lora, gate_up_proj, down_proj, form.transposed)
     num_experts = gate_up_proj.shape[0]
     gu_lora, dn_lora = _lora_factors(lora, "gate_up_proj", x.dtype), _lora_factors(lora, "down_proj", x.dtype)
     use_grouped = _grouped_mm_ok(x, gate_up_proj, down_proj, form) and all(
