@@ -26,8 +26,9 @@ from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, Olmo3Config,
-                          OlmoeConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config,
+                          MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -123,6 +124,20 @@ FAMILIES = {
                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
                                   max_position_embeddings=256, eos_token_id=None, pad_token_id=None),
               ATTN + MLP, None),
+    "olmo2": (lambda: Olmo2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  eos_token_id=None, pad_token_id=None),
+              ATTN + MLP, None),
+    # queries scaled with the position (the scale changes every 8 positions here), YaRN
+    "ministral3": (lambda: Ministral3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            max_position_embeddings=256, pad_token_id=None,
+                                            rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                                             "original_max_position_embeddings": 8,
+                                                             "max_position_embeddings": 256, "beta_fast": 32.0,
+                                                             "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                                             "llama_4_scaling_beta": 0.1}),
+                   ATTN + MLP, None),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
             "glm4_moe_lite", "minimax_m2", "olmoe"}
