@@ -223,6 +223,10 @@ class SlidingKVState:
         t.k_grad, t.v_grad = new_sink(t.k, dt, offload, self.home), new_sink(t.v, dt, offload, self.home)
 
     def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
+        if not self.exact and self.tails:  # raise now, before any branch has added to .grad, not in the reverse pass
+            raise ValueError("the exact reverse pass needs every prefill step's last window - 1 positions of a "
+                             "sliding-window layer: it needs a prompt state built with exact=True "
+                             "(prefill(..., exact=True) / generate(..., exact_state=True))")
         self._grad, self.grad_offload = (dtype, offload), offload
         for t in self.tails:
             self._sinks(t)

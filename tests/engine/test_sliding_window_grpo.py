@@ -88,3 +88,24 @@ def test_sliding_layers_keep_only_what_later_reads_see(exact):
             segs = ls.prefix(40, False)
             torch.testing.assert_close(torch.cat([s.k for s in segs], 2), ref.tails[-1].k, rtol=0, atol=1e-12)
             torch.testing.assert_close(torch.cat([s.v for s in segs], 2), ref.tails[-1].v, rtol=0, atol=1e-12)
+
+
+def test_a_detached_rollout_state_is_refused_for_the_exact_mode():
+    """generate's kept state without exact_state drops the sliding layers' old tails: an exact grpo_backward on it
+    is a ValueError before anything is computed; with exact_state it equals a step that prefills itself."""
+    hf, path = pair("mistral")
+    model = longstraw.load_model(path)
+    prompt, responses, adv = random_group(4, 26, [5, 3], V)
+    sp = longstraw.SamplingConfig(max_new_tokens=4, seed=1)
+    cfg = longstraw.GRPOConfig(prefill_chunk=4)
+    state = longstraw.generate(model, prompt, 2, sp, prefill_chunk=4, keep_state=True).prompt_state
+    with pytest.raises(ValueError, match="needs a prompt state built with exact=True"):
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg, prompt_state=state)
+    assert all(p.grad is None for p in model.parameters())
+    kept = longstraw.generate(model, prompt, 2, sp, prefill_chunk=4, keep_state=True, exact_state=True).prompt_state
+    longstraw.grpo_backward(model, prompt, responses, adv, cfg, prompt_state=kept)
+    got = longstraw.hf_grads(model)
+    model.zero_grad()
+    longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+    for n, g in longstraw.hf_grads(model).items():
+        torch.testing.assert_close(got[n], g, rtol=0, atol=1e-12)
