@@ -26,7 +26,8 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
     ``prefix(step)`` is what the mixer consumes at decode step ``step`` and ``append(piece, step)`` stores the new
     token's state. The prompt state itself is never copied per branch.
 
-``KVState`` is the full-attention kind: post-RoPE keys and values of every prompt position. Hybrid (recurrent) and
+``KVState`` is the full-attention kind: post-RoPE keys and values of every prompt position; ``SlidingKVState`` a
+sliding-window layer's: only the positions a later read can see (each prefill step's last ``window - 1``). Hybrid (recurrent) and
 compressed-attention (latent) kinds live beside their mixers and follow the same protocol.
 
 The :class:`PromptState` owns its schedule: which pieces of the prompt this process computes, in which order
