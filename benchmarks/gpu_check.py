@@ -9,7 +9,7 @@ Needs torch and LongStraw's own dependencies (safetensors, numpy, tqdm; ``src/``
 only for the naive-HF baseline of b (without it that one entry records the ImportError), fla-core if installed
 (``device.fla`` and every step's ``delta_rule_kernel`` say whether it ran).
 
-a. Exactness on the device (``--a-s``, default 120 s). For every model family the test suite covers (the tiny
+a. Exactness on the device (``--a-s``, default 150 s). For every model family the test suite covers (the tiny
    configs below, one per ``model_type``), a random model is built in float64 on the CPU: its logits and the
    ``grpo_backward`` gradients in exact and detached mode are the REFERENCE (the suite holds that float64 path to
    transformers at <= 1e-10 for logits and <= 1e-8 for gradients). The same weights then run on the device (cuda
@@ -29,8 +29,8 @@ a. Exactness on the device (``--a-s``, default 120 s). For every model family th
    for the same tokens, max abs, pass at <= 1e-4 (float32) and DECODE_BF16 (bfloat16). Measured on the CPU
    (2026-12-04, smoke): float32 <= 5e-7, bfloat16 <= 4.8e-2 (glm_moe_dsa; dense 6e-3); a broken step is O(1).
    Routers that transformers initialises to zero are drawn at random (every expert would tie, and CPU and CUDA
-   ``topk`` break ties differently). Then LoRA (LORA_FAMILIES: a hybrid MoE and an MLA MoE, all-linear adapters and
-   the routed experts' ``target_parameters``, B drawn non-zero): the same checks, the gradients being the
+   ``topk`` break ties differently). Then LoRA (LORA_FAMILIES: a hybrid MoE, an MLA MoE and GPT-OSS, all-linear
+   adapters and the routed experts' ``target_parameters``, B drawn non-zero): the same checks, the gradients being the
    adapters'. ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only, float32 for all.
 b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-s``, default 480 s): prefill tokens/s
    and MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
@@ -160,7 +160,8 @@ def family_config(model_type: str) -> dict:
 # a: LoRA entries (nothing of LoRA had run on a GPU): every linear layer and the routed experts' fused weights (the
 # grouped_mm path with the adapters' low-rank products on CUDA bf16), B drawn non-zero so the adapters change the
 # logits; the gradients checked are the adapters' (the base is frozen). Rank 8: 16-byte rows in bf16.
-LORA_FAMILIES = ("qwen3_5_moe_text", "deepseek_v3")
+# gpt_oss (added 2026-12-05, last): adapters on transposed [E, in, out] experts with biases (grouped_mm + LoRA)
+LORA_FAMILIES = ("qwen3_5_moe_text", "deepseek_v3", "gpt_oss")
 LORA = dict(rank=8, alpha=16, target_modules="all-linear",
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -957,7 +958,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="a,d,b,c", help="in this order; b takes what the others leave")
     ap.add_argument("--budget-s", type=float, default=None, help="the whole run: default 480 s (smoke: 1800 s, so "
                     "that a loaded CPU never cuts a section short and the suite's smoke test never depends on time)")
-    ap.add_argument("--a-s", type=float, default=None, help="budget of section a: default 120 s, first calls compile "
+    ap.add_argument("--a-s", type=float, default=None, help="budget of section a: default 150 s, first calls compile "
                     "kernels (smoke: 900 s)")
     ap.add_argument("--c-s", type=float, default=None, help="budget of section c, b gets the rest: default 90 s "
                     "(smoke: 600 s)")
@@ -982,7 +983,7 @@ def main(argv=None) -> int:
                     "not fla's kernels)")
     ap.add_argument("--json", default="gpu_check.json")
     args = ap.parse_args(argv)
-    for name, full, smoke in (("longest_s", 120.0, 20.0), ("budget_s", 480.0, 1800.0), ("a_s", 120.0, 900.0),
+    for name, full, smoke in (("longest_s", 120.0, 20.0), ("budget_s", 480.0, 1800.0), ("a_s", 150.0, 900.0),
                               ("c_s", 90.0, 600.0), ("d_s", 60.0, 600.0)):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
