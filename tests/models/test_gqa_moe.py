@@ -89,7 +89,9 @@ def test_bf16_logits_follow_transformers_routing_weight_dtype(pair):
     gate = next(layer.mlp.gate for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     assert gate(x)[0].dtype == (torch.float32 if name in ("mixtral", "minimax_m2") else torch.bfloat16)
-    ids = torch.randint(0, V, (1, 19))
+    # seeded: a router near-tie flips an expert in either bf16 model now and then (MiniMax-M2: 1 input in 20 past
+    # 5%, measured 2026-12-05), which says nothing about the routing weights' dtype
+    ids = torch.randint(0, V, (1, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = hf(ids).logits.float(), model(ids).float()
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
