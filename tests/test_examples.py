@@ -22,7 +22,7 @@ QUICK = ["train.steps=1", "train.progress=false", "train.plots=false", "train.te
 
 def test_the_examples_are_there():
     assert {p.name for p in TOMLS} >= {"passkey_tiny.toml", "prompts_hf.toml", "offline_rollouts.toml",
-                                       "my_reward.toml", "long_context_gpu.toml"}
+                                       "my_reward.toml", "long_context_gpu.toml", "gpt_oss_lora.toml"}
     assert (EXAMPLES / "my_reward.py").is_file() and (EXAMPLES / "python_api.py").is_file()
 
 
@@ -106,3 +106,33 @@ def test_the_readme_python_snippet_is_the_example_script():
     block = re.search(r"```python\n(.*?)```\n", section, re.S).group(1)
     assert block == (EXAMPLES / "python_api.py").read_text()
     assert "examples/" in readme
+
+
+def test_the_gpt_oss_lora_example_trains_a_step_on_a_tiny_gpt_oss(tmp_path, monkeypatch):
+    """examples/gpt_oss_lora.toml as written (LoRA on the attention and the routed experts, exact mode), on a tiny
+    GPT-OSS checkpoint (sliding window 8, which the prompts reach past) with the built-in byte tokenizer, in
+    float32 on the CPU: a step runs (rollouts, rewards, the update) with the example's settings as written."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from hf_reference import save_tiny, tiny_moe_hf
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    from transformers import GptOssConfig
+
+    from longstraw.tokenizer import ByteTokenizer
+
+    hf = tiny_moe_hf(GptOssConfig(vocab_size=259, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                  num_experts_per_tok=2, sliding_window=8, max_position_embeddings=4096,
+                                  pad_token_id=258, eos_token_id=257, bos_token_id=256), seed=3, attn="eager")
+    ckpt = save_tiny(hf, dtype=torch.float32)
+    ByteTokenizer().save(ckpt)
+    reward = tmp_path / "varied.py"  # a random tiny model never finds the pass key: a reward that varies with the
+    reward.write_text("def score(response, answer, **_):\n    return float(sum(map(ord, response)) % 3)\n")  # text
+    monkeypatch.chdir(ROOT)
+    cfg = load_here(EXAMPLES / "gpt_oss_lora.toml")
+    rows = _train(cfg, tmp_path, f'model.path="{ckpt}"', 'model.dtype="float32"', 'model.device="cpu"',
+                  "data.prompt_len=96", "data.max_prompt_len=256", "rollout.group_size=4", "rollout.max_new_tokens=8",
+                  "algorithm.prefill_chunk=32", "optim.lr=1e-2", "train.save_every=0", f'reward.fn="{reward}:score"')
+    assert len(rows) == 1 and rows[0]["prompt_len"] >= 64 and rows[0]["reward_errors"] == 0
+    assert rows[0]["prompt_state_bytes"] > 0
