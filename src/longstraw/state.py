@@ -27,8 +27,8 @@ A :class:`PromptState` holds one ``LayerState`` per decoder layer. Each kind of 
     token's state. The prompt state itself is never copied per branch.
 
 ``KVState`` is the full-attention kind: post-RoPE keys and values of every prompt position; ``SlidingKVState`` a
-sliding-window layer's: only the positions a later read can see (each prefill step's last ``window - 1``). Hybrid (recurrent) and
-compressed-attention (latent) kinds live beside their mixers and follow the same protocol.
+sliding-window layer's: only the positions a later read can see (each prefill step's last ``window - 1``). Hybrid
+(recurrent) and compressed-attention (latent) kinds live beside their mixers and follow the same protocol.
 
 The :class:`PromptState` owns its schedule: which pieces of the prompt this process computes, in which order
 (``steps``), what each piece's layers consume (``step_prefix``), where a piece's state goes (``write_step``), what the

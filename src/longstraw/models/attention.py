@@ -4,10 +4,10 @@ Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RM
 independent of ``hidden / heads``), MiniMax-M2 and OLMoE (one RMSNorm over all heads' queries, one over all keys:
 ``qk_norm="all"``; OLMoE's optional ``clip_qkv`` clamps q, k, v after them) and the gated attention of Qwen3-Next /
 Qwen3.5 (``q_proj`` emits a per-head ``[query, gate]`` pair, output multiplied by ``sigmoid(gate)``, zero-centred q/k
-norms, partial RoPE). ``window``: a sliding window (Mistral, Mixtral, Qwen2/3 with ``use_sliding_window``): the
-query at position ``p`` sees keys ``p - window < k <= p``; the prompt state still stores every position's K/V
-(the exact reverse pass recomputes each prefill step against the keys before it). ``sinks``: GPT-OSS's attention
-sinks, a learned logit per head (``self_attn.sinks [H]``) that joins every softmax with a zero value.
+norms, partial RoPE). ``window``: a sliding window (Gemma 3, GPT-OSS, OLMo 3, Mistral, Qwen with
+``use_sliding_window``): the query at position ``p`` sees keys ``p - window < k <= p``, and the prompt state keeps
+only what later tokens can see (:class:`~longstraw.state.SlidingKVState`). ``sinks``: GPT-OSS's attention sinks, a
+learned logit per head (``self_attn.sinks [H]``) that joins every softmax with a zero value.
 
 ``forward(x, ctx, prefix)`` processes new tokens ``x [B, T, hidden]`` that follow the positions summarised by
 ``prefix`` (a list of :class:`KVSegment`: the stored prompt K/V, earlier chunks, generated tokens). The new tokens'

@@ -61,6 +61,27 @@ def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures:
     return text
 
 
+def text_reader(text: dict, cfg: dict) -> ConfigReader:
+    """A reader of the text model's config ``text`` (:func:`multimodal_text_config` of ``cfg``) whose errors say
+    where the keys are: ``config.json``, or its ``text_config`` for a multimodal checkpoint."""
+    return ConfigReader(text, "config.json" if text.get("model_type") == cfg.get("model_type") else
+                        "config.json text_config")
+
+
+def num_routed_experts(cfg: dict, r: ConfigReader, default: int = 0) -> tuple[str, int]:
+    """(the key, the number of routed experts): ``num_experts`` (Qwen's published configs) or ``num_local_experts``
+    (Mixtral's, GPT-OSS's; transformers 5 writes Qwen3-MoE's under it too, an alias of ``num_experts``); ``default``
+    if neither is set; a disagreement between the two is refused."""
+    given = {k: r.opt(k, 0, int) for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"{r.where}: num_experts={given['num_experts']} and num_local_experts="
+                         f"{given['num_local_experts']} disagree (they name the same number)")
+    key, n = next(iter(given.items()), ("num_experts", default))
+    if n < 0:
+        raise ValueError(f"{r.where}: {key}={n} must be >= 0")
+    return key, n
+
+
 WINDOW_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -76,9 +97,19 @@ def interleaved_windows(cfg: dict, r: ConfigReader, n: int, *, full_every: int, 
     if not isinstance(types, list) or len(types) != n or any(t not in WINDOW_LAYER_TYPES for t in types):
         raise ValueError(f"{r.where}: layer_types must give one of {list(WINDOW_LAYER_TYPES)} for each of the {n} "
                          f"layers, got {types!r}")
-    slides = [t == "sliding_attention" for t in types]
     window = cfg.get("sliding_window")
-    window = default_window if window is None else window
+    return windows_of([t == "sliding_attention" for t in types], default_window if window is None else window, r)
+
+
+def windows_of(slides: list[bool], window, r: ConfigReader) -> list[int | None]:
+    """Each layer's window: ``window`` on the layers that slide (``slides[i]``), None on the others; ValueError
+    unless ``window`` is an integer >= 2 when some layer slides."""
     if any(slides) and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
-        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 2 when layers slide")
+        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 2 when layers slide "
+                         f"(layers {[i for i, x in enumerate(slides) if x]})")
     return [window if s else None for s in slides]
+
+
+def narrowest_window(windows: list[int | None]) -> int | None:
+    """The narrowest window of any sliding layer (None: no layer slides), for ``ModelSpec.sliding_window``."""
+    return min((w for w in windows if w is not None), default=None)

@@ -15,7 +15,8 @@ the released ``language_model.model.``); the vision tower and projector are skip
 from __future__ import annotations
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, multimodal_text_config
+from longstraw.models.config import (ConfigReader, multimodal_text_config, narrowest_window, text_reader,
+                                     windows_of)
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
@@ -40,7 +41,7 @@ def text_config(cfg: dict) -> dict:
     return multimodal_text_config(cfg, {"mistral3": kind}, _ARCHITECTURES, tie_default=True)
 
 
-def model_spec(cfg: dict, r: ConfigReader) -> ModelSpec:
+def model_spec(cfg: dict, r: ConfigReader, windows: list[int | None]) -> ModelSpec:
     return ModelSpec(
         model_type=cfg["model_type"],
         vocab_size=r.positive("vocab_size"),
@@ -51,7 +52,7 @@ def model_spec(cfg: dict, r: ConfigReader) -> ModelSpec:
         eos_token_id=cfg.get("eos_token_id"),
         bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
-        sliding_window=narrowest_window(layer_windows(cfg, r)),
+        sliding_window=narrowest_window(windows),
     )
 
 
@@ -92,15 +93,7 @@ def layer_windows(cfg: dict, r: ConfigReader) -> list[int | None]:
         window = window if on else 0  # transformers' value for a sliding layer without use_sliding_window
     else:
         slides = [False] * n
-    if any(slides) and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
-        raise ValueError(f"{r.where}: sliding_window={window!r} must be an integer >= 2 when layers slide "
-                         f"(layers {[i for i, x in enumerate(slides) if x]})")
-    return [window if x else None for x in slides]
-
-
-def narrowest_window(windows: list[int | None]) -> int | None:
-    """The narrowest window of any sliding layer (None: no layer slides), for :class:`ModelSpec`."""
-    return min((w for w in windows if w is not None), default=None)
+    return windows_of(slides, window, r)
 
 
 def _position_q_scale(cfg: dict) -> tuple[float, int] | None:
@@ -116,10 +109,11 @@ def _position_q_scale(cfg: dict) -> tuple[float, int] | None:
 
 
 def build(cfg: dict) -> CausalLM:
-    cfg = text_config(cfg)
-    r = ConfigReader(cfg)
+    text = text_config(cfg)
+    r, cfg = text_reader(text, cfg), text  # the text model's config from here on (mistral3: its text_config)
     mt = cfg["model_type"]
-    spec = model_spec(cfg, r)
+    windows = layer_windows(cfg, r)
+    spec = model_spec(cfg, r, windows)
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
     head_dim = r.opt("head_dim", spec.hidden_size // heads, int)
@@ -134,16 +128,16 @@ def build(cfg: dict) -> CausalLM:
     else:  # llama, mistral, ministral, ministral3
         attn_bias = r.opt("attention_bias", False, bool)
         qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, r.opt("mlp_bias", False, bool), False
+    q_scale = _position_q_scale(cfg) if mt == "ministral3" else None
     layers = [
         DecoderLayer(
             Attention(spec.hidden_size, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
-                      qk_norm=qk_norm, norm_eps=eps, window=window,
-                      position_q_scale=_position_q_scale(cfg) if mt == "ministral3" else None),
+                      qk_norm=qk_norm, norm_eps=eps, window=window, position_q_scale=q_scale),
             GatedMLP(spec.hidden_size, inter, act, bias=mlp_bias),
             RMSNorm(spec.hidden_size, eps),
             RMSNorm(spec.hidden_size, eps),
         )
-        for window in layer_windows(cfg, r)
+        for window in windows
     ]
     rotary = RotaryEmbedding(rope_params_from_hf(cfg, head_dim))
     return CausalLM(spec, cfg, Backbone(spec.vocab_size, spec.hidden_size, layers, RMSNorm(spec.hidden_size, eps),

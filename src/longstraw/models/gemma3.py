@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, interleaved_windows, multimodal_text_config
+from longstraw.models.config import (ConfigReader, interleaved_windows, multimodal_text_config, narrowest_window,
+                                     text_reader)
 from longstraw.models.context import CallContext
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
@@ -85,8 +86,7 @@ def _refuse(text: dict, r: ConfigReader) -> None:
 def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised model from an HF config dict (``gemma3_text`` or the multimodal ``gemma3``)."""
     text = multimodal_text_config(cfg, MULTIMODAL, ARCHITECTURES, tie_default=True)
-    r = ConfigReader(text, "config.json" if text.get("model_type") == cfg.get("model_type") else
-                     "config.json text_config")
+    r = text_reader(text, cfg)
     _refuse(text, r)
     n = r.positive("num_hidden_layers")
     hidden = r.positive("hidden_size")
@@ -102,7 +102,7 @@ def build(cfg: dict) -> CausalLM:
         eos_token_id=text.get("eos_token_id", cfg.get("eos_token_id")),
         bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
         pad_token_id=text.get("pad_token_id", cfg.get("pad_token_id", 0)),
-        sliding_window=min((w for w in windows if w is not None), default=None),
+        sliding_window=narrowest_window(windows),
     )
     eps = r.opt("rms_norm_eps", 1e-6, float)
     scalar = r.opt("query_pre_attn_scalar", 256, (int, float))

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, interleaved_windows
+from longstraw.models.config import ConfigReader, interleaved_windows, narrowest_window, num_routed_experts
 from longstraw.models.family import Family
 from longstraw.models.lora import expert_lora
 from longstraw.models.norms import RMSNorm
@@ -147,18 +147,16 @@ def build(cfg: dict) -> CausalLM:
         tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
-        sliding_window=min((w for w in windows if w is not None), default=None),
+        sliding_window=narrowest_window(windows),
     )
     heads = r.positive("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads", heads, int)
     head_dim = r.opt("head_dim", hidden // heads, int)
     eps = r.opt("rms_norm_eps", 1e-5, float)
     bias = r.opt("attention_bias", True, bool)
-    experts = r.positive("num_local_experts", cfg.get("num_experts", 128))
-    if cfg.get("num_experts") is not None and cfg.get("num_local_experts") is not None \
-            and cfg["num_experts"] != cfg["num_local_experts"]:
-        raise ValueError(f"{r.where}: num_experts={cfg['num_experts']} and num_local_experts="
-                         f"{cfg['num_local_experts']} disagree")
+    key, experts = num_routed_experts(cfg, r, default=128)
+    if experts < 1:
+        raise ValueError(f"{r.where}: {key}={experts} must be >= 1")
     top_k = r.positive("num_experts_per_tok", 4)
     inter = r.positive("intermediate_size")
     alpha = r.opt("swiglu_alpha", 1.702, (int, float))

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader
+from longstraw.models.config import ConfigReader, narrowest_window, num_routed_experts
 from longstraw.models.deepseek import SigmoidGroupedRouter
-from longstraw.models.dense import layer_windows, narrowest_window
+from longstraw.models.dense import layer_windows
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.moe_block import Experts, SoftmaxTopKRouter, SparseMoeBlock, qwen_moe_block
@@ -64,32 +64,19 @@ MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")  # every layer sparse, block_sparse_m
 ALL_SPARSE = MIXTRAL_LAYOUT + ("olmoe",)  # every layer sparse, the experts ``intermediate_size`` wide
 
 
-def _num_experts(cfg: dict, r: ConfigReader) -> tuple[str, int]:
-    """(the key, the number of routed experts): ``num_experts`` (Qwen's published configs) or ``num_local_experts``
-    (Mixtral's; transformers 5 writes Qwen3-MoE's under it too, an alias of ``num_experts``); 0 if neither is set."""
-    given = {k: r.opt(k, 0, int) for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
-    if len(set(given.values())) > 1:
-        raise ValueError(f"{r.where}: num_experts={given['num_experts']} and num_local_experts="
-                         f"{given['num_local_experts']} disagree (they name the same number)")
-    key, n = next(iter(given.items()), ("num_experts", 0))
-    if n < 0:
-        raise ValueError(f"{r.where}: {key}={n} must be >= 0")
-    return key, n
-
-
 def _is_sparse(mt: str, cfg: dict, r: ConfigReader, i: int) -> bool:
     if mt in ALL_SPARSE:
         return True
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in only):
         raise ValueError(f"{r.where}: mlp_only_layers={only!r} must be a list of layer indices")
-    return i not in only and _num_experts(cfg, r)[1] > 0 and (i + 1) % r.positive("decoder_sparse_step", 1) == 0
+    return i not in only and num_routed_experts(cfg, r)[1] > 0 and (i + 1) % r.positive("decoder_sparse_step", 1) == 0
 
 
 def _ffn(mt: str, cfg: dict, r: ConfigReader, hidden: int, act: str, i: int):
     if not _is_sparse(mt, cfg, r, i):
         return GatedMLP(hidden, r.positive("intermediate_size"), act)
-    key, experts = _num_experts(cfg, r)
+    key, experts = num_routed_experts(cfg, r)
     top_k = r.positive("num_experts_per_tok")
     if experts < 1 or top_k > experts:
         raise ValueError(f"{r.where}: num_experts_per_tok={top_k} must be <= {key}={experts} (and that >= 1)")

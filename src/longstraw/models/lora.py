@@ -337,8 +337,7 @@ def expert_lora(experts: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]] |
 def _expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The routed-experts modules of ``model`` (those holding the fused ``gate_up_proj`` / ``down_proj``)."""
     return {n: m for n, m in model.named_modules()
-            if all(isinstance(getattr(m, p, None), nn.Parameter) and getattr(m, p).dim() == 3 for p in EXPERT_PARAMS)
-            and getattr(m, "lora_supported", True)}
+            if all(isinstance(getattr(m, p, None), nn.Parameter) and getattr(m, p).dim() == 3 for p in EXPERT_PARAMS)}
 
 
 def expert_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
@@ -350,15 +349,8 @@ def expert_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
         return []
     experts = _expert_modules(model)
     fused = [f"{n}.{p}" for n in experts for p in EXPERT_PARAMS]
-    odd = [f"{n}.{p}" for n, m in model.named_modules() if getattr(m, "lora_supported", True) is False
-           for p in EXPERT_PARAMS]
     hits = []
     for target in settings.target_parameters:
-        bad = [k for k in odd if k == target or k.endswith("." + target)]
-        if bad:
-            raise ValueError(f"LoRA target_parameters entry {target!r} names {bad[0]!r}: LoRA on these routed "
-                             f"experts ({type(model.get_submodule(bad[0].rpartition('.')[0])).__name__}) is not "
-                             "implemented; adapt the attention projections through target_modules")
         mine = [k for k in fused if k == target or k.endswith("." + target)]
         if mine:
             hits += [k for k in mine if k not in hits]

@@ -27,11 +27,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.to(torch.float32) if dtype != torch.float64 else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
+        if self.zero_centered or self.weight_in_float32:  # the weight applied in float32 (float64 stays)
             w = self.weight if self.weight.dtype == torch.float64 else self.weight.float()
-            return (h * (1.0 + w)).to(dtype)
-        if self.weight_in_float32:
-            return ((self.weight if self.weight.dtype == torch.float64 else self.weight.float()) * h).to(dtype)
+            return (h * (1.0 + w) if self.zero_centered else w * h).to(dtype)
         return self.weight * h.to(dtype)
 
     def extra_repr(self) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, interleaved_windows
+from longstraw.models.config import ConfigReader, interleaved_windows, narrowest_window
 from longstraw.models.context import CallContext
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
@@ -61,7 +61,7 @@ def build(cfg: dict) -> CausalLM:
         max_position_embeddings=r.positive("max_position_embeddings", 2048),
         tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"), sliding_window=min((w for w in windows if w is not None), default=None),
+        pad_token_id=cfg.get("pad_token_id"), sliding_window=narrowest_window(windows),
     )
     eps = r.opt("rms_norm_eps", 1e-5, float)
     bias = r.opt("attention_bias", False, bool)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, multimodal_text_config
+from longstraw.models.config import ConfigReader, multimodal_text_config, text_reader
 from longstraw.models.deltanet import GatedDeltaNet
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
@@ -145,7 +145,7 @@ def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised hybrid model from an HF config dict (text or multimodal)."""
     text = text_config(cfg)
     mt = text["model_type"]
-    r = ConfigReader(text, "config.json" if mt == cfg.get("model_type") else "config.json text_config")
+    r = text_reader(text, cfg)
     n = r.positive("num_hidden_layers")
     types = layer_types(text, r, n)
     hidden = r.positive("hidden_size")

@@ -72,9 +72,10 @@ class KVSegment:
     the prompt state) or equal to the query batch. ``causal``: this is the queries' own segment (``S == T``); query
     ``t`` sees keys ``0..t``. ``band``: a square piece of a sliding window (``S == T``, query ``t`` sees keys
     ``t..S-1``; :mod:`longstraw.ops.window` makes them). ``k_grad`` / ``v_grad``: optional accumulators shaped
-    like ``k`` / ``v`` that receive ``dK`` / ``dV`` in place during backward (see module docstring). ``host``: ``k`` / ``v`` are in host memory
-    (``GRPOConfig.offload_state``): each block is copied to the queries' device just before its kernel, in the
-    forward and again in the backward (:func:`kv_blocks`; the next block's copy overlaps this one's kernels).
+    like ``k`` / ``v`` that receive ``dK`` / ``dV`` in place during backward (see module docstring). ``host``:
+    ``k`` / ``v`` are in host memory (``GRPOConfig.offload_state``): each block is copied to the queries' device
+    just before its kernel, in the forward and again in the backward (:func:`kv_blocks`; the next block's copy
+    overlaps this one's kernels).
     """
 
     k: Tensor

@@ -201,9 +201,30 @@ def sigmoid_grouped_route(
     return weights * routed_scaling_factor, ids
 
 
+@dataclass(frozen=True)
+class ExpertForm:
+    """How a family's experts are laid out and gated beyond the default (transformers 5's fused SwiGLU):
+    ``transposed``: ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (x @ W, GPT-OSS); ``interleaved``: gate
+    and up alternate along ``2I`` (gate at even indices) instead of gate first; ``gate_up_bias [E, 2I]`` /
+    ``down_bias [E, H]``: added after each product; ``glu(gate, up)``: the gated unit (default ``act(gate) * up``)."""
+
+    transposed: bool = False
+    interleaved: bool = False
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+    glu: Callable[[Tensor, Tensor], Tensor] | None = None
+
+    def gated(self, h: Tensor, act_fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """``[.., 2I]`` (the gate/up product, biases added) -> the gated unit's ``[.., I]``."""
+        gate, up = (h[..., 0::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
+        return self.glu(gate, up) if self.glu is not None else act_fn(gate) * up
+
+
+_PLAIN = ExpertForm()
+
+
 def _check_experts_args(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-                        form: ExpertForm | None = None):
-    form = form or ExpertForm()
+                        form: ExpertForm = _PLAIN):
     if x.dim() != 2:
         raise ValueError(f"x must be [N, H], got shape {tuple(x.shape)}")
     n, h = x.shape
@@ -255,27 +276,6 @@ def _lora_factors(lora: ExpertLora | None, name: str, dtype: torch.dtype):
     return a.to(dtype), b.to(dtype), s
 
 
-@dataclass(frozen=True)
-class ExpertForm:
-    """How a family's experts are laid out and gated beyond the default (transformers 5's fused SwiGLU):
-    ``transposed``: ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (x @ W, GPT-OSS); ``interleaved``: gate
-    and up alternate along ``2I`` (gate at even indices) instead of gate first; ``gate_up_bias [E, 2I]`` /
-    ``down_bias [E, H]``: added after each product; ``glu(gate, up)``: the gated unit (default ``act(gate) * up``)."""
-
-    transposed: bool = False
-    interleaved: bool = False
-    gate_up_bias: Tensor | None = None
-    down_bias: Tensor | None = None
-    glu: Callable[[Tensor, Tensor], Tensor] | None = None
-
-    def split(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        """``[.., 2I]`` -> ``(gate, up)``."""
-        return (h[..., 0::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
-
-
-_PLAIN = ExpertForm()
-
-
 def _expert_rows(xs: Tensor, e: int, gate_up_proj: Tensor, down_proj: Tensor, act_fn, gu_lora, dn_lora,
                  form: ExpertForm = _PLAIN) -> Tensor:
     """Expert ``e`` on its rows ``xs [c, H]`` -> ``[c, H]``, with the LoRA updates of its weights if any."""
@@ -285,8 +285,7 @@ def _expert_rows(xs: Tensor, e: int, gate_up_proj: Tensor, down_proj: Tensor, ac
     if gu_lora is not None:
         a, b, s = gu_lora
         h = h + F.linear(F.linear(xs, a[e]), b[e]) * s  # [c, r] -> [c, 2I]
-    gate, up = form.split(h)
-    mid = form.glu(gate, up) if form.glu is not None else act_fn(gate) * up  # [c, I]
+    mid = form.gated(h, act_fn)  # [c, I]
     y = mid @ down_proj[e] if form.transposed else F.linear(mid, down_proj[e])  # [c, H]
     if form.down_bias is not None:
         y = y + form.down_bias[e]
@@ -386,8 +385,7 @@ def experts_forward(
             h = h + form.gate_up_bias[slot_expert]
         if gu_lora is not None:
             h = h + _grouped_lowrank(xs, gu_lora, offs)
-        gate, up = form.split(h)
-        mid = form.glu(gate, up) if form.glu is not None else act_fn(gate) * up  # [S, I]
+        mid = form.gated(h, act_fn)  # [S, I]
         ys = F.grouped_mm(mid, t(down_proj), offs=offs)  # [S, H]
         if form.down_bias is not None:
             ys = ys + form.down_bias[slot_expert]
@@ -487,8 +485,7 @@ def experts_forward_reference(
             e = int(expert_ids[t, j])
             w_gu, w_dn = (gate_up_proj[e].T, down_proj[e].T) if form.transposed else (gate_up_proj[e], down_proj[e])
             h = w_gu @ x[t] + (form.gate_up_bias[e] if form.gate_up_bias is not None else 0)  # [2I]
-            gate, up = form.split(h)
-            hidden = form.glu(gate, up) if form.glu is not None else act_fn(gate) * up
+            hidden = form.gated(h, act_fn)
             y = w_dn @ hidden + (form.down_bias[e] if form.down_bias is not None else 0)
             acc = acc + (y * weights[t, j]).to(x.dtype)
         rows.append(acc)
