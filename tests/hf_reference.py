@@ -93,11 +93,16 @@ def tiny_hf(config, seed: int = 0, dtype=torch.float64, init_std: float = 0.2, a
 
     torch.manual_seed(seed)
     config._attn_implementation = attn
-    model = AutoModelForCausalLM.from_config(config)
+    return _perturbed(AutoModelForCausalLM.from_config(config), init_std, dtype)
+
+
+def _perturbed(model, std: float, dtype=torch.float64):
+    """``model`` with its matrices drawn from N(0, ``std``) and its vectors (norms, biases) moved by N(0, 0.1), from
+    the global generator, in ``dtype`` with float32 RoPE tables, eval mode."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0, init_std)
+                p.normal_(0, std)
             else:
                 p.add_(torch.randn_like(p) * 0.1)
     return float32_rope(model.to(dtype)).eval()
@@ -242,10 +247,7 @@ def randomised(model, seed: int):
     """``model`` (a multimodal transformers model built from its config) with random weights large enough to
     matter (matrices N(0, 0.2), vectors perturbed by N(0, 0.1)), in float64 with float32 RoPE tables, eval mode."""
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(0, 0.2) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.1)
-    return float32_rope(model.to(torch.float64)).eval()
+    return _perturbed(model, 0.2)
 
 
 def check_multimodal_text_model(hf, tmp: Path, text_type: str, ids, **hf_kwargs):
