@@ -42,7 +42,7 @@ from longstraw.models.lora import expert_lora
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import CheckpointReader, Rows, WeightMap, WeightSource, tensor_source
+from longstraw.models.weights import CheckpointReader, Rows, WeightMap, WeightSource
 from longstraw.ops.moe import ExpertForm, clamped_swiglu, experts_forward, topk_softmax_route
 from longstraw.ops.mxfp4 import dequantize_mxfp4
 
@@ -210,17 +210,10 @@ class GptOssWeightMap(WeightMap):
     ``<param>`` (module docstring)."""
 
     def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
-        self.warn_skipped(ckpt_names)
-        out, packed = [], {}
-        for n in ckpt_names:
-            p = self.param_name(n)
-            if p is None:
-                continue
-            m = _PACKED.fullmatch(p)
-            if m:
-                packed.setdefault(m.group(1), {})[m.group(2)] = n
-            else:
-                out.append(tensor_source(p, n, reader))
+        out, matched = self.partition(ckpt_names, reader, _PACKED)
+        packed: dict[str, dict[str, str]] = {}
+        for m, n in matched:
+            packed.setdefault(m.group(1), {})[m.group(2)] = n
         for param, parts in packed.items():
             if set(parts) != {"blocks", "scales"}:
                 have = next(iter(parts))

@@ -90,7 +90,7 @@ class WeightSource:
         return self._read(rows, out)
 
 
-def tensor_source(param: str, name: str, reader: CheckpointReader) -> WeightSource:
+def _tensor_source(param: str, name: str, reader: CheckpointReader) -> WeightSource:
     """Parameter ``param`` is checkpoint tensor ``name`` as it is (the same rows)."""
     return WeightSource(param, tuple(reader.shape(name)), lambda rows, out: _into(reader.read(name, rows), out))
 
@@ -125,13 +125,25 @@ class WeightMap:
     def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
         """One :class:`WeightSource` per parameter the checkpoint tensors ``ckpt_names`` load into (skipped names
         left out, with one warning per ``skip_with_warning`` pattern). Reads only the tensors' shapes."""
+        return self.partition(ckpt_names, reader)[0]
+
+    def partition(self, ckpt_names: list[str], reader: CheckpointReader, pattern: re.Pattern | None = None
+                  ) -> tuple[list[WeightSource], list[tuple[re.Match, str]]]:
+        """The skipped names warned about; a source for each tensor that loads as it is, and ``(match, checkpoint
+        name)`` of those whose parameter name ``pattern`` matches: pieces a subclass assembles (fused or
+        dequantised experts)."""
         self.warn_skipped(ckpt_names)
-        out = []
+        out, matched = [], []
         for n in ckpt_names:
             p = self.param_name(n)
-            if p is not None:
-                out.append(tensor_source(p, n, reader))
-        return out
+            if p is None:
+                continue
+            m = pattern.fullmatch(p) if pattern is not None else None
+            if m:
+                matched.append((m, n))
+            else:
+                out.append(_tensor_source(p, n, reader))
+        return out, matched
 
     def load_tensors(self, ckpt_names: list[str], reader: CheckpointReader | Mapping[str, Tensor]
                      ) -> Iterator[tuple[str, Tensor]]:
@@ -209,18 +221,10 @@ class ExpertWeightMap(WeightMap):
     ``a .. b-1``, copied one at a time into the fused buffer. Saving splits them again."""
 
     def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
-        self.warn_skipped(ckpt_names)
-        out = []
+        out, matched = self.partition(ckpt_names, reader, _EXPERT)
         experts: dict[str, dict[tuple[int, str], str]] = {}
-        for n in ckpt_names:
-            p = self.param_name(n)
-            if p is None:
-                continue
-            m = _EXPERT.fullmatch(p)
-            if m:
-                experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = n
-                continue
-            out.append(tensor_source(p, n, reader))
+        for m, n in matched:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = n
         for prefix, parts in experts.items():
             count = 1 + max(e for e, _ in parts)
             missing = [f"{prefix}.{e}.{w}.weight" for e in range(count) for w in ("gate_proj", "up_proj", "down_proj")
