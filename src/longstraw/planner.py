@@ -969,12 +969,6 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     model.spec.check_length(prompt_len + response_len, f"a prompt of {prompt_len} tokens and a response of "
                                                         f"{response_len}")
     longest = model.spec.max_position_embeddings - response_len
-    if cp > 1:
-        from longstraw.distributed.placement import check_window
-
-        check_window(model.spec, prompt_len - 1, cp, model)
-        if model.spec.sliding_window is not None:  # a longer prompt would be refused the same way
-            longest = min(longest, model.spec.sliding_window)
     if ep > 1:
         from longstraw.models.moe_block import Experts, check_expert_parallel
 
@@ -1020,6 +1014,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                       "state_host_fwd"):
                 if k in d:
                     d[k] //= cp
+            if cp > 1:  # sliding layers keep replicated tails under CP, not a 1/cp share (distributed/cp_window.py)
+                state, grad = _sliding_cp_bytes(model, p, cfg, cp, dt)
+                d["prompt_state"] += state
+                if "prompt_state_grad" in d:
+                    d["prompt_state_grad"] += grad
             if "prefill_chunk" in d:  # the CP step's MLA term at this length (the search plans shorter prompts)
                 d["prefill_chunk"] += mla_step if p == prompt_len else _mla_cp_step(model, dt, cfg, cp, p, {})
             cache[p, state_only] = {**fixed, **d}
@@ -1206,6 +1205,27 @@ def _cp_piece(prompt_len: int, cp: int, chunk: int) -> int:
 
     layout = shard_layout(max(prompt_len - 1, cp), cp, chunk)
     return max(e - s for step in layout.steps for s, e in step)
+
+
+def _sliding_cp_bytes(model, prompt_len: int, cfg, cp: int, dtype: torch.dtype) -> tuple[int, int]:
+    """What the sliding-window layers' state (and its gradient, exact mode) holds per rank under ``cp > 1`` beyond
+    the ``1 / cp`` of one process's that the dry run's share gives: every rank keeps the same tails, one per layout
+    step of ``cp x chunk`` positions (``state.sliding_kept`` over the layout's steps, against one process's over
+    its chunks). Exact mode with ``chunk >= W - 1``: 0 (``K / cp`` steps of ``W - 1``); detached: about ``W - 1``
+    positions less a ``1 / cp`` share of them."""
+    from longstraw.distributed.cp_state import shard_layout
+    from longstraw.state import chunk_bounds, grad_dtype_for, sliding_kept
+
+    n = prompt_len - 1
+    windows = [(m.window, m.num_kv_heads * m.head_dim * 2) for m in (layer.mixer for layer in model.layers)
+               if getattr(m, "window", None) is not None and hasattr(m, "num_kv_heads")]
+    if not windows or n < cp:
+        return 0, 0
+    steps = [(st[0][0], st[-1][1]) for st in shard_layout(n, cp, cfg.prefill_chunk).steps]
+    single = chunk_bounds(n, cfg.prefill_chunk)
+    extra = sum(width * (sliding_kept(steps, w, cfg.exact) - sliding_kept(single, w, cfg.exact) / cp)
+                for w, width in windows)
+    return int(extra * dtype.itemsize), int(extra * grad_dtype_for(dtype).itemsize) if cfg.exact else 0
 
 
 def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:

@@ -191,8 +191,8 @@ class SlidingKVState:
     ``W`` positions whatever the prompt's length. A prefix is the last ``min(length, W - 1)`` positions as one
     segment per tail it overlaps: the attention op's window is relative, so the positions before it need not be
     there. Gradient sinks (exact mode) cover the tails only: the rest of a step's keys are seen by that step's own
-    queries alone, inside its recomputed graph. Under context parallelism (refused past the window) a
-    :class:`KVState` holds the shard instead (``distributed.cp_state``).
+    queries alone, inside its recomputed graph. Under context parallelism every rank holds the same tails, one per
+    layout step (``distributed.cp_window``).
     """
 
     capacity: int
@@ -212,7 +212,7 @@ class SlidingKVState:
         keep = max(start, first)
         if not self.exact:  # nothing reads before ``first`` again
             self.tails = [t for t in self.tails if t.end > first]
-        tail = _Tail(keep, k[:, :, keep - start:].clone(), v[:, :, keep - start:].clone())
+        tail = _Tail(keep, k[:, :, keep - start:].clone(), v[:, :, keep - start:].clone())  # (sliding_kept: the rule)
         self.tails.append(tail)
         if self._grad is not None:
             self._sinks(tail)
@@ -282,6 +282,19 @@ class SlidingKVState:
 
     def decoder(self, batch: int, max_new: int) -> "KVDecoder":
         return KVDecoder(self, batch, max_new)
+
+
+def sliding_kept(writes: list[tuple[int, int]], window: int, exact: bool) -> int:
+    """How many positions a :class:`SlidingKVState` keeps after prefill writes of ``writes`` (``(start, end)`` in
+    order), by the rule of its ``write``: each write's tail ``[max(start, end - W + 1), end)``, and in detached mode
+    only the tails a read at the latest boundary still reaches (the planner counts the state by it)."""
+    tails: list[tuple[int, int]] = []
+    for start, end in writes:
+        first = end - window + 1
+        if not exact:
+            tails = [t for t in tails if t[1] > first]
+        tails.append((max(start, first), end))
+    return sum(e - s for s, e in tails)
 
 
 class KVDecoder:

@@ -168,6 +168,22 @@ def state_bytes(paths, *, family="llama"):
     return {"nbytes": st.nbytes(), "positions": buf.shape[2]}
 
 
+def window_state_bytes(paths, *, family="gemma3_w5", exact=False):
+    """Per layer of a longer prompt: the prompt-state bytes this rank holds and, for a sliding layer, the global
+    positions its tails cover (replicated: the same on every rank)."""
+    from longstraw.engine.prefill import prefill
+
+    model = longstraw.load_model(paths[family])
+    prompt, _, _ = group(10, 98, [1])
+    st = prefill(model, prompt[:-1], 8, exact=exact)
+    out = []
+    for ls in st.layers:
+        tails = getattr(getattr(ls, "local", ls), "tails", None)
+        out.append({"nbytes": ls.nbytes(), "sliding": tails is not None,
+                    "positions": [(t.start, t.end) for t in tails] if tails is not None else None})
+    return {"layers": out, "window": model.spec.sliding_window}
+
+
 def bad_inputs(paths):
     """Errors every CP rank must raise alike (single-process: the calls that are fine there return 'ok')."""
     model = longstraw.load_model(paths["llama"])
@@ -444,6 +460,22 @@ SCENARIOS = {
     "minimax_exact": lambda p: grpo_two_groups(p, family="minimax_m2", branch_batch=2),
     "olmoe_detached": lambda p: grpo_two_groups(p, family="olmoe", prompt_grad="detached"),
     "gemma3_exact": lambda p: grpo_two_groups(p, family="gemma3", chunk=4),
+    # past the window (distributed/cp_window.py): Gemma 3 with a window of 5, GPT-OSS (sinks, windows of 4)
+    "w5_exact": lambda p: grpo_two_groups(p, family="gemma3_w5"),
+    "w5_detached": lambda p: grpo_two_groups(p, family="gemma3_w5", prompt_grad="detached", chunk=2),
+    "w5_exact_ckpt": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=4, branch_batch=2,
+                                               checkpoint_layers=True),
+    "w5_exact_offload": lambda p: grpo_two_groups(p, family="gemma3_w5", offload=True),
+    "w5_exact_state_offload": lambda p: grpo_two_groups(p, family="gemma3_w5", state_offload=True),
+    "w5_score": lambda p: score(p, family="gemma3_w5"),
+    "w5_generate": lambda p: generate(p, family="gemma3_w5"),
+    "w5_state_bytes": lambda p: window_state_bytes(p),
+    "w5_exact_state_bytes": lambda p: window_state_bytes(p, exact=True),
+    "gpt_oss_exact": lambda p: grpo_two_groups(p, family="gpt_oss"),
+    "gpt_oss_detached": lambda p: grpo_two_groups(p, family="gpt_oss", prompt_grad="detached", branch_batch=2),
+    "gpt_oss_exact_fsdp": lambda p: grpo_two_groups(p, family="gpt_oss", chunk=2, fsdp=True),
+    "gpt_oss_score": lambda p: score(p, family="gpt_oss"),
+    "gpt_oss_generate": lambda p: generate(p, family="gpt_oss"),
     # GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's MLA with GLM's MoE, both MLA forms
     "lite_exact": lambda p: grpo_two_groups(p, family="glm4_moe_lite", mla_mode="absorbed"),
     "lite_detached": lambda p: grpo_two_groups(p, family="glm4_moe_lite", prompt_grad="detached",

@@ -14,7 +14,10 @@ scenarios per launch (cp_scenarios.py) to keep start-up cost low:
 * 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents, the form "auto" picks),
   GLM-5 (MLA + DSA sparse indexer with a shared indexer layer, its top-k over the sharded prompt), DeepSeek-V3.2
   (2 ranks), GLM-4.5 (GQA + MoE) and Qwen3-Next (DeltaNet + MoE): exact and detached, FSDP2 on 2 ranks (MLA; DSA
-  with checkpointed layers and batched branches), generate, score, per-rank state bytes.
+  with checkpointed layers and batched branches), generate, score, per-rank state bytes;
+* 2 and 4 ranks, sliding windows the groups reach past (the replicated tails and halo exchange of
+  ``distributed/cp_window.py``): Gemma 3 with a window of 5 and GPT-OSS (attention sinks, windows of 4): exact and
+  detached, checkpointed layers, offloads, FSDP2, score, generate, the tails each rank keeps.
 
 Every scenario of every job is one test (``test_scenario[job-scenario]``), so a failure names it. A job is launched
 once, by the first of its tests that runs, and its tests share the result: they carry the job's ``xdist_group``,
@@ -28,12 +31,13 @@ from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
 from transformers import (DeepseekV3Config, DeepseekV32Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen3Config,
-                          Qwen3MoeConfig, Qwen3NextConfig)
+                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig,
+                          Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
+from longstraw import distributed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -82,6 +86,14 @@ EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_e
            "q3moe_exact", "mixtral_detached", "minimax_exact"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
+# sliding windows past which the groups reach (replicated tails, the halo exchange) and attention sinks (GPT-OSS):
+# exact and detached (checkpointed layers, batched branches, the state and its gradient offloaded),
+# score, generate, the replicated state's bytes
+WINDOW2 = ["w5_exact", "w5_detached", "w5_exact_ckpt", "w5_exact_offload", "w5_exact_state_offload",
+           "w5_score", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes", "gpt_oss_exact", "gpt_oss_detached",
+           "gpt_oss_exact_fsdp", "gpt_oss_score", "gpt_oss_generate", "gemma3_exact"]
+WINDOW4 = ["w5_exact", "w5_detached", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes", "gpt_oss_exact",
+           "gpt_oss_detached", "gpt_oss_score"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "mla_cp2": (2, 2, False, MLA2),
@@ -89,11 +101,12 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "fsdp_cp1_w4": (4, 1, True, FSDP_CP1_W4), "fsdp_cp2_w2": (2, 2, True, FSDP_CP2_W2),
         "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2),
         "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
-        "ep2_cp2_w4": (4, 2, True, EP2_CP2_W4, 1, 2)}
+        "ep2_cp2_w4": (4, 2, True, EP2_CP2_W4, 1, 2), "window_cp2": (2, 2, False, WINDOW2),
+        "window_cp4": (4, 4, False, WINDOW4)}
 _EP_ONLY = ("ep_experts", "ep_save", "ep_init")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
              "registered_shards", "offload_dcp")
-GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4
+GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4 + WINDOW2 + WINDOW4
                   if s not in _EP_ONLY and not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
 # lengths, so the sparse path (and its selection over the whole sharded prompt) runs without score ties
@@ -143,18 +156,29 @@ def paths():
                                 pad_token_id=None, eos_token_id=None),
            "minimax_m2": MiniMaxM2Config(**_GQA_MOE, head_dim=8, intermediate_size=16, num_local_experts=6,
                                          num_experts_per_tok=2, rotary_dim=4, bos_token_id=None, eos_token_id=None),
-           # sliding layers (window 32: every group fits in it; CP refuses a prompt past the window), two RoPEs
+           # sliding layers (window 32: every group fits in it), two RoPEs
            "gemma3": Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
                                       query_pre_attn_scalar=24, max_position_embeddings=512, pad_token_id=None,
                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+           # the groups reach several windows past: window 5 over pieces of 2-4 positions (the halo spans several
+           # pieces and the stored tails) and 6-token responses
+           "gemma3_w5": Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                         query_pre_attn_scalar=24, max_position_embeddings=512, pad_token_id=None,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+           # attention sinks on every layer, alternating windows of 4, biased experts
+           "gpt_oss": GptOssConfig(vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                   num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
+                                   swiglu_limit=1.5, pad_token_id=None, eos_token_id=None, bos_token_id=None),
            "glm4_moe_lite": Glm4MoeLiteConfig(**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"},
                                               **_MLA)}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
            "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
            "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}
     for i, (name, cfg) in enumerate(moe.items()):
-        hf = tiny_hf(cfg, seed=50 + i, init_std=0.15)
+        hf = tiny_hf(cfg, seed=50 + i, init_std=0.15, attn="eager" if name == "gpt_oss" else "sdpa")
         with torch.no_grad():  # the router's correction bias is a zero buffer: make it matter
             for n, b in hf.named_buffers():
                 if n.endswith("e_score_correction_bias"):
@@ -254,6 +278,27 @@ def check_state_bytes(ranks, single, job, name="state_bytes"):
         assert abs(b - want["nbytes"] / world) <= 0.05 * want["nbytes"] / world, (r, b, want["nbytes"])
     print(f"\n{job} {name}: single-process prompt state {want['nbytes']} B; per rank {nbytes} "
           f"(positions {[g['positions'] for g in got]} of {want['positions']})")
+
+
+def check_window_state_bytes(ranks, single, job, name):
+    """A full-attention layer holds 1/R of the prompt's K/V per rank, a sliding one (window W) the same tails on every
+    rank: detached, the last ``W - 1`` positions; exact, each layout step's last ``W - 1`` (steps of ``R x 8``)."""
+    world = JOBS[job][1]
+    want = single(name)
+    got = _result(ranks, name)
+    n, w = 97, want["window"]
+    steps = distributed.shard_layout(n, world, 8).steps
+    for i, layer in enumerate(want["layers"]):
+        mine = [g["layers"][i] for g in got]
+        if not layer["sliding"]:
+            assert sum(m["nbytes"] for m in mine) == layer["nbytes"], (i, mine, layer)
+            continue
+        assert all(m == mine[0] for m in mine), (i, mine)  # replicated
+        spans = [(max(st[0][0], st[-1][1] - w + 1), st[-1][1]) for st in steps]
+        expect = spans if "exact" in name else [spans[-1]]
+        assert mine[0]["positions"] == expect, (i, mine[0]["positions"], expect)
+        per_position = layer["nbytes"] // sum(e - s for s, e in layer["positions"])
+        assert mine[0]["nbytes"] == per_position * sum(e - s for s, e in expect)
 
 
 def check_op_blocks(ranks, single):
@@ -404,7 +449,9 @@ def _check(job, name, ranks, single):
         checks[name]()
     if name.endswith("_score"):  # the MoE families' variants of these checks
         check_score(ranks, single, name)
-    if name.endswith("_state_bytes"):
+    if name.startswith("w5_") and name.endswith("state_bytes"):
+        check_window_state_bytes(ranks, single, job, name)
+    elif name.endswith("_state_bytes"):
         check_state_bytes(ranks, single, job, name)
 
 

@@ -1,5 +1,6 @@
 """grpo_backward (exact and detached), score and generate on GPT-OSS (attention sinks, alternating sliding windows
-the groups reach past, biased clamped-SwiGLU experts) against the naive float64 HF reference; the planner."""
+the groups reach past, biased clamped-SwiGLU experts) against the naive float64 HF reference; the planner (one
+process and context parallelism; tests/distributed/test_cp.py runs GPT-OSS under CP)."""
 
 import sys
 from pathlib import Path
@@ -44,10 +45,15 @@ def test_score_and_generate_equal_naive_logprobs():
     check_score_and_generate(longstraw.load_model(path), hf, *random_group(8, 15, [9, 1, 12], V), sp)
 
 
-def test_context_parallelism_is_refused_before_anything_runs():
-    with pytest.raises(ValueError, match=r"gpt_oss has attention sinks, which context parallelism does not "
-                                         r"implement \(cp=2\); use cp=1"):
-        plan(CONFIGS["gpt_oss"]().to_dict(), prompt_len=4, response_len=2, group=2, dtype="float32", gpus=2, cp=2)
+@pytest.mark.parametrize("prompt_grad,sliding_positions", [("exact", 7 * 4), ("detached", 4)])
+def test_planner_counts_replicated_tails_under_context_parallelism(prompt_grad, sliding_positions):
+    """cp=2: the full layer's 199 positions split over the two ranks; each rank keeps the sliding layers' tails of
+    the layout's 7 steps of ~28 positions (exact) or of the last one (detached), 4 positions each, not half of one
+    process's 13 (distributed/cp_window.py)."""
+    cfg = CONFIGS["gpt_oss"]().to_dict()
+    pl = plan(cfg, prompt_len=200, response_len=16, group=4, dtype="float32", gpus=2, cp=2,
+              cfg=longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=16))
+    assert pl.breakdown["prompt_state"] == (199 * 2 * 2 * 8 * 4) // 2 + 2 * sliding_positions * 2 * 2 * 8 * 4
 
 
 @pytest.mark.parametrize("prompt_grad,sliding_positions", [("exact", 13 * 4), ("detached", 4)])

@@ -1,6 +1,7 @@
 """grpo_backward (exact and detached), score and generate with prompts and responses several sliding windows long,
 against the naive float64 HF reference: Mistral (every layer slides), Qwen2 / Qwen3 (some layers slide) and
-Qwen2-MoE; the state's K/V offloaded and kept prompt-step graphs; the planner; context parallelism refused."""
+Qwen2-MoE; the state's K/V offloaded and kept prompt-step graphs; the planner (also under context parallelism:
+tests/distributed/test_cp.py runs it)."""
 
 import sys
 from pathlib import Path
@@ -10,7 +11,6 @@ import torch
 from grpo_reference import check_group, check_score_and_generate, random_group
 
 import longstraw
-from longstraw.distributed.placement import check_window
 from longstraw.planner import plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -53,19 +53,30 @@ def test_score_and_generate_beyond_the_window(name):
     assert max(len(r) for r in ro.responses) > CONFIGS[name][1][0]  # decoding went past the window
 
 
-def test_planner_plans_past_the_window_and_refuses_context_parallelism():
+def test_planner_plans_past_the_window_with_and_without_context_parallelism():
+    """Every layer of Mistral slides (window 7): one process keeps 6 positions per layer (detached); under cp=2 every
+    rank keeps the same 6 (replicated tails, distributed/cp_window.py), not half of them."""
     cfg = CONFIGS["mistral"][0]().to_dict()
-    kw = dict(prompt_len=200, response_len=8, group=2, dtype="float32")
-    assert plan(cfg, **kw).peak_bytes > 0  # 200 positions, a window of 7
-    with pytest.raises(ValueError, match=r"mistral has sliding-window layers \(sliding_window=7\) and the prompt "
-                                         r"reaches past the window \(199 stored positions\) with cp=2: sliding-window "
-                                         r"attention under context parallelism is not implemented"):
-        plan(cfg, gpus=2, cp=2, **kw)
-    spec = longstraw.build_model(cfg).spec
-    check_window(spec, 6, 2)  # inside the window: nothing to refuse
-    check_window(spec, 500, 1)
-    with pytest.raises(ValueError, match="cp=4"):
-        check_window(spec, 7, 4)
+    kw = dict(prompt_len=200, response_len=8, group=2, dtype="float32",
+              cfg=longstraw.GRPOConfig(prompt_grad="detached", prefill_chunk=16))
+    one, two = plan(cfg, **kw), plan(cfg, gpus=2, cp=2, **kw)
+    assert one.peak_bytes > 0 and one.breakdown["prompt_state"] == two.breakdown["prompt_state"]
+    m = longstraw.build_model(cfg)
+    layer = m.layers[0].mixer
+    assert one.breakdown["prompt_state"] == len(m.layers) * 6 * layer.num_kv_heads * layer.head_dim * 2 * 4
+
+
+def test_sliding_kept_is_the_states_rule():
+    """state.sliding_kept (the planner's count) against what SlidingKVState keeps, over uneven writes."""
+    from longstraw.state import SlidingKVState, sliding_kept
+
+    writes = [(0, 3), (3, 11), (11, 12), (12, 13), (13, 30), (30, 33)]
+    for window in (2, 5, 9, 40):
+        for exact in (False, True):
+            st = SlidingKVState(33, window, exact)
+            for a, b in writes:
+                st.write((torch.zeros(1, 1, b - a, 2), torch.zeros(1, 1, b - a, 2)), a, b)
+            assert sliding_kept(writes, window, exact) == sum(t.end - t.start for t in st.tails), (window, exact)
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -42,9 +42,10 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.ops.attention import (KVSegment, default_backend, kernels, kv_blocks, merge_partials,
-                                     segment_backward, segment_forward)
+                                     segment_backward, segment_forward, sink_grad)
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import add_into
+from longstraw.ops.window import window_matters
 
 __all__ = ["StepPieces", "ShardedSegment", "cp_segment_attention", "piece_from", "merge_to", "merge_all",
            "merged_by_piece", "reduced_by_piece", "dense_step_bytes"]
@@ -90,9 +91,17 @@ class ShardedSegment(KVSegment, PartitionedSegment):
         return (tokens if self.step is None else sum(self.step.lengths)), self.global_length
 
     def attention(self, q: Tensor, segments: list[KVSegment], scale: float, *, backend: str | None = None,
-                  return_lse: bool = False, max_segment: int = 32768):
+                  return_lse: bool = False, max_segment: int = 32768, window: int | None = None,
+                  sinks: Tensor | None = None):
+        # a sliding layer's state is not a share of every position (distributed/cp_window.py): a window here would
+        # be a model whose state kind was not registered as sliding
+        seen = self.global_length + (q.shape[2] if self.step is None else sum(self.step.lengths))
+        if window_matters(seen - q.shape[2], q.shape[2], window):
+            raise ValueError(f"sliding window={window} over a full-attention state split over processes "
+                             f"({self.global_length} stored positions): a sliding layer's prompt state must be a "
+                             "SlidingKVState (distributed/cp_window.py)")
         return cp_segment_attention(q, segments, scale, backend=backend, return_lse=return_lse,
-                                    max_segment=max_segment)
+                                    max_segment=max_segment, sinks=sinks)
 
 
 @dataclass(frozen=True)
@@ -276,7 +285,7 @@ def _earlier(ks: Tensor, step: StepPieces) -> Tensor | None:
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, scale, backend, plan: _Plan, meta, causal_idx, ks, vs, *kv):
+    def forward(ctx, q, sink, scale, backend, plan: _Plan, meta, causal_idx, ks, vs, *kv):
         fwd, _ = kernels(backend)
         outs, lses = [], []
         if plan.global_length > 0:
@@ -298,9 +307,9 @@ class _CPAttention(torch.autograd.Function):
             del k, v
             outs.append(o)
             lses.append(lse)
-        out, lse = merge_partials(outs, lses, q.dtype)
+        out, lse = merge_partials(outs, lses, q.dtype, sink)  # the sinks join once, after every share's partial
         extra = [ek, ev] if ek is not None else []
-        ctx.save_for_backward(q, out, lse, ks, vs, *extra, *kv)
+        ctx.save_for_backward(q, out, lse, sink, ks, vs, *extra, *kv)
         ctx.scale, ctx.backend, ctx.plan, ctx.meta, ctx.causal_idx = scale, backend, plan, meta, causal_idx
         ctx.has_earlier = ek is not None
         ctx.mark_non_differentiable(lse)
@@ -308,7 +317,7 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse, ks, vs, *rest = ctx.saved_tensors
+        q, out, lse, sink, ks, vs, *rest = ctx.saved_tensors
         if ctx.has_earlier:
             ek, ev, *kv = rest
         else:
@@ -317,6 +326,9 @@ class _CPAttention(torch.autograd.Function):
         plan, scale = ctx.plan, ctx.scale
         _, bwd = kernels(ctx.backend)
         dout = dout.contiguous()
+        # the sinks' gradient from this rank's queries (replicated queries: the same on every rank, as every
+        # parameter's replay gradient; a step's pieces: this rank's share, summed by the reverse pass's scope)
+        d_sink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[1] else None
         dq = torch.zeros_like(q)
         grads: list[Tensor | None] = []
         blocks = kv_blocks([(kv[2 * i], kv[2 * i + 1]) for i in range(len(ctx.meta))], [m[3] for m in ctx.meta], q)
@@ -351,13 +363,15 @@ class _CPAttention(torch.autograd.Function):
                 add_into(k_sink, grads[2 * idx])
                 add_into(v_sink, grads[2 * idx + 1])
                 grads[2 * idx] = grads[2 * idx + 1] = None
-        return (dq, None, None, None, None, None, None, None, *grads)
+        return (dq, d_sink, None, None, None, None, None, None, None, *grads)
 
 
 def cp_segment_attention(q: Tensor, segments: list[KVSegment], scale: float, *, backend: str | None = None,
-                         return_lse: bool = False, max_segment: int = 32768):
+                         return_lse: bool = False, max_segment: int = 32768, sinks: Tensor | None = None):
     """``segment_attention`` when one of ``segments`` is a :class:`ShardedSegment` (same signature and result;
-    the local share is attended in blocks of ``max_segment`` keys, as ``segment_attention`` does).
+    the local share is attended in blocks of ``max_segment`` keys, as ``segment_attention`` does). ``sinks [Hq]``
+    (GPT-OSS) join the softmax once, after the group's partials are merged: every rank's merged output and LSE
+    then include them, so each share's backward against them is the single process's.
 
     q ``[B, Hq, T, Dk]``; exactly one sharded segment; the others are local (replicated on every rank). In
     distinct-query mode ``B == 1`` and the only local segment is the queries' own causal piece.
@@ -393,8 +407,10 @@ def cp_segment_attention(q: Tensor, segments: list[KVSegment], scale: float, *, 
     kv = []
     for s in local:
         kv += [s.k.detach(), s.v.detach()] if s.k_grad is not None else [s.k, s.v]
-    out, lse = _CPAttention.apply(q.contiguous(), float(scale), backend, plan, meta, causal_idx, sh.k.detach(),
-                                  sh.v.detach(), *kv)
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be [Hq={hq}] (one logit per query head), got shape {tuple(sinks.shape)}")
+    out, lse = _CPAttention.apply(q.contiguous(), sinks, float(scale), backend, plan, meta, causal_idx,
+                                  sh.k.detach(), sh.v.detach(), *kv)
     return (out, lse) if return_lse else out
 
 

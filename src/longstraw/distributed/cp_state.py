@@ -10,7 +10,8 @@ one local buffer: ``~n / R`` positions, differing by at most ``K`` between ranks
 A sharded layer state wraps the single-process state of its kind, sized for the local positions, and speaks the
 same :class:`~longstraw.state.LayerState` protocol in GLOBAL positions, plus ``step_prefix(k, grad)`` (what the
 mixer consumes for this rank's piece of step ``k``). Kinds plug in through :func:`register_cp_kind`
-(docs/DISTRIBUTED.md lists the contract); ``KVState`` (full attention) is implemented here.
+(docs/DISTRIBUTED.md lists the contract); ``KVState`` (full attention) is implemented here, ``SlidingKVState`` (a
+sliding window: replicated tails, not sharded) in ``cp_window.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
+from longstraw.distributed.cp_window import ShardedSlidingState
 from longstraw.distributed.expert_parallel import ep_param_ids, set_ep_divide_factor
 from longstraw.distributed.fsdp import fsdp_modules, is_sharded
 from longstraw.state import KVDecoder, KVState, LayerState, PromptState, SlidingKVState
@@ -262,12 +264,8 @@ class ShardedPromptState(PromptState):
             p.grad = g if old is None else old.add_(g)
 
 
-def _sliding(local: SlidingKVState, layout: ShardLayout, comm: Comm) -> ShardedKVState:
-    """A sliding layer under CP: every position kept (placement.check_window refuses a prompt past the window)."""
-    return ShardedKVState(KVState(local.capacity), layout, comm)
-
-
-_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState, SlidingKVState: _sliding}
+_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState,
+                                                                SlidingKVState: ShardedSlidingState}
 
 
 def register_cp_kind(state_type: type, factory: Callable[[Any, ShardLayout, Comm], Any]) -> None:

@@ -54,20 +54,6 @@ def check_same_group(ctx: ParallelContext, prompt_ids: Tensor, responses: list[T
     _check_same(ctx.cp, "prompt and responses", fp, ctx.device)
 
 
-def check_window(spec, positions: int, cp: int, model=None) -> None:
-    """ValueError if ``positions`` prompt positions under ``cp > 1`` reach past a sliding window of the model, or
-    if the model (when given) has attention sinks: neither is implemented over a state split by position
-    (docs/SUPPORT.md)."""
-    if cp > 1 and model is not None and any(getattr(m, "sinks", None) is not None for m in model.modules()):
-        raise ValueError(f"{spec.model_type} has attention sinks, which context parallelism does not implement "
-                         f"(cp={cp}); use cp=1")
-    if cp > 1 and spec.sliding_window is not None and positions >= spec.sliding_window:
-        raise ValueError(f"{spec.model_type} has sliding-window layers (sliding_window={spec.sliding_window}) and "
-                         f"the prompt reaches past the window ({positions} stored positions) with cp={cp}: "
-                         "sliding-window attention under context parallelism is not implemented; use cp=1 "
-                         "(a window's attention costs O(window) per token, so one process goes further)")
-
-
 class ContextParallel(Placement):
     """The placement of a model under ``ctx``: prompt states split by position over its CP group (block-cyclic steps:
     docs/DISTRIBUTED.md) when ``cp > 1``, and phases run in lockstep over the job when FSDP shards over replicas
@@ -82,7 +68,6 @@ class ContextParallel(Placement):
         if self.ctx.cp_size == 1:
             return super().prompt_state(model, ids, chunk_size, exact)
         comm = self.ctx.cp
-        check_window(model.spec, int(ids.shape[0]), self.ctx.cp_size, model)
         layout = shard_layout(int(ids.shape[0]), comm.size, chunk_size)
         _check_same(comm, "prompt", _fingerprint(ids), self.ctx.device)
         states = shard_states(model.new_prompt_states(layout.local_size(comm.rank), exact), layout, comm)

@@ -59,7 +59,7 @@ from longstraw.ops.sinks import add_into
 from longstraw.ops.window import BAND, CAUSAL, Part, window_matters, window_tiles
 
 __all__ = ["KVSegment", "segment_attention", "segment_attention_reference", "BACKENDS", "default_backend", "kernels",
-           "segment_forward", "segment_backward", "merge_partials", "kv_blocks"]
+           "segment_forward", "segment_backward", "merge_partials", "sink_grad", "kv_blocks"]
 
 BACKENDS = ("flash_cpu", "flash_cuda", "math")
 
@@ -362,12 +362,24 @@ class _OnlineMerge:
         return self.acc.to(dtype), self.lse
 
 
-def merge_partials(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Merge per-segment ``(out_i, lse_i)`` into ``(out, lse)`` (``out`` in ``dtype``)."""
+def merge_partials(outs: list[Tensor], lses: list[Tensor], dtype: torch.dtype, sink: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor]:
+    """Merge per-segment ``(out_i, lse_i)`` into ``(out, lse)`` (``out`` in ``dtype``); ``sink [Hq]``: an attention
+    sink's logits join the merge last (:meth:`_OnlineMerge.add_sink`)."""
     merge = _OnlineMerge()
     for o, l in zip(outs, lses):
         merge.add(o, l)
+    if sink is not None:
+        merge.add_sink(sink)
     return merge.result(dtype)
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """The gradient of attention sinks ``sink [Hq]`` from the merged ``out [B, Hq, T, Dv]``, ``lse [B, Hq, T]``
+    (the sink included) and ``dout``: ``p_sink = exp(sink - lse)`` per query and ``d out / d sink = -out p_sink``,
+    so ``d sink = -sum(dO . O p_sink)`` over the batch and the queries."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, Hq, T]
+    return -(delta * torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)).sum((0, 2)).to(sink.dtype)
 
 
 class kv_blocks:  # noqa: N801 - used as a function: an iterator that keeps no block past the one it hands over
@@ -426,9 +438,7 @@ class _SegmentAttention(torch.autograd.Function):
         dq = None
         d_sink = None
         if sink is not None and ctx.needs_input_grad[1]:
-            # p_sink = exp(sink - lse) per query; d out / d sink = -out p_sink, so d sink = -sum(dO . O p_sink)
-            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, Hq, T]
-            d_sink = -(delta * torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)).sum((0, 2)).to(sink.dtype)
+            d_sink = sink_grad(dout, out, lse, sink)
         grads: list[Tensor | None] = []
         need = [k_sink is not None or ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
                 for i, (_, k_sink, _, _, _) in enumerate(ctx.meta)]
@@ -499,23 +509,16 @@ def segment_attention(
     ``sinks``: attention sinks ``[Hq]`` (GPT-OSS): one learned logit per head joins every query's softmax with a
     zero value, so the weights of the real keys sum to less than one; differentiable.
     """
-    nonempty = [s for s in segments if s.key_count > 0]
-    if window is not None:
-        if not nonempty or not getattr(nonempty[-1], "causal", False) or any(
-                getattr(s, "causal", False) for s in nonempty[:-1]):
-            raise ValueError("sliding-window attention needs the queries' own causal segment last, after the prefix")
-        prefix_len = sum(s.key_count for s in nonempty[:-1])
-        if window_matters(prefix_len, q.shape[2], window):
-            if any(isinstance(s, PartitionedSegment) for s in nonempty):
-                raise ValueError(f"sliding window={window} over {prefix_len} stored positions split over processes: "
-                                 "sliding-window attention under context parallelism is not implemented")
-            return _windowed(q, nonempty, scale, window, backend, return_lse, max_segment, sinks)
     for s in segments:  # a segment partitioned over processes computes the whole call (ops/partitioned.py)
         if isinstance(s, PartitionedSegment):
-            if sinks is not None:
-                raise ValueError("attention sinks over a prompt state split over processes are not implemented "
-                                 "(context parallelism)")
-            return s.attention(q, segments, scale, backend=backend, return_lse=return_lse, max_segment=max_segment)
+            return s.attention(q, segments, scale, backend=backend, return_lse=return_lse, max_segment=max_segment,
+                               window=window, sinks=sinks)
+    nonempty = [s for s in segments if s.key_count > 0]
+    if window is not None:
+        if not nonempty or not nonempty[-1].causal or any(s.causal for s in nonempty[:-1]):
+            raise ValueError("sliding-window attention needs the queries' own causal segment last, after the prefix")
+        if window_matters(sum(s.key_count for s in nonempty[:-1]), q.shape[2], window):
+            return _windowed(q, nonempty, scale, window, backend, return_lse, max_segment, sinks)
     out, lse = _attend(q, segments, scale, backend, max_segment, sinks)
     return (out, lse) if return_lse else out
 

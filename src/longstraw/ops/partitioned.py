@@ -42,8 +42,9 @@ class PartitionedSegment(ABC):
         """Keys the queries of this call see in this segment, counted alike on every process of the group."""
 
     def attention(self, q, segments, scale: float, *, backend: str | None = None, return_lse: bool = False,
-                  max_segment: int = 32768):
-        """``segment_attention(q, segments, ...)`` where ``self`` is one of ``segments`` (same result)."""
+                  max_segment: int = 32768, window: int | None = None, sinks=None):
+        """``segment_attention(q, segments, ...)`` where ``self`` is one of ``segments`` (same result; ``window``
+        and ``sinks`` as there)."""
         raise TypeError(f"{type(self).__name__} does not take part in dense attention")
 
     def group_shape(self, tokens: int) -> tuple[int, int]:

@@ -15,10 +15,12 @@ whole gradient once, and each reverse-pass step adds the gradient of the prefix 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-__all__ = ["add_into", "index_add_into", "read", "offloads", "sink_device", "new_sink"]
+__all__ = ["add_into", "index_add_into", "read", "read_summed", "offloads", "sink_device", "new_sink"]
 
 
 def add_into(sink: Tensor, grad: Tensor) -> None:
@@ -35,6 +37,13 @@ def index_add_into(rows: Tensor, index: Tensor, src: Tensor) -> None:
 def read(sink: Tensor, like: Tensor) -> Tensor:
     """A sink's (slice's) content as ``like``'s device and dtype (the gradient a recomputed step is seeded with)."""
     return sink.to(device=like.device, dtype=like.dtype)
+
+
+def read_summed(sink: Tensor, like: Tensor, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """:func:`read` of a sink that several processes each hold a part of (a replicated state's partial gradients):
+    the sink copied to ``like``'s device in its own dtype, summed by ``all_reduce`` (in place, a collective), then
+    cast to ``like``'s dtype, so that the sum is taken in the sink's precision."""
+    return all_reduce(sink.to(device=like.device, copy=True)).to(like.dtype)
 
 
 def offloads(state: Tensor | torch.device, offload: bool) -> bool:
