@@ -2,6 +2,7 @@
 
     python benchmarks/cp_scaling.py                      # runs torchrun for each rank count, prints a table
     python benchmarks/cp_scaling.py --ranks 1 2 --prompt 4096
+    python benchmarks/cp_scaling.py --ranks 1 2 --window 1024   # sliding-window layers (distributed/cp_window.py)
 
 For each rank count R the launcher starts ``torchrun --nproc_per_node R`` on this file in worker mode. Every rank
 builds the same random float32 model (a small dense GQA transformer, weights from a fixed seed), runs one
@@ -36,8 +37,10 @@ import torch
 
 
 def model_config(args) -> dict:
+    kind = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]} if args.window is None else {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": args.window}
     return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,
+        **kind, "hidden_size": args.hidden,
         "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
         "num_key_value_heads": max(1, args.heads // 2), "head_dim": args.hidden // args.heads,
         "vocab_size": args.vocab, "max_position_embeddings": args.prompt + args.response + 8, "rms_norm_eps": 1e-6,
@@ -147,7 +150,7 @@ def worker(args) -> None:
 
 def launch(args) -> None:
     here = Path(__file__).resolve()
-    passthrough = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("ranks", "worker")]
+    passthrough = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("ranks", "worker") and v is not None]
     results = []
     load = [os.getloadavg()[0]]
     for r in args.ranks:
@@ -169,7 +172,8 @@ def report(args, results, load) -> None:
           f"  {cores} logical cores  torch {torch.__version__}  gloo, {args.threads} thread(s) per rank")
     print("1-minute load average before and after each rank count (other processes share the cores when it "
           "exceeds the ranks running): " + ", ".join(f"{x:.1f}" for x in load))
-    print(f"model: llama-like, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+    kind = "llama-like" if args.window is None else f"mistral-like (every layer slides, window {args.window})"
+    print(f"model: {kind}, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({max(1, args.heads // 2)} kv), vocab {args.vocab}, float32; group: prompt {args.prompt}, "
           f"{args.group} x {args.response} response tokens, prefill_chunk {args.chunk}, {args.mode} mode; "
           f"best of {args.repeats}")
@@ -208,6 +212,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--mode", default="exact", choices=["exact", "detached"])
+    ap.add_argument("--window", type=int, default=None, help="every layer slides with this window (a Mistral-like "
+                    "model: the replicated tails and halo exchange of distributed/cp_window.py); default: full")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -828,7 +828,11 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
 
 # ---------------------------------------------------------------------------------------------------- c
 
-C_FAMILIES = {"llama": _DENSE, "qwen3_5_text": {**_HYBRID, "intermediate_size": 48}}
+# gpt_oss (added 2026-12-05, third session): the 37-token group reaches past its window of 11, so the sliding layers
+# run their replicated tails and halo exchange (distributed/cp_window.py) and every layer's sinks merge after the
+# group's LSE merge, over NCCL
+C_FAMILIES = {"llama": _DENSE, "qwen3_5_text": {**_HYBRID, "intermediate_size": 48},
+              "gpt_oss": FAMILY_CONFIGS["gpt_oss"]}
 
 
 def _c_group(vocab: int):

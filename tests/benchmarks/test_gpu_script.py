@@ -61,7 +61,7 @@ def test_gpu_check_smoke(tmp_path):
     assert d["runs"]["full"]["steps"] == 4 and d["runs"]["resume"]["resume_equal"] is True
     assert d["runs"]["full"]["loss"] != 0.0  # the shaped reward gives the random model's groups a signal
     c = res["sections"]["c"]
-    assert c["backend"] == "gloo" and c["world"] == 2 and len(c["entries"]) == 4
+    assert c["backend"] == "gloo" and c["world"] == 2 and len(c["entries"]) == 6  # dense, hybrid, GPT-OSS; CP, FSDP
     assert b["planner"]["steps"] == len(b["steps"]["runs"]) + sum(len(b["longest"][m]["runs"])
                                                                   for m in ("detached", "exact"))
     assert "planner / measured over" in proc.stdout and "summary:" in proc.stdout
