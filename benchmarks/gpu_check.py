@@ -51,7 +51,8 @@ d. The trainer on the device (``--d-s``, default 60 s; ``gpu_trainer.py``): ``lo
    CPU only), and a LoRA run (PEFT adapter checkpoint). Runs before b, which takes what is left.
 c. Context parallelism and FSDP2 (``--c-s``, default 90 s): with more than one GPU, ``min(4, count)`` NCCL ranks
    (torch.multiprocessing) each run ``grpo_backward`` (exact) of one group with the prompt split over the ranks,
-   without and with FSDP2, for a dense Llama and the Qwen3.5 hybrid, float32 and bfloat16; the gathered gradients
+   without and with FSDP2, for a dense Llama, the Qwen3.5 hybrid and GPT-OSS (attention sinks, sliding windows the
+   group reaches past), float32 and bfloat16; the gathered gradients
    are compared with one process on one GPU. One GPU: "skipped: 1 GPU". ``--smoke``: 2 gloo ranks on the CPU.
 
 Model figures of b: hidden 2048, 16 layers (every 4th full attention: 16 query heads with output gate, 2 K/V heads,
