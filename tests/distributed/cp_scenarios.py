@@ -462,6 +462,7 @@ SCENARIOS = {
     "gemma3_exact": lambda p: grpo_two_groups(p, family="gemma3", chunk=4),
     # past the window (distributed/cp_window.py): Gemma 3 with a window of 5, GPT-OSS (sinks, windows of 4)
     "w5_exact": lambda p: grpo_two_groups(p, family="gemma3_w5"),
+    "w5_exact_c1": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=1),  # 1-token pieces
     "w5_detached": lambda p: grpo_two_groups(p, family="gemma3_w5", prompt_grad="detached", chunk=2),
     "w5_exact_ckpt": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=4, branch_batch=2,
                                                checkpoint_layers=True),

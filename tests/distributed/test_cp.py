@@ -92,8 +92,8 @@ EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_exp
 WINDOW2 = ["w5_exact", "w5_detached", "w5_exact_ckpt", "w5_exact_offload", "w5_exact_state_offload",
            "w5_score", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes", "gpt_oss_exact", "gpt_oss_detached",
            "gpt_oss_exact_fsdp", "gpt_oss_score", "gpt_oss_generate", "gemma3_exact"]
-WINDOW4 = ["w5_exact", "w5_detached", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes", "gpt_oss_exact",
-           "gpt_oss_detached", "gpt_oss_score"]
+WINDOW4 = ["w5_exact", "w5_exact_c1", "w5_detached", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes",
+           "gpt_oss_exact", "gpt_oss_detached", "gpt_oss_score"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "mla_cp2": (2, 2, False, MLA2),
