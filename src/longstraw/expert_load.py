@@ -2,7 +2,8 @@
 model, which decides how fast expert parallelism runs (the slowest EP rank sets the pace of every all-to-all).
 
 :class:`ExpertLoad` hooks every routed-experts module of a model from outside (a forward pre-hook on each
-:class:`~longstraw.models.moe_block.Experts`, the expert-parallel subclass included: the models are not changed)
+:class:`~longstraw.models.moe_block.Experts`, GPT-OSS's experts, the expert-parallel classes included: the models are
+not changed)
 and, while :meth:`ExpertLoad.recording` is open, adds ``bincount(expert_ids)`` of each call into an int64
 ``counts [moe layers, experts]`` on the host. What is counted is the work done: every call of the layer in the
 window, so a token the engine runs twice (the exact reverse pass recomputes the prompt) counts twice, and under
@@ -22,7 +23,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from longstraw.models.moe_block import Experts
 
 
 class ExpertLoad:
@@ -30,7 +30,7 @@ class ExpertLoad:
     names of the hooked modules, in model order; ``counts [len(layers), experts]`` int64 on the host."""
 
     def __init__(self, model: nn.Module):
-        mods = [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
+        mods = [(n, m) for n, m in model.named_modules() if hasattr(m, "ep_tensor_names")]  # routed experts
         self.layers = [n for n, _ in mods]
         self.num_experts = max((m.num_experts for _, m in mods), default=0)
         self.counts = torch.zeros(len(mods), self.num_experts, dtype=torch.int64)

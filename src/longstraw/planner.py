@@ -745,9 +745,8 @@ def _expert_params(module) -> list:
     """The routed experts' fused weights under ``module`` (``Experts.gate_up_proj`` / ``down_proj``) and their LoRA
     adapters' (``target_parameters``): what expert parallelism splits over its ranks, outside FSDP."""
     from longstraw.distributed.expert_parallel import expert_params
-    from longstraw.models.moe_block import Experts
 
-    return [p for m in module.modules() if isinstance(m, Experts) for p in expert_params(m)]
+    return [p for m in module.modules() if hasattr(m, "ep_tensor_names") for p in expert_params(m)]
 
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
@@ -873,12 +872,12 @@ def _gathered_bytes(tied: bool, layer_all: int, layer_n: int, ends_all: int, end
 
 def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> int:
     """The expert-parallel exchanges' buffers at their largest (module docstring), with balanced routing."""
-    from longstraw.models.moe_block import SparseMoeBlock
-
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    # MoE blocks: a router (``gate``; GPT-OSS's ``router``) with ``top_k`` and routed experts of width ``hidden``
+    blocks = [(m.gate if hasattr(m, "gate") else m.router).top_k * m.experts.hidden for m in model.modules()
+              if hasattr(getattr(m, "experts", None), "ep_tensor_names")]
     if not blocks:
         return 0
-    slot = max(b.gate.top_k * b.experts.gate_up_proj.shape[2] for b in blocks) * _dtype_bytes(compute)
+    slot = max(blocks) * _dtype_bytes(compute)
     branch = cfg.branch_batch * response_len
     graph_tokens = max(branch, cfg.prefill_chunk if cfg.exact else 0)
     kept = 1 if cfg.checkpoint_layers else len(blocks)  # checkpointed layers: one layer's graph at a time
@@ -970,10 +969,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                                                         f"{response_len}")
     longest = model.spec.max_position_embeddings - response_len
     if ep > 1:
-        from longstraw.models.moe_block import Experts, check_expert_parallel
-
-        check_expert_parallel(model)
-        counts = sorted({m.num_experts for m in model.modules() if isinstance(m, Experts)})
+        counts = sorted({m.num_experts for m in model.modules() if hasattr(m, "ep_tensor_names")})
         if not counts:
             raise ValueError(f"ep={ep}: the model ({hf_config.get('model_type')}) has no routed experts; plan ep=1")
         if any(c % ep for c in counts):

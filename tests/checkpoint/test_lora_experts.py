@@ -436,7 +436,8 @@ finally:
 '''
 
 
-_TARGET = {"deepseek_v3": "q_a_proj", "qwen3_5_moe": "q_proj", "qwen3_next": "q_proj"}  # beside the experts
+_TARGET = {"deepseek_v3": "q_a_proj", "qwen3_5_moe": "q_proj", "qwen3_next": "q_proj",
+           "gpt_oss": "q_proj"}  # beside the experts
 
 
 def _one_process(name, x_seed=0):
@@ -531,7 +532,8 @@ def test_fsdp_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("name,world,cp,ep", [("deepseek_v3", 2, 1, 2), ("qwen3_5_moe", 2, 1, 2),
-                                              ("deepseek_v3", 4, 2, 2), ("qwen3_next", 4, 1, 4)])
+                                              ("deepseek_v3", 4, 2, 2), ("qwen3_next", 4, 1, 4),
+                                              ("gpt_oss", 2, 1, 2)])
 def test_expert_parallel(name, world, cp, ep, tmp_path):
     """Expert adapters under expert parallelism (FSDP over the job, ep ranks per EP group; with world 4, cp=2: two
     data-parallel replicas, each EP group one CP group, the adapters' gradients reduced over edp): each rank holds

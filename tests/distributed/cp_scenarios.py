@@ -501,20 +501,19 @@ def ep_init_errors(cp: int, ep: int) -> dict:
 
 
 def _expert_modules(model):
-    from longstraw.models.moe_block import Experts
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
+    """The routed-experts modules (``Experts``, GPT-OSS's: whatever expert parallelism splits)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "ep_tensor_names")]
 
 
 def ep_experts(paths, *, family="deepseek_v3"):
     """Routed-expert bytes this rank holds and the values of its experts as loaded (each rank reads its rows)."""
     model = longstraw.load_model(paths[family])
     mods = _expert_modules(model)
-    nbytes = sum(t.numel() * t.element_size() for _, m in mods for t in (m.gate_up_proj, m.down_proj))
+    nbytes = sum(getattr(m, k).numel() * getattr(m, k).element_size() for _, m in mods for k in m.ep_tensor_names)
     other = sum(t.numel() * t.element_size() for t in model.parameters()) - nbytes
     return {"expert_bytes": nbytes, "first": [getattr(m, "first", 0) for _, m in mods],
             "weights": {f"{n}.{k}": getattr(m, k).detach().clone() for n, m in mods
-                        for k in ("gate_up_proj", "down_proj")}, "other_bytes": other}
+                        for k in m.ep_tensor_names}, "other_bytes": other}
 
 
 def ep_save(paths, *, family="deepseek_v3"):
@@ -554,6 +553,8 @@ def ep_save(paths, *, family="deepseek_v3"):
 SCENARIOS.update({
     "ep_experts": ep_experts,
     "ep_save": ep_save,
+    "gpt_oss_ep_experts": lambda p: ep_experts(p, family="gpt_oss"),
+    "gpt_oss_ep_save": lambda p: ep_save(p, family="gpt_oss"),
     "dsa_exact_ckpt": lambda p: grpo_two_groups(p, family="glm_moe_dsa", chunk=2, branch_batch=2,
                                                 checkpoint_layers=True),
 })

@@ -80,11 +80,13 @@ FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact"]
 HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 # expert parallelism (init_distributed(cp, fsdp=True, ep=E)): the MoE gradient scenarios against one process, the
 # routed-expert bytes and values per rank, save_model of the split experts, the one-line init errors
-EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_save", "ep_init"]
+EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_save", "ep_init", "gpt_oss_exact",
+       "gpt_oss_detached", "gpt_oss_ep_experts", "gpt_oss_ep_save"]
 EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
            "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt",
-           "q3moe_exact", "mixtral_detached", "minimax_exact"]
-EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init"]
+           "q3moe_exact", "mixtral_detached", "minimax_exact", "gpt_oss_exact", "gpt_oss_detached"]
+EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init", "gpt_oss_exact",
+       "gpt_oss_ep_experts"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
 # sliding windows past which the groups reach (replicated tails, the halo exchange) and attention sinks (GPT-OSS):
 # exact and detached (checkpointed layers, batched branches, the state and its gradient offloaded),
@@ -103,7 +105,7 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
         "ep2_cp2_w4": (4, 2, True, EP2_CP2_W4, 1, 2), "window_cp2": (2, 2, False, WINDOW2),
         "window_cp4": (4, 4, False, WINDOW4)}
-_EP_ONLY = ("ep_experts", "ep_save", "ep_init")
+_EP_ONLY = ("ep_experts", "ep_save", "ep_init", "gpt_oss_ep_experts", "gpt_oss_ep_save")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
              "registered_shards", "offload_dcp")
 GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4 + WINDOW2 + WINDOW4
@@ -373,12 +375,12 @@ def check_registered_shards(ranks):
             assert not gathered, f"rank {r}: after {call}, parameters registered gathered, not sharded: {gathered}"
 
 
-def check_ep_experts(ranks, single, job):
+def check_ep_experts(ranks, single, job, name="ep_experts"):
     """Each rank holds 1/E of the routed-expert bytes (nothing else changes), loaded from its rows of the
     checkpoint: experts ``[ep_rank * n / E, (ep_rank + 1) * n / E)``."""
     ep = _job(job)[5]
-    want = single("ep_experts")
-    for r, got in enumerate(_result(ranks, "ep_experts")):
+    want = single(name)
+    for r, got in enumerate(_result(ranks, name)):
         assert got["expert_bytes"] * ep == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
         for name, w in want["weights"].items():
             local = w.shape[0] // ep
@@ -386,10 +388,14 @@ def check_ep_experts(ranks, single, job):
             assert torch.equal(got["weights"][name], w[a:a + local]), (r, name)
 
 
-def check_ep_save(ranks):
-    for got in _result(ranks, "ep_save"):
+def check_ep_save(ranks, name="ep_save"):
+    """The saved checkpoint equals the original. Per-expert checkpoints (DeepSeek-V3) are written by the ranks that
+    hold each expert (no gather over the EP group); GPT-OSS's stores each expert tensor fused, so each of the 3
+    layers' 4 expert tensors (weights and biases) is gathered whole once, when its turn comes."""
+    gathers = {"ep_save": 0, "gpt_oss_ep_save": 3 * 4}[name]
+    for got in _result(ranks, name):
         assert got["same"], got
-        assert got["comm_gathers"] == 0, got  # each rank wrote the experts it holds: nothing gathered
+        assert got["comm_gathers"] == gathers, got
 
 
 def check_ep_init(ranks, job):
@@ -444,7 +450,9 @@ def _check(job, name, ranks, single):
               "registered_shards": lambda: check_registered_shards(ranks),
               "offload_dcp": lambda: check_offload_dcp(ranks)}
     checks.update({"ep_experts": lambda: check_ep_experts(ranks, single, job),
-                   "ep_save": lambda: check_ep_save(ranks), "ep_init": lambda: check_ep_init(ranks, job)})
+                   "ep_save": lambda: check_ep_save(ranks), "ep_init": lambda: check_ep_init(ranks, job),
+                   "gpt_oss_ep_experts": lambda: check_ep_experts(ranks, single, job, name),
+                   "gpt_oss_ep_save": lambda: check_ep_save(ranks, name)})
     if name in checks:
         checks[name]()
     if name.endswith("_score"):  # the MoE families' variants of these checks

@@ -89,12 +89,16 @@ def test_bad_configs_are_refused(changes, match):
         longstraw.build_model({**gpt_oss().to_dict(), **changes})
 
 
-def test_expert_parallelism_is_refused():
+def test_planner_splits_the_biased_experts_over_expert_parallel_ranks():
+    """ep=2: the experts (weights and biases) leave FSDP's gathered units, each GPU holding its two experts; an ep
+    that does not divide the 4 experts is refused (tests/distributed/test_cp.py runs GPT-OSS under EP)."""
     from longstraw.planner import plan
 
-    assert not GptOssExperts.ep_supported
-    with pytest.raises(ValueError, match=r"expert parallelism is not implemented for gpt_oss's experts"):
-        plan(gpt_oss().to_dict(), prompt_len=5, response_len=2, group=2, dtype="float32", gpus=2, ep=2)
+    kw = dict(prompt_len=5, response_len=2, group=2, dtype="float32", gpus=6)
+    fsdp, ep = plan(gpt_oss().to_dict(), **kw), plan(gpt_oss().to_dict(), ep=2, **kw)
+    assert ep.breakdown["gathered"] < fsdp.breakdown["gathered"] and ep.breakdown["all_to_all"] > 0
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 routed experts of a layer"):
+        plan(gpt_oss().to_dict(), ep=3, **kw)
 
 
 def _quantised_checkpoint(hf, tmp_path):

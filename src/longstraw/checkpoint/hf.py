@@ -513,7 +513,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     from longstraw.checkpoint.export import index_json, plan_export, write_export
     from longstraw.distributed.agree import agree, together
     from longstraw.checkpoint.export import Computed
-    from longstraw.distributed.expert_parallel import ep_modules
+    from longstraw.distributed.expert_parallel import ep_modules, expert_tensors, gather_experts
     from longstraw.distributed.fsdp import is_sharded
 
     p = Path(path)
@@ -529,7 +529,7 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
     if model.spec.tie_word_embeddings:
         named = [(n, t) for n, t in named if n != "lm_head.weight"]
     sharded = any(is_sharded(t) for _, t in named)
-    ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
+    ep = {id(p): m for _, m in ep_modules(model) for p in expert_tensors(m)}
     merged = {}
     if merge_lora:
         from longstraw.checkpoint.adapter import merged_weights
@@ -539,9 +539,17 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
             raise ValueError("save_model(merge_lora=True): the model has no LoRA adapters to merge")
 
     def ep_items(n: str, t: torch.Tensor) -> list:
-        """The EP slices of expert weight ``n``; its merge (if any) becomes this rank's slice's, not an item."""
+        """The EP slices of expert weight ``n``; its merge (if any) becomes this rank's slice's, not an item. A
+        checkpoint that stores the experts fused (GPT-OSS: the weight map has no per-expert ``save_rows``) gets the
+        whole tensor instead, gathered over the EP group when its turn comes (a collective every rank joins, in
+        plan order, as an FSDP parameter's ``full_tensor``)."""
         merge = merged.pop(n, None)
-        return _expert_slices(t, ep[id(t)], merge[2] if merge is not None else None)
+        m = ep[id(t)]
+        if hasattr(wmap, "save_rows"):
+            return _expert_slices(t, m, merge[2] if merge is not None else None)
+        rows = merge[2] if merge is not None else (lambda: t)
+        return [Computed((m.num_experts, *t.shape[1:]), merge[1] if merge is not None else t.dtype,
+                         lambda: gather_experts(m, rows()))]
 
     if ep:  # expert-parallel experts: one item per EP slice, written by a rank that holds it (no gather)
         named = [(n, s) for n, t in named for s in (ep_items(n, t) if id(t) in ep else [t])]
@@ -594,9 +602,9 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Sharded (DTensor) gradients are gathered; parameters without a gradient are left out.
     """
     named = _hf_named(model, "hf_grads")
-    from longstraw.distributed.expert_parallel import ep_modules, gather_adapter, gather_experts
+    from longstraw.distributed.expert_parallel import ep_modules, expert_tensors, gather_adapter, gather_experts
 
-    ep = {id(p): m for _, m in ep_modules(model) for p in (m.gate_up_proj, m.down_proj)}
+    ep = {id(p): m for _, m in ep_modules(model) for p in expert_tensors(m)}
     # LoRA on expert-parallel experts: each rank holds its experts' part of lora_A / lora_B
     parts = {id(w): (m, a, which) for _, m in ep_modules(model)
              for a in (getattr(m, "lora_adapters", None) or {}).values()

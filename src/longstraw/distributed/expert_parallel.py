@@ -2,14 +2,16 @@
 
 ``init_distributed(cp=R, fsdp=True, ep=E)`` groups the ``W`` ranks of the job into ``W / E`` EP groups of ``E``
 consecutive ranks (``rank = edp_rank * E + ep_rank``). :func:`shard_experts` (called by ``parallelize``, before
-FSDP) keeps, in every :class:`~longstraw.models.moe_block.Experts` module, only the experts of this rank's EP
-coordinate: rows ``[ep_rank * n / E, (ep_rank + 1) * n / E)`` of the fused ``gate_up_proj [n, 2I, H]`` and
-``down_proj [n, H, I]`` (whole local tensors, not DTensors; FSDP leaves them alone: ``ignored_params``), and swaps
-the module's class for :class:`ExpertParallelExperts`, whose forward
+FSDP) keeps, in every routed-experts module (:class:`~longstraw.models.moe_block.Experts`, GPT-OSS's
+``GptOssExperts``: a module with ``ep_tensor_names`` and ``local_experts``), only the experts of this rank's EP
+coordinate: rows ``[ep_rank * n / E, (ep_rank + 1) * n / E)`` of each tensor ``ep_tensor_names`` lists (the fused
+``gate_up_proj [n, 2I, H]`` and ``down_proj [n, H, I]``; GPT-OSS's transposed ones and their biases ``[n, 2I]``,
+``[n, H]``) (whole local tensors, not DTensors; FSDP leaves them alone: ``ignored_params``), and mixes
+:class:`ExpertParallel` into the module's class (:class:`ExpertParallelExperts` for :class:`Experts`), whose forward
 
 1. sends each routed token slot (sorted by expert, hence by owning rank) to the rank that holds its expert
    (``all_to_all_single`` with uneven splits, after exchanging per-expert counts),
-2. runs the local experts on what it received (``experts_forward`` with one slot per row),
+2. runs the local experts on what it received (the module's own ``local_experts`` with one slot per row),
 3. sends the outputs back (the reverse all-to-all) and combines them with the routing weights, as one process does.
 
 Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so the gradient of the tokens
@@ -45,12 +47,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from longstraw.distributed.context import Comm, ParallelContext
-from longstraw.models.moe_block import Experts, check_expert_parallel
+from longstraw.models.moe_block import Experts
 from longstraw.ops import meta
-from longstraw.ops.moe import combine_slots, experts_forward
+from longstraw.ops.moe import combine_slots
 
-__all__ = ["ExpertParallelExperts", "shard_experts", "ep_modules", "ep_param_ids", "ep_param_rows",
-           "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local", "ep_adapter_params",
+__all__ = ["ExpertParallel", "ExpertParallelExperts", "shard_experts", "expert_tensors", "ep_modules", "ep_param_ids",
+           "ep_param_rows", "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local", "ep_adapter_params",
            "gather_adapter", "expert_params", "ep_local_parts", "expert_adapter_tensors", "adapters_to_dcp",
            "adapters_from_dcp"]
 
@@ -78,7 +80,7 @@ class _ExpertGrad(torch.autograd.Function):
     ranks holding the same experts) and divided by the module's current factor (module docstring)."""
 
     @staticmethod
-    def forward(ctx, module: ExpertParallelExperts, *tensors: Tensor):
+    def forward(ctx, module: ExpertParallel, *tensors: Tensor):
         ctx.module = module
         return tuple(t.view_as(t) for t in tensors)
 
@@ -96,7 +98,7 @@ class _ExpertGrad(torch.autograd.Function):
         return (None, *out)
 
 
-def _trained_local(m: ExpertParallelExperts, tensors: list[Tensor]) -> list[Tensor]:
+def _trained_local(m: ExpertParallel, tensors: list[Tensor]) -> list[Tensor]:
     """``tensors`` with those that require a gradient passed through :class:`_ExpertGrad` (one call, one
     reduction); frozen ones as they are (LoRA: the base experts get no gradient, and none is computed for them)."""
     idx = [i for i, t in enumerate(tensors) if t.requires_grad]
@@ -114,16 +116,22 @@ def _adapters(m: nn.Module) -> list:
     return [(p, a) for p, a in (getattr(m, "lora_adapters", None) or {}).items() if not a.disabled]
 
 
+def expert_tensors(m: nn.Module) -> list[nn.Parameter]:
+    """An experts module's tensors split by expert (``ep_tensor_names``: the fused weights, and GPT-OSS's biases)."""
+    return [getattr(m, n) for n in m.ep_tensor_names]
+
+
 def expert_params(m: nn.Module) -> list[nn.Parameter]:
-    """The parameters expert parallelism splits, of an experts module: its fused weights (rows) and, with LoRA on
+    """The parameters expert parallelism splits, of an experts module: its expert tensors (rows) and, with LoRA on
     them, its adapters (``lora_A`` / ``lora_B``); under expert parallelism this rank's parts (per-rank parameters)."""
     adapters = (getattr(m, "lora_adapters", None) or {}).values()
-    return [m.gate_up_proj, m.down_proj] + [w for a in adapters for w in (a.lora_A.weight, a.lora_B.weight)]
+    return expert_tensors(m) + [w for a in adapters for w in (a.lora_A.weight, a.lora_B.weight)]
 
 
-class ExpertParallelExperts(Experts):
-    """An :class:`Experts` module holding experts ``[first, first + local)`` of ``num_experts`` (module docstring).
-    Set up by :func:`shard_experts`; never constructed directly."""
+class ExpertParallel:
+    """The expert-parallel form of a routed-experts module (:class:`Experts`, GPT-OSS's biased experts: any module
+    with ``ep_tensor_names`` and ``local_experts``), holding experts ``[first, first + local)`` of ``num_experts``
+    (module docstring): mixed in before the module's class by :func:`shard_experts`; never constructed directly."""
 
     ep: Comm
     edp: Comm | None
@@ -132,17 +140,16 @@ class ExpertParallelExperts(Experts):
     mesh: object  # the ("edp", "ep") DeviceMesh: replicated over edp, rows sharded over ep (state dicts)
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        gu, dn = self.gate_up_proj, self.down_proj
+        tensors = expert_tensors(self)
         adapters = _adapters(self)
         if meta.is_meta(x):  # the planner's dry run: shapes only (as one process with all experts)
-            full_gu = gu.new_empty((self.num_experts, *gu.shape[1:]), device="meta")
-            full_dn = dn.new_empty((self.num_experts, *dn.shape[1:]), device="meta")
+            full = [t.new_empty((self.num_experts, *t.shape[1:]), device="meta") for t in tensors]
             lora = {p: (a.lora_A.weight.new_empty((self.num_experts, a.r, a.in_features), device="meta"),
                         a.lora_B.weight.new_empty((self.num_experts, a.out_features, a.r), device="meta"),
                         a.scaling) for p, a in adapters}
-            return experts_forward(x, expert_ids, weights, full_gu, full_dn, self.act, lora=lora or None)
+            return self.local_experts(x, expert_ids, weights, full, lora or None)
         n, k = expert_ids.shape
-        local, size = gu.shape[0], self.ep.size
+        local, size = tensors[0].shape[0], self.ep.size
         flat = expert_ids.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)  # slots by expert, so by owning rank (token order within)
@@ -158,15 +165,18 @@ class ExpertParallelExperts(Experts):
         xr = _AllToAll.apply(x[token_idx], self.ep.group, out_splits, in_splits)  # [received, H]
         # the trained local tensors (the experts, or with LoRA their adapters' parts A [local*r, in], B [out,
         # r*local]) through the identity whose backward reduces their gradients over edp
-        gu, dn, *ab = _trained_local(self, [gu, dn] + [w for _, a in adapters for w in (a.lora_A.weight,
-                                                                                         a.lora_B.weight)])
+        nt = len(tensors)
+        trained = _trained_local(self, tensors + [w for _, a in adapters for w in (a.lora_A.weight,
+                                                                                   a.lora_B.weight)])
+        tensors, ab = trained[:nt], trained[nt:]
         lora = {p: (*a.factors(ab[2 * i], ab[2 * i + 1]), a.scaling) for i, (p, a) in enumerate(adapters)}
-        if gu.dtype != x.dtype:  # fp32 master experts under a low-precision compute dtype: compute in x's
-            gu, dn = gu.to(x.dtype), dn.to(x.dtype)  # (experts_forward casts the adapters' factors itself)
-        yr = experts_forward(xr, local_ids, xr.new_ones(local_ids.shape), gu, dn, self.act, lora=lora or None)
+        # fp32 master experts under a low-precision compute dtype: compute in x's (experts_forward casts the
+        # adapters' factors itself)
+        tensors = [t.to(x.dtype) if t.dtype != x.dtype else t for t in tensors]
+        yr = self.local_experts(xr, local_ids, xr.new_ones(local_ids.shape), tensors, lora or None)
         if yr.shape[0] == 0:  # nothing received: keep the received rows and the trained tensors in the graph, so
             # this rank's backward runs the same collectives as the others
-            yr = yr + 0 * (xr.sum() + sum(t.sum() for t in [gu, dn, *ab]))
+            yr = yr + 0 * (xr.sum() + sum(t.sum() for t in [*tensors, *ab]))
         ys = _AllToAll.apply(yr, self.ep.group, in_splits, out_splits)  # back in the order of x[token_idx]
         return combine_slots(ys, weights.reshape(-1)[order], token_idx, n, x.dtype)
 
@@ -175,9 +185,24 @@ class ExpertParallelExperts(Experts):
                 f"(ep rank {self.ep.rank} of {self.ep.size})")
 
 
-def ep_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
+class ExpertParallelExperts(ExpertParallel, Experts):
+    """An :class:`Experts` module holding experts ``[first, first + local)`` of ``num_experts``."""
+
+
+_EP_CLASSES: dict[type, type] = {Experts: ExpertParallelExperts}
+
+
+def _ep_class(base: type) -> type:
+    """The expert-parallel class of an experts module's class (one per class, made on first use)."""
+    if base not in _EP_CLASSES:
+        _EP_CLASSES[base] = type(f"ExpertParallel{base.__name__}", (ExpertParallel, base),
+                                 {"__doc__": f"A {base.__name__} module holding some of its experts (ExpertParallel)."})
+    return _EP_CLASSES[base]
+
+
+def ep_modules(model: nn.Module) -> list[tuple[str, ExpertParallel]]:
     """The expert-parallel modules of ``model`` with their names."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallel)]
 
 
 def ep_param_ids(model: nn.Module) -> set[int]:
@@ -192,7 +217,7 @@ def ep_param_rows(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     out = {}
     for name, m in ep_modules(model):
         b = m.first + m.gate_up_proj.shape[0]
-        for p in ("gate_up_proj", "down_proj"):
+        for p in m.ep_tensor_names:
             out[f"{name}.{p}" if name else p] = (m.num_experts, m.first, b)
     return out
 
@@ -223,12 +248,12 @@ def set_ep_divide_factor(model: nn.Module, factor: float) -> None:
         m.divide_factor = float(factor)
 
 
-def gather_experts(module: ExpertParallelExperts, t: Tensor) -> Tensor:
+def gather_experts(module: ExpertParallel, t: Tensor) -> Tensor:
     """The full ``[num_experts, ...]`` tensor from every EP rank's local ``t`` (a collective of the EP group)."""
     return module.ep.all_gather(t.detach()).reshape(module.num_experts, *t.shape[1:])
 
 
-def ep_adapter_params(model: nn.Module) -> dict[str, tuple[ExpertParallelExperts, object, str]]:
+def ep_adapter_params(model: nn.Module) -> dict[str, tuple[ExpertParallel, object, str]]:
     """``{parameter name: (its expert-parallel module, its ExpertLoRA, "lora_A" | "lora_B")}`` of the LoRA adapters
     on expert-parallel experts (each rank holds its experts' part: ``models.lora.ExpertLoRA.take``)."""
     out = {}
@@ -239,7 +264,7 @@ def ep_adapter_params(model: nn.Module) -> dict[str, tuple[ExpertParallelExperts
     return out
 
 
-def gather_adapter(module: ExpertParallelExperts, adapter, which: str, t: Tensor) -> Tensor:
+def gather_adapter(module: ExpertParallel, adapter, which: str, t: Tensor) -> Tensor:
     """The whole adapter tensor of ``which`` (``[total*r, in]`` / ``[out, r*total]``, PEFT's layout) from every EP
     rank's part ``t`` (this rank's ``lora_A`` / ``lora_B`` or its gradient): a collective of the EP group."""
     from longstraw.models.lora import join_expert_pieces
@@ -248,14 +273,14 @@ def gather_adapter(module: ExpertParallelExperts, adapter, which: str, t: Tensor
 
 
 def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
-    """Keep only this rank's experts in every :class:`Experts` module of ``model`` (module docstring); in place, on
-    meta or real tensors. ValueError if ``ctx.ep_size`` does not divide a layer's number of experts."""
+    """Keep only this rank's experts in every routed-experts module of ``model`` (those with ``ep_tensor_names``:
+    :class:`Experts`, GPT-OSS's; module docstring); in place, on meta or real tensors. ValueError if
+    ``ctx.ep_size`` does not divide a layer's number of experts."""
     size = ctx.ep_size
     if size == 1:
         return model
-    check_expert_parallel(model)
     for name, m in model.named_modules():
-        if type(m) is not Experts:
+        if not hasattr(m, "ep_tensor_names") or isinstance(m, ExpertParallel):
             continue
         n = m.num_experts
         if n % size:
@@ -264,20 +289,20 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         local = n // size
         a = ctx.ep_rank * local
         with torch.no_grad():
-            for pname in ("gate_up_proj", "down_proj"):
+            for pname in m.ep_tensor_names:
                 p = getattr(m, pname)
                 setattr(m, pname, nn.Parameter(p[a:a + local].clone(), requires_grad=p.requires_grad))
         for adapter in (getattr(m, "lora_adapters", None) or {}).values():  # LoRA on the experts: their parts
             adapter.keep_experts(a, local)
-        m.__class__ = ExpertParallelExperts
+        m.__class__ = _ep_class(type(m))
         m.ep, m.edp, m.first, m.mesh = ctx.ep, ctx.edp, a, ctx.ep_mesh
         m.divide_factor = float(ctx.world_size)
     mark_params(model)
     return model
 
 
-def _ep_tensors(model: nn.Module) -> dict[str, ExpertParallelExperts]:
-    return {f"{n}.{p}" if n else p: m for n, m in ep_modules(model) for p in ("gate_up_proj", "down_proj")}
+def _ep_tensors(model: nn.Module) -> dict[str, ExpertParallel]:
+    return {f"{n}.{p}" if n else p: m for n, m in ep_modules(model) for p in m.ep_tensor_names}
 
 
 def _state_entries(owners: dict, model_sd: dict | None, optim_sd: dict | None, shaped_like):
@@ -330,7 +355,7 @@ def ep_state_to_local(model: nn.Module, model_sd: dict | None, optim_sd: dict | 
 
 
 # ----------------------------------------------------------------------- expert adapters in a DCP checkpoint
-def expert_adapter_tensors(model: nn.Module) -> dict[str, tuple[object, str, ExpertParallelExperts | None]]:
+def expert_adapter_tensors(model: nn.Module) -> dict[str, tuple[object, str, ExpertParallel | None]]:
     """``{parameter name: (its ExpertLoRA, "lora_A" | "lora_B", its expert-parallel module or None)}`` of every
     LoRA adapter on routed experts (``target_parameters``), expert-parallel or not."""
     from longstraw.models.lora import ExpertLoRA

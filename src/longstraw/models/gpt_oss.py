@@ -70,15 +70,16 @@ class GptOssRouter(nn.Module):
 class GptOssExperts(nn.Module):
     """``mlp.experts``: ``E`` biased experts in transformers' layout (module docstring), applied as ``x @ W``
     (``transposed``: LoRA's ``target_parameters`` adapters take ``in = H`` / ``out = 2I`` for ``gate_up_proj``, as
-    PEFT's ``ParamWrapper`` does for transformers' ``is_transposed`` experts). Expert parallelism does not shard
-    them (``ep_supported``: the planner and ``shard_experts`` refuse ``ep > 1``)."""
+    PEFT's ``ParamWrapper`` does for transformers' ``is_transposed`` experts). Expert parallelism splits the four
+    tensors by expert (``ep_tensor_names``, ``distributed.expert_parallel``)."""
 
-    ep_supported = False
     transposed = True
+    ep_tensor_names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, alpha: float, limit: float):
         super().__init__()
         self.num_experts, self.intermediate, self.alpha, self.limit = num_experts, intermediate, alpha, limit
+        self.hidden = hidden
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate).normal_(0, 0.02))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden).normal_(0, 0.02))
@@ -87,10 +88,17 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """x ``[N, H]``, expert_ids / weights ``[N, k]`` -> ``[N, H]``."""
-        form = ExpertForm(transposed=True, interleaved=True, gate_up_bias=self.gate_up_proj_bias,
-                          down_bias=self.down_proj_bias, glu=self._glu)
-        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, form=form,
-                               lora=expert_lora(self))
+        return self.local_experts(x, expert_ids, weights, [getattr(self, n) for n in self.ep_tensor_names],
+                                  expert_lora(self))
+
+    def local_experts(self, x: Tensor, expert_ids: Tensor, weights: Tensor, tensors: list[Tensor],
+                      lora: dict | None) -> Tensor:
+        """The experts' computation with the given ``tensors`` (``ep_tensor_names``' order: an expert-parallel rank
+        passes its rows) and LoRA factors."""
+        gate_up, gate_up_bias, down, down_bias = tensors
+        form = ExpertForm(transposed=True, interleaved=True, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                          glu=self._glu)
+        return experts_forward(x, expert_ids, weights, gate_up, down, form=form, lora=lora)
 
 
 class GptOssMoE(nn.Module):

@@ -48,11 +48,16 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """``E`` routed SwiGLU experts in the fused layout (see module docstring)."""
+    """``E`` routed SwiGLU experts in the fused layout (see module docstring).
+
+    ``ep_tensor_names``: the parameters whose dim 0 is the expert (what expert parallelism splits, and
+    :meth:`local_experts` takes, in this order)."""
+
+    ep_tensor_names = ("gate_up_proj", "down_proj")
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, act: str = "silu"):
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self.num_experts, self.intermediate, self.hidden = num_experts, intermediate, hidden
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden).normal_(0, 0.02))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate).normal_(0, 0.02))
         self.act = activation(act)
@@ -60,8 +65,14 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """x ``[N, H]``, expert_ids / weights ``[N, k]`` -> ``[N, H]`` (with the LoRA adapters of the fused weights,
         ``lora_adapters``, when ``models.lora`` added some)."""
-        return experts_forward(x, expert_ids, weights, self.gate_up_proj, self.down_proj, self.act,
-                               lora=expert_lora(self))
+        return self.local_experts(x, expert_ids, weights, [self.gate_up_proj, self.down_proj], expert_lora(self))
+
+    def local_experts(self, x: Tensor, expert_ids: Tensor, weights: Tensor, tensors: list[Tensor],
+                      lora: dict | None) -> Tensor:
+        """The experts' computation with the given ``tensors`` (``ep_tensor_names``' order; an expert-parallel
+        rank's rows, ``expert_ids`` indexing them) and LoRA factors."""
+        gate_up, down = tensors
+        return experts_forward(x, expert_ids, weights, gate_up, down, self.act, lora=lora)
 
 
 class SparseMoeBlock(nn.Module):
@@ -90,16 +101,6 @@ class SparseMoeBlock(nn.Module):
                 s = torch.sigmoid(self.shared_expert_gate(flat)) * s
             y = y + s
         return y.reshape(shape)
-
-
-def check_expert_parallel(model: nn.Module) -> None:
-    """ValueError if ``model`` has routed experts that expert parallelism cannot shard (``ep_supported = False`` on
-    their module: GPT-OSS's biased experts), naming the model type."""
-    odd = [n for n, m in model.named_modules() if getattr(m, "ep_supported", True) is False]
-    if odd:
-        mt = getattr(getattr(model, "spec", None), "model_type", type(model).__name__)
-        raise ValueError(f"expert parallelism is not implemented for {mt}'s experts ({odd[0]}: "
-                         f"{type(model.get_submodule(odd[0])).__name__}); use ep=1")
 
 
 def qwen_moe_block(hidden: int, num_experts: int, top_k: int, moe_intermediate: int, shared_intermediate: int,
