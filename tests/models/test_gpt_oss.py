@@ -9,7 +9,7 @@ from hf_reference import (cached_pairs, check_float64_parity, check_low_precisio
 from transformers import AutoModelForCausalLM, GptOssConfig
 
 import longstraw
-from longstraw.models.gpt_oss import GptOssExperts, GptOssMoE
+from longstraw.models.gpt_oss import GptOssMoE
 
 V = 61
 
