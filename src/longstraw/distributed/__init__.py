@@ -20,16 +20,19 @@ from longstraw.distributed.cp_latent import ShardedIndexedLatentState, ShardedLa
 from longstraw.distributed.cp_recurrent import ShardedRecurrentState
 from longstraw.distributed.cp_state import (ShardedKVState, ShardedPromptState, ShardLayout, register_cp_kind,
                                             shard_layout, shard_states)
+from longstraw.distributed.cp_window import ShardedSlidingState
 from longstraw.distributed.expert_parallel import ExpertParallelExperts, ep_modules, shard_experts
 from longstraw.distributed.fsdp import apply_fsdp, fsdp_modules
 from longstraw.distributed.placement import ContextParallel, all_reduce_data_parallel, check_same_group
 from longstraw.models.deltanet import RecurrentState
 from longstraw.models.dsa import IndexedLatentState
 from longstraw.models.mla import LatentState
+from longstraw.state import SlidingKVState
 
 register_cp_kind(RecurrentState, ShardedRecurrentState)
 register_cp_kind(LatentState, ShardedLatentState)
 register_cp_kind(IndexedLatentState, ShardedIndexedLatentState)  # exact type match: the subclass needs its own
+register_cp_kind(SlidingKVState, ShardedSlidingState)
 
 
 def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, fsdp: bool | None = None,
@@ -58,7 +61,7 @@ def parallelize(model: torch.nn.Module, ctx: ParallelContext | None = None, *, f
 __all__ = [
     "init_distributed", "shutdown_distributed", "get_context", "cp_active", "ParallelContext", "Comm",
     "ContextParallel", "ShardedSegment", "StepPieces", "cp_segment_attention", "ShardedKVState",
-    "ShardedRecurrentState", "ShardedLatentState", "ShardedIndexedLatentState", "ShardedPromptState", "ShardLayout",
-    "shard_layout", "shard_states", "register_cp_kind", "check_same_group", "all_reduce_data_parallel", "apply_fsdp",
+    "ShardedRecurrentState", "ShardedLatentState", "ShardedIndexedLatentState", "ShardedSlidingState",
+    "ShardedPromptState", "ShardLayout", "shard_layout", "shard_states", "register_cp_kind", "check_same_group", "all_reduce_data_parallel", "apply_fsdp",
     "parallelize", "ExpertParallelExperts", "shard_experts", "ep_modules",
 ]

@@ -11,7 +11,8 @@ A sharded layer state wraps the single-process state of its kind, sized for the 
 same :class:`~longstraw.state.LayerState` protocol in GLOBAL positions, plus ``step_prefix(k, grad)`` (what the
 mixer consumes for this rank's piece of step ``k``). Kinds plug in through :func:`register_cp_kind`
 (docs/DISTRIBUTED.md lists the contract); ``KVState`` (full attention) is implemented here, ``SlidingKVState`` (a
-sliding window: replicated tails, not sharded) in ``cp_window.py``.
+sliding window: replicated tails, not sharded) in ``cp_window.py``, the others beside their ops (registered by
+``longstraw.distributed``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_attention import ShardedSegment, StepPieces
-from longstraw.distributed.cp_window import ShardedSlidingState
 from longstraw.distributed.expert_parallel import ep_param_ids, set_ep_divide_factor
 from longstraw.distributed.fsdp import fsdp_modules, is_sharded
-from longstraw.state import KVDecoder, KVState, LayerState, PromptState, SlidingKVState
+from longstraw.state import KVDecoder, KVState, LayerState, PromptState
 
 __all__ = ["ShardLayout", "shard_layout", "PositionShardedState", "ShardedKVState", "ShardedPromptState", "ShardedLayerState",
            "register_cp_kind", "shard_states"]
@@ -264,8 +264,7 @@ class ShardedPromptState(PromptState):
             p.grad = g if old is None else old.add_(g)
 
 
-_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState,
-                                                                SlidingKVState: ShardedSlidingState}
+_KINDS: dict[type, Callable[[Any, ShardLayout, Comm], Any]] = {KVState: ShardedKVState}
 
 
 def register_cp_kind(state_type: type, factory: Callable[[Any, ShardLayout, Comm], Any]) -> None:

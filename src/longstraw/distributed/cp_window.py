@@ -31,13 +31,13 @@ the halo's backward is a collective).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
-from longstraw.distributed.cp_attention import StepPieces
+from longstraw.distributed.cp_attention import StepPieces, _pad_time
+from longstraw.distributed.cp_state import PositionShardedState, ShardLayout
 from longstraw.ops.attention import KVSegment, segment_attention
 from longstraw.ops.partitioned import PartitionedSegment
 from longstraw.ops.sinks import read_summed
@@ -51,14 +51,6 @@ def halo_tails(lengths: tuple[int, ...], window: int) -> list[int]:
     return [min(n, window - 1) for n in lengths]
 
 
-def _pad_time(x: Tensor, length: int) -> Tensor:
-    """``x [1, H, T, D]`` zero-padded on the time axis to ``length`` -> ``[H, length, D]``."""
-    x = x[0]
-    if x.shape[1] == length:
-        return x.contiguous()
-    return torch.cat([x, x.new_zeros(x.shape[0], length - x.shape[1], x.shape[2])], dim=1)
-
-
 class _Halo(torch.autograd.Function):
     """Every rank's piece tail ``[1, Hkv, m_r, D]`` (padded to ``tm``) on every rank: ``[R, Hkv, tm, D]``. Backward:
     block ``j`` of the gradient goes to rank ``j`` (``all_to_all``), which sums what every rank sent it."""
@@ -66,7 +58,7 @@ class _Halo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, comm: Comm, tm: int):
         ctx.comm, ctx.m = comm, k.shape[2]
-        return comm.all_gather(_pad_time(k, tm)), comm.all_gather(_pad_time(v, tm))
+        return comm.all_gather(_pad_time(k, tm)[0]), comm.all_gather(_pad_time(v, tm)[0])
 
     @staticmethod
     def backward(ctx, gk, gv):
@@ -138,16 +130,17 @@ class HaloSegment(PartitionedSegment):
         return (out, lse) if return_lse else out
 
 
-class ShardedSlidingState:
+class ShardedSlidingState(PositionShardedState):
     """A sliding layer's prompt state under CP (see the module docstring): ``local``, a
     :class:`~longstraw.state.SlidingKVState` in global positions holding each layout step's tail, the same on every
-    rank. Speaks the :class:`~longstraw.distributed.cp_state.ShardedLayerState` protocol: ``write`` (a collective),
-    ``step_prefix``, ``prefix``, ``backward_roots`` (a collective in exact mode)."""
+    rank (not a share of the positions: its ``write`` and ``backward_roots`` are its own, the gradient buffers and
+    byte counts :class:`~longstraw.distributed.cp_state.PositionShardedState`'s). Speaks the
+    :class:`~longstraw.distributed.cp_state.ShardedLayerState` protocol: ``write`` (a collective), ``step_prefix``,
+    ``prefix``, ``backward_roots`` (a collective in exact mode)."""
 
-    def __init__(self, local: SlidingKVState, layout: Any, comm: Comm):  # layout: a cp_state.ShardLayout
-        self.local, self.layout, self.comm = local, layout, comm
-        self.rank, self.window = comm.rank, local.window
-        self.length = 0
+    def __init__(self, local: SlidingKVState, layout: ShardLayout, comm: Comm):
+        super().__init__(local, layout, comm)
+        self.window = local.window
 
     def _step_of(self, start: int, end: int) -> int:
         for i, piece in enumerate(self.layout.pieces(self.rank)):
@@ -170,8 +163,8 @@ class ShardedSlidingState:
         k, v = (x.detach() for x in piece)  # [1, Hkv, T, D]
         mine = slice(spans[self.rank][0] - start, None) if n[self.rank] else slice(0, 0)
         tm = max(n)
-        gk = self.comm.all_gather(_pad_time(k[:, :, mine], tm))  # [R, Hkv, tm, D]
-        gv = self.comm.all_gather(_pad_time(v[:, :, mine], tm))
+        gk = self.comm.all_gather(_pad_time(k[:, :, mine], tm)[0])  # [R, Hkv, tm, D]
+        gv = self.comm.all_gather(_pad_time(v[:, :, mine], tm)[0])
         parts = [j for j in range(len(n)) if n[j]]
         tail_k = torch.cat([gk[j : j + 1, :, : n[j]] for j in parts], dim=2)
         tail_v = torch.cat([gv[j : j + 1, :, : n[j]] for j in parts], dim=2)
@@ -207,27 +200,6 @@ class ShardedSlidingState:
         if a >= end:
             return [(k, torch.zeros_like(k)), (v, torch.zeros_like(v))]
         return [(k[:, :, a - start :], gk[:, :, a - lo : end - lo]), (v[:, :, a - start :], gv[:, :, a - lo : end - lo])]
-
-    def enable_grad(self, dtype: torch.dtype | None = None, offload: bool = False) -> None:
-        self.local.enable_grad(dtype, offload)
-
-    def release_grad(self) -> None:
-        self.local.release_grad()
-
-    def offload(self) -> None:
-        self.local.offload()
-
-    def nbytes(self) -> int:
-        return self.local.nbytes()
-
-    def grad_nbytes(self) -> int:
-        return self.local.grad_nbytes()
-
-    def grad_host_nbytes(self) -> int:
-        return self.local.grad_host_nbytes()
-
-    def host_nbytes(self) -> int:
-        return self.local.host_nbytes()
 
     def decoder(self, batch: int, max_new: int) -> KVDecoder:
         return KVDecoder(self, batch, max_new)  # reads prefix(length): the local tails
