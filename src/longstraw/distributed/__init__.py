@@ -62,6 +62,6 @@ __all__ = [
     "init_distributed", "shutdown_distributed", "get_context", "cp_active", "ParallelContext", "Comm",
     "ContextParallel", "ShardedSegment", "StepPieces", "cp_segment_attention", "ShardedKVState",
     "ShardedRecurrentState", "ShardedLatentState", "ShardedIndexedLatentState", "ShardedSlidingState",
-    "ShardedPromptState", "ShardLayout", "shard_layout", "shard_states", "register_cp_kind", "check_same_group", "all_reduce_data_parallel", "apply_fsdp",
-    "parallelize", "ExpertParallelExperts", "shard_experts", "ep_modules",
+    "ShardedPromptState", "ShardLayout", "shard_layout", "shard_states", "register_cp_kind", "check_same_group",
+    "all_reduce_data_parallel", "apply_fsdp", "parallelize", "ExpertParallelExperts", "shard_experts", "ep_modules",
 ]
