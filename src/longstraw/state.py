@@ -467,6 +467,15 @@ class Placement:
         """Called when a public engine call (``generate``, ``score``, ``grpo_backward``) returns or fails: leave the
         model's parameters as the optimiser holds them (under FSDP: every unit resharded). Nothing in one process."""
 
+    def check_kept_graphs(self, model: Any, budget: int) -> None:
+        """ValueError if prompt-step graphs (``GRPOConfig.graph_budget_bytes``) cannot be kept under this placement
+        (``engine/kept_graphs.py``); in one process they always can."""
+
+    def agree_max(self, values: list[float]) -> list[float]:
+        """The elementwise maximum of ``values`` over the processes that share the prompt state, so that they make
+        the same plan (the kept graphs' splits) from their own measurements; in one process: ``values``."""
+        return values
+
 
 LOCAL = Placement()
 

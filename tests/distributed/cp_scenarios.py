@@ -56,7 +56,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
-                    checkpoint_layers=False, mla_mode=None, dtype=None, offload=False, state_offload=False):
+                    checkpoint_layers=False, mla_mode=None, dtype=None, offload=False, state_offload=False,
+                    graph_budget=None):
     """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
     ``mla_mode``: force an MLA form (in one process and under CP alike; see :func:`_mla_mode`). Every rank passes
     the same groups: with the mean over data-parallel replicas, the gradients are the single process's.
@@ -69,8 +70,9 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
     cfg = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=chunk, branch_batch=branch_batch,
                                checkpoint_layers=checkpoint_layers, kl_coef=0.05, entropy_coef=0.01,
-                               offload_state_grad=offload, offload_state=state_offload)
-    out = {"loss": [], "logprobs": [], "state_bytes": [], "state_grad_bytes": []}
+                               offload_state_grad=offload, offload_state=state_offload,
+                               graph_budget_bytes=graph_budget)
+    out = {"loss": [], "logprobs": [], "state_bytes": [], "state_grad_bytes": [], "kept": []}
     for i, (prompt, responses, adv) in enumerate(groups):
         old, ref = _old_ref(model, prompt, responses, cfg, seed=40 + i)
         with _sink_guard(offload) as touched, _host_guard(state_offload) as read:
@@ -84,6 +86,7 @@ def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, c
         out["logprobs"].append([lp.cpu() for lp in st.logprobs])
         out["state_bytes"].append(st.prompt_state_bytes)
         out["state_grad_bytes"].append(st.prompt_state_grad_bytes)
+        out["kept"].append((st.kept_steps, st.kept_layers))  # what the graph budget kept: (whole steps, layers)
         out["metrics"] = st.metrics
     out["grads"] = _grads(model)
     out["sharded_params"] = sum(hasattr(p, "full_tensor") for p in model.parameters())
@@ -182,6 +185,42 @@ def window_state_bytes(paths, *, family="gemma3_w5", exact=False):
         out.append({"nbytes": ls.nbytes(), "sliding": tails is not None,
                     "positions": [(t.start, t.end) for t in tails] if tails is not None else None})
     return {"layers": out, "window": model.spec.sliding_window}
+
+
+def _split_budget(paths, family="gemma3_w5", chunk=2) -> int:
+    """A graph budget under which the first group of :func:`grpo_two_groups` (prefill chunks of ``chunk``) keeps its
+    last step whole and the top layers of the one before: found on a throwaway model by trying fractions of a
+    measured step (the ranks plan alike: the steps' costs are agreed over them). Enough steps that the one split is
+    not step 0 (kept whole or not at all)."""
+    model = longstraw.load_model(paths[family])
+    prompt, responses, adv = group(5, 23, [4, 1, 6])
+
+    def kept(budget):
+        return longstraw.grpo_backward(model, prompt, responses, adv,
+                                       longstraw.GRPOConfig(prefill_chunk=chunk, graph_budget_bytes=budget))
+
+    step = kept(1 << 30).step_graph_bytes
+    ctx = distributed.cp_active()
+    if ctx is not None:  # a rank's step-0 piece may be shorter than another's: one budget for all
+        step = int(ctx.cp.all_reduce_max(torch.tensor([step])).item())
+    for f in range(11, 30):
+        budget = int(f / 10 * step)
+        if kept(budget).kept_layers > 0:
+            return budget
+    raise AssertionError(f"no budget between 1.1 and 2.9 steps of {step} bytes splits a step")
+
+
+def kept_refused(paths):
+    """A graph budget on the DeltaNet hybrid: refused under CP (one line, before anything runs), fine in one
+    process."""
+    model = longstraw.load_model(paths["hybrid"])
+    prompt, responses, adv = group(5, 23, [4, 1, 6])
+    try:
+        longstraw.grpo_backward(model, prompt, responses, adv, longstraw.GRPOConfig(graph_budget_bytes=1 << 30))
+        return {"error": None}
+    except ValueError as e:
+        assert all(p.grad is None for p in model.parameters())
+        return {"error": str(e)}
 
 
 def bad_inputs(paths):
@@ -460,6 +499,14 @@ SCENARIOS = {
     "minimax_exact": lambda p: grpo_two_groups(p, family="minimax_m2", branch_batch=2),
     "olmoe_detached": lambda p: grpo_two_groups(p, family="olmoe", prompt_grad="detached"),
     "gemma3_exact": lambda p: grpo_two_groups(p, family="gemma3", chunk=4),
+    # kept prompt-step graphs under CP (a graph budget: every step's, or a step and the top layer of the next)
+    "kept_exact": lambda p: grpo_two_groups(p, graph_budget=1 << 30),
+    "kept_split": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=2, graph_budget=_split_budget(p)),
+    "w5_exact_kept": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=2, graph_budget=1 << 30),
+    "gpt_oss_exact_kept": lambda p: grpo_two_groups(p, family="gpt_oss", graph_budget=1 << 30),
+    "v3_exact_kept": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, graph_budget=1 << 30),
+    "dsa_exact_kept": lambda p: grpo_two_groups(p, family="glm_moe_dsa", graph_budget=1 << 30),
+    "hybrid_kept_refused": lambda p: kept_refused(p),
     # past the window (distributed/cp_window.py): Gemma 3 with a window of 5, GPT-OSS (sinks, windows of 4)
     "w5_exact": lambda p: grpo_two_groups(p, family="gemma3_w5"),
     "w5_exact_c1": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=1),  # 1-token pieces

@@ -44,10 +44,11 @@ pytestmark = pytest.mark.timeout(600)
 ALL = ["exact", "detached", "exact_fsdp", "detached_fsdp", "qwen3_exact_ckpt", "qwen3_exact_fsdp",
        "hybrid_exact", "hybrid_detached", "hybrid_exact_fsdp_ckpt", "hybrid_generate", "score", "generate",
        "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "hybrid_exact_offload",
-       "exact_state_offload", "hybrid_exact_state_offload", "hybrid_detached_state_offload"]
+       "exact_state_offload", "hybrid_exact_state_offload", "hybrid_detached_state_offload", "kept_exact",
+       "kept_split", "hybrid_kept_refused"]
 FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "hybrid_detached",
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks",
-        "exact_state_offload"]
+        "exact_state_offload", "kept_exact", "kept_split"]
 DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_dp_sum_fsdp", "fp32_exact",
       "bf16_exact"]
 MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
@@ -55,7 +56,7 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
         "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact",
-        "olmoe_detached", "gemma3_exact"]
+        "olmoe_detached", "gemma3_exact", "v3_exact_kept", "dsa_exact_kept"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
         "next_detached"]
@@ -93,9 +94,10 @@ EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_exp
 # score, generate, the replicated state's bytes
 WINDOW2 = ["w5_exact", "w5_detached", "w5_exact_ckpt", "w5_exact_offload", "w5_exact_state_offload",
            "w5_score", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes", "gpt_oss_exact", "gpt_oss_detached",
-           "gpt_oss_exact_fsdp", "gpt_oss_score", "gpt_oss_generate", "gemma3_exact"]
+           "gpt_oss_exact_fsdp", "gpt_oss_score", "gpt_oss_generate", "gemma3_exact", "w5_exact_kept",
+           "gpt_oss_exact_kept"]
 WINDOW4 = ["w5_exact", "w5_exact_c1", "w5_detached", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes",
-           "gpt_oss_exact", "gpt_oss_detached", "gpt_oss_score"]
+           "gpt_oss_exact", "gpt_oss_detached", "gpt_oss_score", "w5_exact_kept"]
 # job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "mla_cp2": (2, 2, False, MLA2),
@@ -107,7 +109,7 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "window_cp4": (4, 4, False, WINDOW4)}
 _EP_ONLY = ("ep_experts", "ep_save", "ep_init", "gpt_oss_ep_experts", "gpt_oss_ep_save")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
-             "registered_shards", "offload_dcp")
+             "registered_shards", "offload_dcp", "kept_refused")
 GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4 + WINDOW2 + WINDOW4
                   if s not in _EP_ONLY and not any(s == n or s.endswith("_" + n) for n in _NOT_GRPO)]
 # tiny MoE configs (as tests/engine/test_deepseek_grpo.py); DSA: 32 index heads and index_topk below the prompt
@@ -242,6 +244,9 @@ def check_gradients(ranks, single, job, name):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"{job} rank {r} {name}")
         if "grad_norm" in got and "grad_norm" in want:
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-8 * want["grad_norm"], (job, r, name)
+        if "kept" in name:  # the ranks planned alike (agreed measurements), and the budget kept something
+            assert got["kept"] == ranks[0][name]["kept"] and all(k != (0, 0) for k in got["kept"]), got["kept"]
+            assert "split" not in name or any(layers > 0 for _, layers in got["kept"]), got["kept"]
         sharded = got.get("sharded_params")
         if sharded is not None:  # FSDP2 really sharded the decoder layers (and only where asked)
             assert (sharded > 0) == ("fsdp" in name or JOBS[job][2]), (job, name, sharded)
@@ -301,6 +306,14 @@ def check_window_state_bytes(ranks, single, job, name):
         assert mine[0]["positions"] == expect, (i, mine[0]["positions"], expect)
         per_position = layer["nbytes"] // sum(e - s for s, e in layer["positions"])
         assert mine[0]["nbytes"] == per_position * sum(e - s for s, e in expect)
+
+
+def check_kept_refused(ranks, single, job):
+    assert single("hybrid_kept_refused")["error"] is None
+    for got in _result(ranks, "hybrid_kept_refused"):
+        assert got["error"] == (f"graph_budget_bytes=1073741824: layer 0 keeps a RecurrentState prompt state, whose "
+                                f"context-parallel form cannot keep prompt-step graphs (cp={JOBS[job][1]}); use "
+                                "graph_budget_bytes=None or cp=1"), got["error"]
 
 
 def check_op_blocks(ranks, single):
@@ -449,6 +462,7 @@ def _check(job, name, ranks, single):
               "master_weights": lambda: check_master_weights(ranks),
               "registered_shards": lambda: check_registered_shards(ranks),
               "offload_dcp": lambda: check_offload_dcp(ranks)}
+    checks["hybrid_kept_refused"] = lambda: check_kept_refused(ranks, single, job)
     checks.update({"ep_experts": lambda: check_ep_experts(ranks, single, job),
                    "ep_save": lambda: check_ep_save(ranks), "ep_init": lambda: check_ep_init(ranks, job),
                    "gpt_oss_ep_experts": lambda: check_ep_experts(ranks, single, job, name),

@@ -273,11 +273,16 @@ def register_cp_kind(state_type: type, factory: Callable[[Any, ShardLayout, Comm
     _KINDS[state_type] = factory
 
 
+def kind_of(state: Any) -> Callable[[Any, ShardLayout, Comm], Any] | None:
+    """The context-parallel factory registered for ``state``'s type (None if none is)."""
+    return _KINDS.get(type(state))
+
+
 def shard_states(states: list[Any], layout: ShardLayout, comm: Comm) -> list[Any]:
     """Wrap each layer's fresh local state in its kind's sharded state; ValueError for a kind not registered."""
     out = []
     for i, st in enumerate(states):
-        factory = _KINDS.get(type(st))
+        factory = kind_of(st)
         if factory is None:
             raise ValueError(f"layer {i} keeps a {type(st).__name__} prompt state, which has no context-parallel "
                              f"twin; supported kinds: {', '.join(sorted(t.__name__ for t in _KINDS))} "

@@ -93,6 +93,31 @@ class ContextParallel(Placement):
         different prompts); the others pad with idle steps. Otherwise ``steps``."""
         return max_over_job(steps, self.ctx) if self.fsdp and self.ctx.dp_size > 1 else steps
 
+    def check_kept_graphs(self, model, budget: int) -> None:
+        """Kept prompt-step graphs need FSDP off (its units reshard between a graph's forward in the prefill and its
+        backward in the reverse pass) and, under CP, every layer's state sharded by position or replicated (their
+        grad-mode prefixes are the same in the prefill and the reverse pass); a DeltaNet layer's hand-off is not
+        (its reverse-pass prefix seeds the state gradient from the next step's)."""
+        if self.fsdp:
+            raise ValueError(f"graph_budget_bytes={budget}: kept prompt-step graphs are not supported with FSDP "
+                             "(parameters sharded over processes); use graph_budget_bytes=None there")
+        if self.ctx.cp_size == 1:
+            return
+        from longstraw.distributed.cp_state import PositionShardedState, kind_of
+
+        for i, st in enumerate(model.new_prompt_states(1, True)):
+            kind = kind_of(st)
+            if not (isinstance(kind, type) and issubclass(kind, PositionShardedState)):
+                raise ValueError(f"graph_budget_bytes={budget}: layer {i} keeps a {type(st).__name__} prompt state, "
+                                 f"whose context-parallel form cannot keep prompt-step graphs (cp={self.ctx.cp_size}); "
+                                 "use graph_budget_bytes=None or cp=1")
+
+    def agree_max(self, values: list[float]) -> list[float]:
+        if self.ctx.cp_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
+        return self.ctx.cp.all_reduce_max(t).tolist()
+
     def finish(self, model) -> None:
         """Reshard every FSDP unit (:func:`longstraw.distributed.fsdp.reshard`): the embedding / norm / LM head
         group stays gathered after a call that ends with the LM head."""

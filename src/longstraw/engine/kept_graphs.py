@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from longstraw.state import Placement
 
 __all__ = ["KeptStep", "KeptGraphs", "plan_splits", "graph_meter", "add_pieces", "keep_saved", "check_budget_placement"]
 
@@ -193,8 +192,8 @@ def add_pieces(pieces: list[Any], seen: set[int], per_layer: list[int]) -> None:
 
 
 def check_budget_placement(model: Any, budget: int | None) -> None:
-    """ValueError when a nonzero budget meets a placement that is not this process's alone."""
-    if budget and type(model.placement) is not Placement:
-        raise ValueError(f"graph_budget_bytes={budget}: kept prompt-step graphs are not supported under context "
-                         "parallelism or FSDP (their reverse pass exchanges states and gradients between processes "
-                         "step by step); use graph_budget_bytes=None there")
+    """ValueError when a nonzero budget meets a placement that cannot keep prompt-step graphs
+    (``Placement.check_kept_graphs``: under context parallelism, every layer's state kind must support it, and FSDP
+    must be off)."""
+    if budget:
+        model.placement.check_kept_graphs(model, budget)
