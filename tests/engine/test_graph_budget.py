@@ -149,7 +149,7 @@ def test_checkpointed_recompute_and_branch_batches_with_a_mid_step_budget():
         torch.testing.assert_close(p.grad, w, rtol=1e-9, atol=1e-12)
 
 
-def test_handed_in_state_keeps_nothing_and_distributed_placements_refuse():
+def test_handed_in_state_keeps_nothing_and_fsdp_refuses():
     _, path = _pair("llama")
     prompt, responses, adv = random_group(3, 12, [3, 4], V)
     model = longstraw.load_model(path)
@@ -158,11 +158,11 @@ def test_handed_in_state_keeps_nothing_and_distributed_placements_refuse():
     stats = longstraw.grpo_backward(model, prompt, responses, adv, cfg, prompt_state=state)
     assert stats.kept_graph_bytes == 0 and stats.step_graph_bytes == 0
 
-    class Elsewhere(type(model.placement)):
-        pass
+    from longstraw.distributed.placement import ContextParallel
 
-    model.placement = Elsewhere()
+    model.placement = ContextParallel(ctx=None, fsdp=True)  # the placement decides, before anything runs
     model.zero_grad(set_to_none=True)
-    with pytest.raises(ValueError, match="graph_budget_bytes=1073741824: kept prompt-step graphs are not supported"):
+    with pytest.raises(ValueError, match="graph_budget_bytes=1073741824: kept prompt-step graphs are not supported "
+                                         "with FSDP"):
         longstraw.grpo_backward(model, prompt, responses, adv, cfg)
     assert all(p.grad is None for p in model.parameters())
