@@ -4,6 +4,7 @@ float64 reference (1e-8) for every budget: none, one step's graph, a budget that
 layers kept, the rest recomputed) and everything; for every family the exact tests cover."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -160,7 +161,8 @@ def test_handed_in_state_keeps_nothing_and_fsdp_refuses():
 
     from longstraw.distributed.placement import ContextParallel
 
-    model.placement = ContextParallel(ctx=None, fsdp=True)  # the placement decides, before anything runs
+    # one rank's CP "group" under FSDP over replicas: the placement refuses, before anything runs
+    model.placement = ContextParallel(types.SimpleNamespace(cp_size=1, dp_size=2), fsdp=True)
     model.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match="graph_budget_bytes=1073741824: kept prompt-step graphs are not supported "
                                          "with FSDP"):
