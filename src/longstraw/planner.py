@@ -1069,9 +1069,14 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         return {**b, "prompt_state_grad": b["prompt_state_grad"] - b["grad_host"],
                 "prompt_state": b["prompt_state"] - b["state_host"]}
 
+    def own(p: int) -> int:
+        """The prompt length whose steps are one rank's: under CP a rank keeps its pieces' graphs (``1 / cp`` of
+        the positions, in pieces of ``chunk``)."""
+        return p if cp == 1 else -(-(p - 1) // cp) + 1
+
     def linear(p: int) -> dict[str, int]:
         out = device_share(at(p)) if p <= 2 * t else line(p)
-        out["kept_graphs"] = min(fixed_budget, kept_graph_plan(model, p, chunk, out["prefill_chunk"],
+        out["kept_graphs"] = min(fixed_budget, kept_graph_plan(model, own(p), chunk, out["prefill_chunk"],
                                                                fixed_budget)["kept_bytes"]) if fixed_budget else 0
         return out
 
@@ -1082,11 +1087,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if cfg.exact and requested == "auto":
         usable_ = None if gpu_mem is None else int(gpu_mem) - reserve
         left = max(0, usable_ - peak) if usable_ is not None else 0
-        gp = kept_graph_plan(model, prompt_len, chunk, breakdown["prefill_chunk"], left)
+        gp = kept_graph_plan(model, own(prompt_len), chunk, breakdown["prefill_chunk"], left)
         breakdown["kept_graphs"] = gp["kept_bytes"]
         peak += gp["kept_bytes"]
     elif fixed_budget:
-        gp = kept_graph_plan(model, prompt_len, chunk, breakdown["prefill_chunk"], fixed_budget)
+        gp = kept_graph_plan(model, own(prompt_len), chunk, breakdown["prefill_chunk"], fixed_budget)
     else:
         gp = None
     max_len = None

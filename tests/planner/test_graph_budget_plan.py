@@ -41,6 +41,16 @@ def test_plan_adds_the_kept_graphs_and_predicts_the_saving(monkeypatch):
         plan(DENSE, cfg=cfg, graph_budget=-1, **KW)
 
 
+def test_under_context_parallelism_a_rank_keeps_its_pieces():
+    """cp=2 (FSDP off, as a graph budget needs): every rank keeps its own pieces' graphs, 512 of the 1,024 positions
+    in 4 pieces of 128 (distributed/placement.py ContextParallel.check_kept_graphs)."""
+    cfg = GRPOConfig(prefill_chunk=128)
+    one = plan(DENSE, cfg=cfg, graph_budget=10 ** 12, **KW).settings["graph_budget"]
+    two = plan(DENSE, cfg=cfg, graph_budget=10 ** 12, gpus=2, cp=2, fsdp=False, **KW).settings["graph_budget"]
+    assert one["kept_tokens"] == 1024 and two["kept_tokens"] == 512 and two["steps"] == 4
+    assert two["kept_bytes"] == pytest.approx(one["kept_bytes"] / 2, rel=0.01)
+
+
 def test_run_config_graph_budget_values():
     cfg = RunConfig()
     assert cfg.algorithm.graph_budget == 0 and not cfg.algorithm.grpo.graph_budget_bytes  # none kept
@@ -58,12 +68,13 @@ def test_run_config_graph_budget_values():
         apply_overrides(cfg, [*detached, 'algorithm.graph_budget="1G"'])
 
 
-def _resolve(budget, memory, world=1, reuse=False):
+def _resolve(budget, memory, world=1, reuse=False, sharded=None):
     cfg = apply_overrides(RunConfig(), [f"algorithm.graph_budget={budget}",
                                         f"algorithm.reuse_rollout_state={str(reuse).lower()}"])
     said = []
     fake = types.SimpleNamespace(cfg=cfg, gcfg=cfg.algorithm.grpo, memory=memory, echo=said.append,
-                                 job=types.SimpleNamespace(world=world))
+                                 job=types.SimpleNamespace(world=world, sharded=world > 1 if sharded is None
+                                                           else sharded))
     return Trainer._graph_budget(fake), said
 
 
@@ -77,6 +88,9 @@ def test_trainer_resolves_auto_from_the_memory_check():
     n, said = _resolve('"auto"', None)
     assert n == 0 and "no memory limit known" in said[0]
     assert _resolve('"2G"', None) == (2 << 30, [])
-    assert _resolve('"auto"', verdict, world=2) == (0, [])
-    with pytest.raises(ValueError, match="not supported in a job over several ranks"):
+    assert _resolve('"auto"', verdict, world=2) == (0, [])  # FSDP over the ranks: nothing kept
+    with pytest.raises(ValueError, match=r"not supported with FSDP \(parallel.fsdp = true over several ranks\)"):
         _resolve('"2G"', verdict, world=2)
+    # several ranks without FSDP (context parallelism, or replicas): each rank keeps its pieces' graphs
+    assert _resolve('"2G"', verdict, world=2, sharded=False) == (2 << 30, [])
+    assert _resolve('"auto"', verdict, world=2, sharded=False)[0] == 6 << 30

@@ -111,9 +111,10 @@ def _measure_first_step(model: CausalLM, state: PromptState, ids: Tensor, kept: 
     kept.boundary_bytes_per_token = float(model.spec.hidden_size * model.model.embed_tokens.weight.element_size())
     lengths = [b - a for a, b in state.steps()]
     # processes sharing the state (context parallelism) plan alike: from the largest measurement and piece of each
-    # step over them (a rank's graph is then at most what the plan counts)
-    agreed = model.placement.agree_max(kept.layer_bytes_per_token + [float(n) for n in lengths])
-    kept.layer_bytes_per_token, lengths = agreed[:n], [int(x) for x in agreed[n:]]
+    # step over them (a rank's graph is then at most what the plan counts) and the smallest budget
+    agreed = model.placement.agree_max(kept.layer_bytes_per_token + [float(x) for x in lengths] + [-kept.budget])
+    kept.layer_bytes_per_token, lengths = agreed[:n], [int(x) for x in agreed[n:-1]]
+    kept.budget = int(-agreed[-1])
     plan = plan_splits(lengths, kept.layer_bytes_per_token, kept.boundary_bytes_per_token, kept.budget)
     if 0 in plan and plan[0][0] != 0:
         del plan[0]  # step 0 is kept whole or not at all (its graph is the measurement run's)
