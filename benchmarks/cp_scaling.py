@@ -113,12 +113,14 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import longstraw
+    from longstraw.units import parse_bytes
 
     torch.set_num_threads(args.threads)
     ctx = longstraw.init_distributed(cp=int(os.environ["WORLD_SIZE"]))
     model = build(args)
     prompt, responses, adv = group(args)
-    cfg = longstraw.GRPOConfig(prompt_grad=args.mode, prefill_chunk=args.chunk, clip_ratio_c=None)
+    cfg = longstraw.GRPOConfig(prompt_grad=args.mode, prefill_chunk=args.chunk, clip_ratio_c=None,
+                               graph_budget_bytes=parse_bytes(args.graph_budget) if args.graph_budget else None)
     warm = longstraw.GRPOConfig(prompt_grad=args.mode, prefill_chunk=64)
     longstraw.grpo_backward(model, prompt[: 64 * ctx.cp_size + 1], responses[:1], adv[:1], warm)
     model.zero_grad(set_to_none=True)
@@ -144,13 +146,15 @@ def worker(args) -> None:
         allsizes, comm = [sizes.tolist()], None
     if ctx.rank == 0:
         print("RESULT " + json.dumps({"ranks": ctx.cp_size, "seconds": best.tolist(), "state_bytes": allsizes,
-                                      "comm": comm, "cpu": cpus}), flush=True)
+                                      "comm": comm, "cpu": cpus, "kept": [st.kept_steps, st.kept_layers,
+                                                                          st.kept_graph_bytes]}), flush=True)
     longstraw.shutdown_distributed()
 
 
 def launch(args) -> None:
     here = Path(__file__).resolve()
-    passthrough = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("ranks", "worker") and v is not None]
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                   if k not in ("ranks", "worker") and v is not None]
     results = []
     load = [os.getloadavg()[0]]
     for r in args.ranks:
@@ -175,8 +179,8 @@ def report(args, results, load) -> None:
     kind = "llama-like" if args.window is None else f"mistral-like (every layer slides, window {args.window})"
     print(f"model: {kind}, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({max(1, args.heads // 2)} kv), vocab {args.vocab}, float32; group: prompt {args.prompt}, "
-          f"{args.group} x {args.response} response tokens, prefill_chunk {args.chunk}, {args.mode} mode; "
-          f"best of {args.repeats}")
+          f"{args.group} x {args.response} response tokens, prefill_chunk {args.chunk}, {args.mode} mode"
+          f"{f', graph budget {args.graph_budget} per rank' if args.graph_budget else ''}; best of {args.repeats}")
     print(f"{'ranks':>5} {'prefill s':>10} {'replay s':>9} {'reverse s':>10} {'total s':>8} {'speed-up':>9}"
           f" {'CPU s per rank':>22}  state MiB per rank (grad)")
     base = results[0]["seconds"][3]
@@ -184,7 +188,10 @@ def report(args, results, load) -> None:
         p, rp, b, tot = res["seconds"]
         sizes = ", ".join(f"{s[0] / 2**20:.1f} ({s[1] / 2**20:.1f})" for s in res["state_bytes"])
         cpu = " ".join(f"{c:.2f}" for c in res["cpu"])
-        print(f"{res['ranks']:>5} {p:>10.3f} {rp:>9.3f} {b:>10.3f} {tot:>8.3f} {base / tot:>8.2f}x {cpu:>22}  {sizes}")
+        k = res.get("kept") or [0, 0, 0]
+        kept = f"  kept {k[0]} steps + {k[1]} layers ({k[2] / 2**20:.1f} MiB, rank 0)" if args.graph_budget else ""
+        print(f"{res['ranks']:>5} {p:>10.3f} {rp:>9.3f} {b:>10.3f} {tot:>8.3f} {base / tot:>8.2f}x {cpu:>22}  {sizes}"
+              f"{kept}")
     print("wall times are the slowest rank's, per phase, best of the repeats; CPU s: each rank's process CPU time "
           "for that call (compute + communication threads), unaffected by other load: with R ranks on C cores the "
           "wall time is at least max(max CPU s, sum CPU s / C)")
@@ -212,6 +219,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--mode", default="exact", choices=["exact", "detached"])
+    ap.add_argument("--graph-budget", default=None, help="exact mode: keep prompt-step graphs up to this size per "
+                    "rank (GRPOConfig.graph_budget_bytes, e.g. 1G); default: none")
     ap.add_argument("--window", type=int, default=None, help="every layer slides with this window (a Mistral-like "
                     "model: the replicated tails and halo exchange of distributed/cp_window.py); default: full")
     ap.add_argument("--repeats", type=int, default=2)
