@@ -17,7 +17,9 @@ to 1e-8 relative; a 4-rank run killed during its second checkpoint and resumed c
 (with and without FSDP) and one process resume from the 4-rank sharded checkpoint within float precision; an FSDP model's HF export loads
 in transformers with the sharded model's logits; an HSDP run (replicate = 2) equals one process and resumes, in its
 layout bit for bit, in another within float precision; bad ``[parallel]`` values are one line; two "nodes" of two ranks
-each under torchrun with a c10d rendezvous train and rank 0 writes the metrics.
+each under torchrun with a c10d rendezvous train and rank 0 writes the metrics; expert parallelism (the built-in MoE,
+expert adapters, GPT-OSS's biased experts) and GPT-OSS under context parallelism with kept prompt-step graphs equal
+one process.
 """
 
 import fcntl
@@ -338,3 +340,49 @@ def test_expert_adapters_under_expert_parallelism_give_the_one_process_run_and_r
     for name, world, extra in (("single", 0, ["parallel.ep=1"]), ("fsdp", 2, ["parallel.ep=1"])):
         same_as_one(_resumed(tmp_path / "ep2", tmp_path / f"ep2-{name}", world, extra, f"resumed: {name}"))
     same_as_one(_resumed(tmp_path / "one", tmp_path / "one-ep2", 2, ep2, "one-process checkpoint, ep=2"))
+
+
+def _tiny_gpt_oss(directory: Path) -> Path:
+    """A float64 GPT-OSS checkpoint (attention sinks on every layer, sliding windows of 8 on the even layers, 4
+    biased experts) with the built-in byte tokenizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from hf_reference import tiny_moe_hf
+    finally:
+        sys.path.pop(0)
+    from transformers import GptOssConfig
+
+    from longstraw.tokenizer import ByteTokenizer
+
+    hf = tiny_moe_hf(GptOssConfig(vocab_size=259, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                  num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+                                  pad_token_id=258, eos_token_id=257, bos_token_id=256), seed=5, attn="eager")
+    hf.to(torch.float64).save_pretrained(directory)
+    ByteTokenizer().save(directory)
+    return directory
+
+
+def test_gpt_oss_under_context_and_expert_parallelism_gives_the_one_process_run(tmp_path):
+    """GPT-OSS on 2 ranks, its 96-token prompts several windows long: cp = 2 without FSDP keeping prompt-step graphs
+    (``algorithm.graph_budget``; the sliding layers' replicated tails, the halo exchange, the sinks merged over the
+    group), and ep = 2 under FSDP (its biased experts split, 2 replicas): metrics and weights equal one process's,
+    and the ep = 2 checkpoint resumes in one process."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    ckpt = _tiny_gpt_oss(tmp_path / "gpt-oss")
+    g = ['model.builtin=""', f'model.path="{ckpt}"', 'algorithm.graph_budget="1G"',
+         "algorithm.reuse_rollout_state=false"]
+    _ok(train(0, _args(tmp_path / "one", *g)), "GPT-OSS, one process")
+    _ok(train(2, _args(tmp_path / "cp2", *g, "parallel.cp=2", "parallel.fsdp=false")), "GPT-OSS, cp=2")
+    _ok(train(2, _args(tmp_path / "ep2", *g[:2], "parallel.cp=1", "parallel.ep=2")), "GPT-OSS, ep=2")
+    one = read_metrics(tmp_path / "one")
+    for run in ("one", "cp2"):  # the budget kept graphs (in the steps with active groups), under CP too
+        assert any(r.get("kept_steps", 0) > 0 for r in read_metrics(tmp_path / run)), run
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("expert_", "kept_", "step_graph"))}  # noqa
+                          for r in rows]
+    for run in ("cp2", "ep2"):
+        _close(strip(read_metrics(tmp_path / run)), strip(one))
+        _close_weights(_weights(tmp_path / run), _weights(tmp_path / "one"))
+    run = _resumed(tmp_path / "ep2", tmp_path / "ep2-single", 0, ["parallel.ep=1"], "GPT-OSS ep=2 resumed alone")
+    _close(strip(read_metrics(run)), strip(one))
+    _close_weights(_weights(run), _weights(tmp_path / "one"))
