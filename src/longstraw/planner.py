@@ -1013,8 +1013,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             if cp > 1:  # sliding layers keep replicated tails under CP, not a 1/cp share (distributed/cp_window.py)
                 state, grad = _sliding_cp_bytes(model, p, cfg, cp, dt)
                 d["prompt_state"] += state
-                if "prompt_state_grad" in d:
-                    d["prompt_state_grad"] += grad
+                if cfg.offload_state:  # the tails move to host memory with the rest of the K/V
+                    d["state_host"] += state
+                for k in ("prompt_state_grad", "grad_at_replay") + (("grad_host",) if cfg.offload_state_grad else ()):
+                    if k in d:  # their sinks (exact mode), where the state's gradient lives
+                        d[k] += grad
             if "prefill_chunk" in d:  # the CP step's MLA term at this length (the search plans shorter prompts)
                 d["prefill_chunk"] += mla_step if p == prompt_len else _mla_cp_step(model, dt, cfg, cp, p, {})
             cache[p, state_only] = {**fixed, **d}

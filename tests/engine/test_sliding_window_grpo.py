@@ -66,6 +66,24 @@ def test_planner_plans_past_the_window_with_and_without_context_parallelism():
     assert one.breakdown["prompt_state"] == len(m.layers) * 6 * layer.num_kv_heads * layer.head_dim * 2 * 4
 
 
+@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+def test_planner_moves_the_replicated_tails_to_host_memory_with_the_state(prompt_grad):
+    """offload_state (and offload_state_grad, exact) under cp=2 on Mistral, every layer sliding: all of a rank's
+    state, the replicated tails included, is host memory, and so is its gradient."""
+    cfg = CONFIGS["mistral"][0]().to_dict()
+    g = longstraw.GRPOConfig(prompt_grad=prompt_grad, prefill_chunk=16, offload_state=True,
+                             offload_state_grad=prompt_grad == "exact")
+    pl = plan(cfg, prompt_len=200, response_len=8, group=2, dtype="float32", gpus=2, cp=2, cfg=g)
+    assert pl.breakdown["prompt_state"] == 0  # the device's share: none
+    m = longstraw.build_model(cfg)
+    layer = m.layers[0].mixer
+    per_position = len(m.layers) * layer.num_kv_heads * layer.head_dim * 2 * 4
+    steps = 7 if prompt_grad == "exact" else 1  # 199 positions in 7 layout steps of 28-29; the last one's tail
+    host = pl.settings["host"]
+    assert host["prompt_state_bytes"] == steps * 6 * per_position, host
+    assert host["prompt_state_grad_bytes"] == (steps * 6 * per_position if prompt_grad == "exact" else 0), host
+
+
 def test_sliding_kept_is_the_states_rule():
     """state.sliding_kept (the planner's count) against what SlidingKVState keeps, over uneven writes."""
     from longstraw.state import SlidingKVState, sliding_kept
