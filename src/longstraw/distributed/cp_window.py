@@ -199,7 +199,8 @@ class ShardedSlidingState(PositionShardedState):
         a = max(start, lo)
         if a >= end:
             return [(k, torch.zeros_like(k)), (v, torch.zeros_like(v))]
-        return [(k[:, :, a - start :], gk[:, :, a - lo : end - lo]), (v[:, :, a - start :], gv[:, :, a - lo : end - lo])]
+        mine = slice(a - lo, end - lo)
+        return [(k[:, :, a - start :], gk[:, :, mine]), (v[:, :, a - start :], gv[:, :, mine])]
 
     def decoder(self, batch: int, max_new: int) -> KVDecoder:
         return KVDecoder(self, batch, max_new)  # reads prefix(length): the local tails

@@ -52,9 +52,9 @@ from longstraw.ops import meta
 from longstraw.ops.moe import combine_slots
 
 __all__ = ["ExpertParallel", "ExpertParallelExperts", "shard_experts", "expert_tensors", "ep_modules", "ep_param_ids",
-           "ep_param_rows", "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local", "ep_adapter_params",
-           "gather_adapter", "expert_params", "ep_local_parts", "expert_adapter_tensors", "adapters_to_dcp",
-           "adapters_from_dcp"]
+           "ep_param_rows", "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local",
+           "ep_adapter_params", "gather_adapter", "expert_params", "ep_local_parts", "expert_adapter_tensors",
+           "adapters_to_dcp", "adapters_from_dcp"]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
 __all__ = ["KeptStep", "KeptGraphs", "plan_splits", "graph_meter", "add_pieces", "keep_saved", "check_budget_placement"]
 
 
