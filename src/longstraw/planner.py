@@ -64,15 +64,16 @@ frees each before it recomputes a step, so the sum is an upper bound). With ``gp
 gradient are divided by ``cp`` (sharded by position). ``Plan.assumptions`` says what shards what, in which dtypes.
 
 Expert parallelism (``ep = E > 1``, as ``init_distributed(ep=E)`` runs it): the routed experts of every MoE layer are
-not FSDP-sharded but split over E ranks and replicated over the ``gpus / E`` expert-data-parallel groups, so their
-weights, gradients and moments count ``1/E`` of the experts per device and leave FSDP's gathered units (which then
-hold the rest of a layer only); their LoRA adapters (``target_parameters``) alike, each rank holding its experts'
-part. ``all_to_all``: the exchanges' buffers with balanced routing (every rank receives
-its share of the slots): in a no-grad prefill one MoE layer's send and receive buffers of its inputs and outputs
-(``4 x tokens x top_k x hidden`` in the compute dtype), and in a graph (a branch batch, a recomputed chunk) the
-received inputs and returned outputs that every MoE layer keeps for its backward (``2 x tokens x top_k x hidden``
-per MoE layer; one layer's with ``checkpoint_layers``), whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's
-metrics measures it). The dry run itself computes the experts as one process does.
+split over E ranks, each block FSDP-sharded again over the ``gpus / E`` ranks that hold it (its own FSDP unit, over
+the expert-data-parallel group), so their weights, gradients and moments count ``1/gpus`` of the experts per device
+(the largest of FSDP's chunks of a block), and a layer's gathered units hold the rest of the layer and its ``1/E``
+block, not all its experts (with ``gpus == E`` the blocks stay whole and are not gathered); their LoRA adapters
+(``target_parameters``) are split over the E ranks only, each rank holding its experts' part. ``all_to_all``: the
+exchanges' buffers with balanced routing (every rank receives its share of the slots): in a no-grad prefill one MoE
+layer's send and receive buffers of its inputs and outputs (``4 x tokens x top_k x hidden`` in the compute dtype),
+and in a graph (a branch batch, a recomputed chunk) the received inputs and returned outputs that every MoE layer
+keeps for its backward (``2 x tokens x top_k x hidden`` per MoE layer; one layer's with ``checkpoint_layers``),
+whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's metrics measures it). The dry run itself computes the experts as one process does.
 
 LoRA: the meta model gets its adapters exactly as a run's does (``models.lora.add_adapters``: the same targets,
 shapes and frozen parameters for every family and target rule), and the dry run runs through them, so the
@@ -776,11 +777,27 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         return sum(p.numel() for p in params if p.requires_grad == trained)
 
     experts = {id(p) for p in _expert_params(model)} if ep > 1 else set()
+    edp = gpus // ep if ep > 1 else 1  # ranks holding the same experts: FSDP shards their block over them
+    from longstraw.distributed.expert_parallel import expert_tensors
+
+    blocks = {id(p) for m in model.modules() if hasattr(m, "ep_tensor_names") for p in expert_tensors(m)} \
+        if edp > 1 else set()  # the expert tensors FSDP shards over edp (their adapters stay whole)
+
+    def share(p) -> int:
+        """This device's elements of expert parameter ``p``: its EP block, or FSDP's largest chunk of it."""
+        if id(p) in blocks:
+            return -(-(p.shape[0] // ep) // edp) * (p.numel() // p.shape[0])
+        return p.numel() // ep
+
     params = [p for p in model.parameters() if id(p) not in experts]  # experts under EP: counted apart, below
     n, frozen = count(params, True), count(params, False)  # n: trained parameters
     layer_params = [[p for p in layer.parameters() if id(p) not in experts] for layer in model.layers]
     layer_all = max((sum(p.numel() for p in lp) for lp in layer_params), default=0)
     layer_n = max((count(lp, True) for lp in layer_params), default=0)
+    # with FSDP over edp, a layer's experts are a unit of their own: its EP block, gathered inside the layer's
+    block_params = [[p for p in layer.parameters() if id(p) in blocks] for layer in model.layers]
+    block_all = max((sum(p.numel() // ep for p in bp) for bp in block_params), default=0)
+    block_n = max((sum(p.numel() // ep for p in bp if p.requires_grad) for bp in block_params), default=0)
     from longstraw.distributed.fsdp import end_units
 
     units = [list({id(p): p for m in unit for p in m.parameters()}.values()) for unit in end_units(model)]
@@ -798,27 +815,30 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     fixed = {"weights": weights, "grads": n * mb // shard,
              "optimizer": 0 if offload else optimizer_states * n * mb // shard, "gathered": 0}
     ex = [p for p in _expert_params(model) if id(p) in experts]
-    ex_n, ex_frozen = count(ex, True) // ep, count(ex, False) // ep  # this rank's experts (and their adapters)
-    ex_adapters = sum(p.numel() for p in ex if id(p) in adapter_ids) // ep
+    # this rank's experts (and their adapters)
+    ex_n, ex_frozen = (sum(share(p) for p in ex if p.requires_grad == t) for t in (True, False))
+    ex_adapters = sum(share(p) for p in ex if id(p) in adapter_ids)
+    all_adapters = sum(p.numel() for p in ex if id(p) in adapter_ids)
     fixed["weights"] += ex_n * mb + ex_frozen * cb
     fixed["grads"] += ex_n * mb
     fixed["optimizer"] += 0 if offload else optimizer_states * ex_n * mb
     n_dense = n  # the trained parameters outside the experts (FSDP-sharded)
     if ep > 1:  # the split of ``weights`` (LoRA lines) and the counts below include the experts
-        split["frozen_params"] += ex_frozen * ep
+        split["frozen_params"] += count(ex, False)
         split["frozen_weight_bytes"] += ex_frozen * cb
-        split["adapter_params"] += ex_adapters * ep
+        split["adapter_params"] += all_adapters
         split["adapter_weight_bytes"] += ex_adapters * mb
-        split["saved_params"] += (ex_n - ex_adapters) * ep
+        split["saved_params"] += count(ex, True) - all_adapters
         split["saved_weight_bytes"] += (ex_n - ex_adapters) * mb
-        n, frozen = n + ex_n * ep, frozen + ex_frozen * ep
+        n, frozen = n + count(ex, True), frozen + count(ex, False)
     split.update(expert_params_per_device=ex_n + ex_frozen)
     # host: the moments in the master dtype; "masters": float32 masters and moments (HostAdamW(master_on_host=True))
     host_per = {"none": 0, "moments": optimizer_states * mb, "masters": (optimizer_states + 1) * 4}[optimizer_offload]
     optimizer_host = host_per * n_dense // shard + host_per * ex_n
     if fsdp:
         fixed["gathered"] = _gathered_bytes(model.spec.tie_word_embeddings, layer_all, layer_n, ends_all, ends_n,
-                                            cb, 4 if compute in (torch.bfloat16, torch.float16) else cb)
+                                            cb, 4 if compute in (torch.bfloat16, torch.float16) else cb,
+                                            block_all, block_n)
     elif master != compute:  # one process with master weights: autocast's compute-dtype copies of one layer
         fixed["gathered"] = layer_n * cb
     m, c = str(master).removeprefix("torch."), str(compute).removeprefix("torch.")
@@ -839,13 +859,16 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         "data_parallel_replicas": gpus // cp,
     }
     if ep > 1:
-        assumptions["experts"] = (f"routed experts split over ep={ep} ranks ({(ex_n + ex_frozen) * ep:,} parameters, "
-                                  f"{ex_n + ex_frozen:,} per device), replicated over {gpus // ep} expert-data-"
-                                  "parallel groups, not FSDP-sharded; token exchanges with balanced routing")
+        held = (f"FSDP-sharded over the {edp} ranks holding the same experts (gathered with their layer)"
+                if edp > 1 else "each held by one rank")
+        assumptions["experts"] = (f"routed experts split over ep={ep} ranks ({count(ex, True) + count(ex, False):,} "
+                                  f"parameters, {ex_n + ex_frozen:,} per device), {held}; their LoRA adapters "
+                                  "split over ep only; token exchanges with balanced routing")
     return fixed, assumptions, split, optimizer_host
 
 
-def _gathered_bytes(tied: bool, layer_all: int, layer_n: int, ends_all: int, ends_n: int, cb: int, rb: int) -> int:
+def _gathered_bytes(tied: bool, layer_all: int, layer_n: int, ends_all: int, ends_n: int, cb: int, rb: int,
+                    block_all: int = 0, block_n: int = 0) -> int:
     """FSDP2's bytes per device above what the dry run (one process, whole parameters) holds at its peak: the
     largest of the moments below (module docstring, ``gathered``). ``layer_all`` / ``layer_n``: the largest decoder
     layer's parameters / trained parameters, ``ends_all`` / ``ends_n``: the larger end unit's (the embedding, the
@@ -861,13 +884,21 @@ def _gathered_bytes(tied: bool, layer_all: int, layer_n: int, ends_all: int, end
     the reduce dtype, which lives from its post-backward (the unit's parameters are resharded before it is filled)
     until the next unit's. A unit's gradient and its gathered parameters thus never both add to the dry run's peak:
     the earlier formula added both (and a tied unit's gradient twice), 1.18-1.34x the measured per-rank peaks at a
-    32K vocabulary (tests/planner/test_planner.py::test_vocab_32k_per_rank_plan_within_fifteen_percent)."""
-    rs_prev = max(layer_n, ends_n) * rb  # the previous unit's reduce-scatter input, in flight
+    32K vocabulary (tests/planner/test_planner.py::test_vocab_32k_per_rank_plan_within_fifteen_percent).
+
+    ``block_all`` / ``block_n``: under expert parallelism with FSDP over edp, a layer's experts unit (its EP block),
+    gathered while its layer's unit is: beside the running layer in the forward, and in the backward beside two
+    layers' units (its own and the prefetched one) with its unsharded gradient. (Counting it as part of the layer,
+    prefetched twice, planned 1.15x the measured peak of a full fine-tune on 4 gloo ranks with ep = 2.)"""
+    rs_prev = max(layer_n, block_n, ends_n) * rb  # the previous unit's reduce-scatter input, in flight
     backward = 2 * layer_all * cb + layer_n * cb + (layer_n * rb if tied else rs_prev)  # a layer's backward
+    if block_all:  # the experts unit's backward
+        backward = max(backward, (2 * layer_all + block_all + block_n) * cb + rs_prev)
     embedding = ends_all * cb + layer_n * rb  # the embedding's backward, layer 0's reduce-scatter input in flight
-    post = max(layer_n * (cb + rb), ends_n * rb)  # a post-backward: the reduce-scatter input (and a layer's grads)
+    post = max(layer_n * (cb + rb), block_n * (cb + rb), ends_n * rb)  # a post-backward: the reduce-scatter input
+    # (and a unit's grads)
     running = (2 * layer_all + ends_all) * cb if tied else (layer_all + max(layer_all, ends_all)) * cb
-    return max(running, backward, embedding, post)
+    return max(running + block_all * cb, backward, embedding, post)
 
 
 def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> int:

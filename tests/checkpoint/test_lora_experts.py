@@ -533,10 +533,11 @@ def test_fsdp_two_ranks(tmp_path):
 
 @pytest.mark.parametrize("name,world,cp,ep", [("deepseek_v3", 2, 1, 2), ("qwen3_5_moe", 2, 1, 2),
                                               ("deepseek_v3", 4, 2, 2), ("qwen3_next", 4, 1, 4),
-                                              ("gpt_oss", 2, 1, 2)])
+                                              ("gpt_oss", 2, 1, 2), ("gpt_oss", 4, 1, 2)])
 def test_expert_parallel(name, world, cp, ep, tmp_path):
     """Expert adapters under expert parallelism (FSDP over the job, ep ranks per EP group; with world 4, cp=2: two
-    data-parallel replicas, each EP group one CP group, the adapters' gradients reduced over edp): each rank holds
+    data-parallel replicas, each EP group one CP group, the adapters' gradients reduced over edp; with world 4 and
+    ep=2 the base experts' blocks are FSDP-sharded over edp, and GPT-OSS's merged export gathers them): each rank holds
     its experts' part of every expert adapter, as lora_seed draws it and as load_model(adapter=) reads it; logits,
     the exact and detached gradients (gathered by lora_grads) and their global norm equal one process's;
     save_adapter writes the same tensors."""

@@ -553,14 +553,27 @@ def _expert_modules(model):
 
 
 def ep_experts(paths, *, family="deepseek_v3"):
-    """Routed-expert bytes this rank holds and the values of its experts as loaded (each rank reads its rows)."""
+    """Routed-expert bytes this rank holds and the values of its experts as loaded (each rank reads its rows):
+    ``weights`` ``{name: (first row of the full tensor, this rank's rows)}`` (with FSDP over edp its shard of its
+    EP block)."""
+    from longstraw.distributed.fsdp import local_rows
+
     model = longstraw.load_model(paths[family])
     mods = _expert_modules(model)
-    nbytes = sum(getattr(m, k).numel() * getattr(m, k).element_size() for _, m in mods for k in m.ep_tensor_names)
-    other = sum(t.numel() * t.element_size() for t in model.parameters()) - nbytes
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def first(m, t):
+        return getattr(m, "first", 0) + ((local_rows(t) or (0, 0))[0])
+
+    nbytes = sum(local(getattr(m, k)).numel() * getattr(m, k).element_size() for _, m in mods
+                 for k in m.ep_tensor_names)
+    other = sum(local(t).numel() * t.element_size() for t in model.parameters()) - nbytes
     return {"expert_bytes": nbytes, "first": [getattr(m, "first", 0) for _, m in mods],
-            "weights": {f"{n}.{k}": getattr(m, k).detach().clone() for n, m in mods
-                        for k in m.ep_tensor_names}, "other_bytes": other}
+            "weights": {f"{n}.{k}": (first(m, getattr(m, k)), local(getattr(m, k)).detach().clone()) for n, m in mods
+                        for k in m.ep_tensor_names}, "other_bytes": other,
+            "sharded_edp": [bool(getattr(m, "shard_edp", False)) for _, m in mods]}
 
 
 def ep_save(paths, *, family="deepseek_v3"):

@@ -88,7 +88,8 @@ EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_e
            "q3moe_exact", "mixtral_detached", "minimax_exact", "gpt_oss_exact", "gpt_oss_detached"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init", "gpt_oss_exact",
        "gpt_oss_ep_experts"]
-EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init"]
+EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init",
+              "gpt_oss_exact", "gpt_oss_ep_experts", "gpt_oss_ep_save"]
 # sliding windows past which the groups reach (replicated tails, the halo exchange) and attention sinks (GPT-OSS):
 # exact and detached (checkpointed layers, batched branches, the state and its gradient offloaded),
 # score, generate, the replicated state's bytes
@@ -389,16 +390,21 @@ def check_registered_shards(ranks):
 
 
 def check_ep_experts(ranks, single, job, name="ep_experts"):
-    """Each rank holds 1/E of the routed-expert bytes (nothing else changes), loaded from its rows of the
-    checkpoint: experts ``[ep_rank * n / E, (ep_rank + 1) * n / E)``."""
-    ep = _job(job)[5]
+    """Each rank holds 1/E of the routed-expert bytes with W == E, and 1/W with more ranks (each EP block
+    FSDP-sharded over the W / E ranks holding it, rows as torch.chunk splits them), loaded from its rows of the
+    checkpoint: experts ``[ep_rank * n / E, (ep_rank + 1) * n / E)``, or its chunk of them."""
+    world, ep = _job(job)[0], _job(job)[5]
     want = single(name)
     for r, got in enumerate(_result(ranks, name)):
-        assert got["expert_bytes"] * ep == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
-        for name, w in want["weights"].items():
-            local = w.shape[0] // ep
-            a = (r % ep) * local
-            assert torch.equal(got["weights"][name], w[a:a + local]), (r, name)
+        assert all(s == (world > ep) for s in got["sharded_edp"]), (r, got["sharded_edp"])
+        assert got["expert_bytes"] * world == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
+        for name, (_, w) in want["weights"].items():
+            block = w.shape[0] // ep
+            a = (r % ep) * block
+            chunk = -(-block // (world // ep))
+            a, b = a + min((r // ep) * chunk, block), a + min((r // ep + 1) * chunk, block)
+            first, mine = got["weights"][name]
+            assert first == a and torch.equal(mine, w[a:b]), (r, name, first, a, b)
 
 
 def check_ep_save(ranks, name="ep_save"):
@@ -499,8 +505,9 @@ def test_job_context(job, launched):
     assert [r["context"]["replicate"] for r in ranks] == [replicate] * world
     if fsdp:
         for r in _result(ranks, names[0]):
-            # nothing left whole on any rank but the expert-parallel experts (each rank's own)
-            assert r["sharded_params"] > 0 and r["whole_params"] == r["ep_params"]
+            # nothing left whole on any rank but the expert-parallel experts (each rank's own) when ep is the whole
+            # job; with more ranks their blocks are FSDP-sharded over the ranks holding them (edp) too
+            assert r["sharded_params"] > 0 and r["whole_params"] == (r["ep_params"] if world == ep else 0)
             assert (r["ep_params"] > 0) == (ep > 1)
 
 

@@ -303,10 +303,10 @@ def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp
 def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
     """The planner's per-GPU peak against each rank's measured peak: FSDP2 over 4 ranks with cp = 1 and 2 and over
     2 ranks with cp = 2 (float32 Llama), and a Qwen3.5-MoE-style model with its experts split over 4 ranks
-    (ep = 4)."""
+    (ep = 4) and over 2 (ep = 2, each block FSDP-sharded over the 2 ranks holding it)."""
     cfg, path = _big_llama()
     moe, moe_path = _moe_model()
-    for world, cp, ep in ((4, 1, 1), (4, 2, 1), (2, 2, 1), (4, 1, 4)):
+    for world, cp, ep in ((4, 1, 1), (4, 2, 1), (2, 2, 1), (4, 1, 4), (4, 1, 2)):
         model_cfg, model_path = (moe, moe_path) if ep > 1 else (cfg, path)
         for ratio in _per_rank_ratios(tmp_path, model_cfg, model_path, world, cp, ep):
             assert 0.85 <= ratio <= 1.15, (world, cp, ep, ratio)
@@ -332,8 +332,8 @@ def test_expert_adapters_per_rank_plan_under_expert_parallelism(tmp_path):
     """LoRA r=64 on every linear projection and on the routed experts' fused weights (``target_parameters``), the
     experts split over ep = 2 and 4 of 4 ranks: each rank holds its experts' part of the adapters with their
     gradients and AdamW moments, outside FSDP (never gathered; with ep = 2 replicated over the 2 expert-data-parallel
-    groups, not sharded over all 4). Planned against measured per rank, and the planned ``weights`` against the
-    bytes of each rank's parameters. (The plan once counted the expert adapters as FSDP-sharded and gathered: the
+    groups, not sharded over all 4, while the frozen experts' blocks are FSDP-sharded over them). Planned against
+    measured per rank, and the planned ``weights`` against the bytes of each rank's parameters. (The plan once counted the expert adapters as FSDP-sharded and gathered: the
     weights 0.88x at ep = 2, where a gathered term as wrong hid it in the peak, and the peak 1.19x at ep = 4.)"""
     moe, path = _moe_model()
     for ep in (2, 4):
@@ -818,8 +818,10 @@ def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
 
 # ------------------------------------------------------------------------------------------- expert parallelism
 def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
-    """``ep=E``: the routed experts count 1/E per GPU (master weights, gradients, moments), outside FSDP's shards
-    and gathered units; everything else is sharded over the GPUs as before; the all-to-all buffers are added."""
+    """``ep=E``: the routed experts count 1/E per GPU with ``gpus == E`` (master weights, gradients, moments),
+    outside FSDP's shards and gathered units; with more GPUs each rank's block is FSDP-sharded over the ``gpus / E``
+    ranks holding it (1/gpus per GPU, as without EP) and a layer's gathered units hold its 1/E block, not all its
+    experts; everything else is sharded over the GPUs as before; the all-to-all buffers are added."""
     from longstraw.planner import _expert_params
 
     model = _meta_model(MLA_MOE, torch.bfloat16)
@@ -828,12 +830,14 @@ def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
     kw = dict(prompt_len=1024, response_len=32, group=2, dtype="bfloat16", gpus=4)
     fsdp = plan(MLA_MOE, **kw)
     ep = plan(MLA_MOE, ep=2, **kw)
-    b, f = ep.breakdown, fsdp.breakdown
+    whole = plan(MLA_MOE, **{**kw, "gpus": 2}, ep=2)  # gpus == ep: the blocks whole
+    b, f, w = ep.breakdown, fsdp.breakdown, whole.breakdown
     assert (f["weights"], f["grads"], f["optimizer"]) == (4 * n_all // 4, 4 * n_all // 4, 8 * n_all // 4)
     rest = n_all - n_ex
-    assert (b["weights"], b["grads"], b["optimizer"]) == (4 * rest // 4 + 4 * n_ex // 2, 4 * rest // 4 + 4 * n_ex // 2,
-                                                          8 * rest // 4 + 8 * n_ex // 2)
-    assert b["gathered"] < f["gathered"]  # FSDP's units no longer hold the experts
+    assert (w["weights"], w["grads"], w["optimizer"]) == (4 * rest // 2 + 4 * n_ex // 2, 4 * rest // 2 + 4 * n_ex // 2,
+                                                          8 * rest // 2 + 8 * n_ex // 2)
+    assert (b["weights"], b["grads"], b["optimizer"]) == (f["weights"], f["grads"], f["optimizer"])
+    assert w["gathered"] <= b["gathered"] < f["gathered"]  # FSDP's units hold no experts / a 1/E block / all of them
     # balanced exchanges: a no-grad prefill chunk's 4 buffers, or every MoE layer's 2 kept in a graph
     layers_moe, k, h = 16 - 3, 2, 64
     chunk = GRPOConfig().prefill_chunk
@@ -843,10 +847,16 @@ def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
                               "all_to_all")) + max(b["prefill_chunk"], b["branch_graph"] + b["logits"])
     assert ep.peak_bytes == peak
     assert "routed experts split over ep=2 ranks" in ep.settings["assumptions"]["experts"]
-    # with LoRA the experts are frozen: 1/E of them, weights only, in the compute dtype
-    lo = plan(MLA_MOE, ep=2, lora={"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}, **kw).breakdown
-    assert lo["weights"] - plan(MLA_MOE, lora={"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}, **kw).breakdown[
-        "weights"] == 2 * n_ex // 2 - 2 * n_ex // 4
+    assert "FSDP-sharded over the 2 ranks holding the same experts" in ep.settings["assumptions"]["experts"]
+    assert "each held by one rank" in whole.settings["assumptions"]["experts"]
+    # with LoRA the experts are frozen: 1/E of them with gpus == E (1/gpus with more), weights only, in the compute
+    # dtype
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}
+    two = {**kw, "gpus": 2}
+    lo = plan(MLA_MOE, ep=2, lora=lora, **two).breakdown
+    assert lo["weights"] - plan(MLA_MOE, lora=lora, **two).breakdown["weights"] == 0
+    lo = plan(MLA_MOE, ep=2, lora=lora, **kw).breakdown
+    assert lo["weights"] == plan(MLA_MOE, lora=lora, **kw).breakdown["weights"]
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -278,14 +278,15 @@ def test_two_nodes_under_torchrun(tmp_path):
 
 def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layouts(tmp_path):
     """parallel.ep: the built-in MoE model (8 routed experts per layer) on 4 ranks, 2 replicas x 2 CP, experts split
-    over all 4 (2 per rank, tokens moved by all-to-all): the metrics (expert load included: summed over the ranks,
-    it is the work of the job) and weights equal a one-process run; its sharded checkpoint stores each expert once
-    (DTensors on the (edp, ep) mesh) and resumes on 2 ranks with ep=2 and in one process; the one-process run's
-    checkpoint (its full optimiser state, cut to each rank's experts) resumes on 2 ranks with ep=2."""
+    over 2 (4 per EP rank, tokens moved by all-to-all) and each block FSDP-sharded over the 2 ranks holding it: the
+    metrics (expert load included: summed over the ranks, it is the work of the job) and weights equal a one-process
+    run; its sharded checkpoint stores each expert once (DTensors on the (ep, edp) mesh) and resumes on 2 ranks with
+    ep=2 (blocks whole), on 4 with ep=4, and in one process; the one-process run's checkpoint (its full optimiser
+    state, cut to each rank's experts and to its shard of them) resumes on 4 ranks with ep=2."""
     (tmp_path / "rw.py").write_text(REWARD)
     moe = ['model.builtin="tiny-moe"']
     _ok(train(0, _args(tmp_path / "one", *moe)), "MoE, one process")
-    _ok(train(4, _args(tmp_path / "four", *moe, "parallel.cp=2", "parallel.ep=4")), "MoE, 4 ranks, ep=4")
+    _ok(train(4, _args(tmp_path / "four", *moe, "parallel.cp=2", "parallel.ep=2")), "MoE, 4 ranks, ep=2")
     one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
     # the expert load counts the routed slots each process computed: CP splits the prompt, not the work
     assert all(r["expert_load_max_over_mean"] > 1 for r in one)
@@ -293,8 +294,10 @@ def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layo
            [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])
     _close_weights(_weights(tmp_path / "four"), _weights(tmp_path / "one"))
     for src, name, world, extra in (("four", "two-ep2", 2, ["parallel.cp=1", "parallel.ep=2"]),
+                                    ("four", "four-ep4", 4, ["parallel.cp=2", "parallel.ep=4"]),
                                     ("four", "single", 0, ["parallel.cp=1", "parallel.ep=1"]),
-                                    ("one", "one-ep2", 2, ["parallel.cp=1", "parallel.ep=2"])):  # its full state cut
+                                    ("one", "one-ep2", 4, ["parallel.cp=2", "parallel.ep=2"])):  # its full state cut
+        # to each rank's block, then to its FSDP shard of it
         run = _resumed(tmp_path / src, tmp_path / f"from-{src}-{name}", world, extra, f"MoE resume {name}")
         _close([{k: v for k, v in r.items() if not k.startswith("expert_")} for r in read_metrics(run)],
                [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in one])

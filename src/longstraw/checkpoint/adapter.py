@@ -524,17 +524,23 @@ def merged_weights(model) -> dict[str, tuple]:
     for name, m in adapted_modules(model).items():
         out[f"{name}.weight"] = (tuple(m.weight.shape), m.weight.dtype, _merger(m, m.weight))
     # the fused expert weight [E, out, in], one at a time; under expert parallelism this rank's rows [local, out, in]
-    # with its experts' part of the adapter (save_model writes each EP rank's rows itself)
+    # with its experts' part of the adapter (save_model writes each EP rank's rows itself; with the block FSDP-sharded
+    # over edp, this rank's rows of it)
     for name, m in expert_adapters(model).items():
         w = model.get_parameter(name)
-        transposed = getattr(model.get_submodule(name.rpartition(".")[0]), "transposed", False)
-        out[name] = (tuple(w.shape), w.dtype, _merger(m, w, transposed))
+        parent = model.get_submodule(name.rpartition(".")[0])
+        transposed = getattr(parent, "transposed", False)
+        out[name] = (tuple(w.shape), w.dtype, _merger(m, w, transposed, own_rows=hasattr(parent, "shard_edp")))
     return out
 
 
-def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor, transposed: bool = False):
+def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor, transposed: bool = False, own_rows: bool = False):
+    """``make()`` of a merged weight: the full tensor (a collective for a sharded one), or with ``own_rows`` (an
+    expert-parallel module's) this rank's rows of it, merged with the rows' part of the adapter (no collective)."""
     def make() -> torch.Tensor:
-        w, a, b = _full(weight.detach()), _full(m.lora_A.weight.detach()), _full(m.lora_B.weight.detach())
+        rows = local_rows(weight) if own_rows else None
+        w = weight.detach().to_local() if rows is not None else _full(weight.detach())
+        a, b = _full(m.lora_A.weight.detach()), _full(m.lora_B.weight.detach())
         acc = torch.float64 if w.dtype == torch.float64 else torch.float32
         a, b = a.to(acc), b.to(acc)
         if isinstance(m, ExpertLoRA):  # per expert B_e A_e, PEFT's layout (models.lora.ExpertLoRA.factors)
@@ -542,6 +548,8 @@ def _merger(m: LoRALinear | ExpertLoRA, weight: torch.Tensor, transposed: bool =
             delta = torch.bmm(b.view(m.out_features, m.r, e).permute(2, 0, 1), a.view(e, m.r, m.in_features))
             if transposed:  # experts kept as [E, in, out] (GPT-OSS: x @ W)
                 delta = delta.transpose(1, 2)
+            if rows is not None:
+                delta = delta[rows[0]:rows[1]]
         else:
             delta = b @ a
         return (w.to(acc) + delta * m.scaling).to(w.dtype)

@@ -370,8 +370,9 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
             for pname, src in sources.items() if weights else ():
                 target = params[pname]
                 rows, local = local_rows(target), _local(target)
-                if pname in ep_rows:
-                    rows = ep_rows[pname][1:]
+                if pname in ep_rows:  # this rank's EP block, or (FSDP over edp) its rows of the block
+                    first, end = ep_rows[pname][1:]
+                    rows = (first + rows[0], first + rows[1]) if rows is not None else (first, end)
                 if local.numel():
                     src.read(rows, out=local)  # converted to the model's dtype as it is copied in
                 if isinstance(reader, _SafetensorsReader):
@@ -480,9 +481,22 @@ def _expert_slices(t: torch.Tensor, m, make=None) -> list:
     experts' LoRA merged, made when written)."""
     from longstraw.checkpoint.export import ExpertRows
 
+    from longstraw.distributed.fsdp import shard_rows
+
     local, size, world = t.shape[0], m.ep.size, torch.distributed.get_world_size()
-    return [ExpertRows((local, *t.shape[1:]), t.dtype, j * local, tuple(range(j, world, size)),
-                       t if j == m.ep.rank else None, make if j == m.ep.rank else None) for j in range(size)]
+    if not is_sharded(t):  # the block is whole on its holders (W == E, or one per edp group)
+        return [ExpertRows((local, *t.shape[1:]), t.dtype, j * local, tuple(range(j, world, size)),
+                           t if j == m.ep.rank else None, make if j == m.ep.rank else None) for j in range(size)]
+    # FSDP over edp: each block's rows split again over the W / E ranks holding it; each rank writes its own rows
+    own, out = (m.ep.rank, m.edp.rank), []
+    for j in range(size):
+        for d in range(world // size):
+            a, b = shard_rows(local, (world // size,), (d,), tuple(t.placements))
+            if b > a:
+                mine = (j, d) == own
+                out.append(ExpertRows((b - a, *t.shape[1:]), t.dtype, j * local + a, (d * size + j,),
+                                      t.to_local() if mine else None, make if mine else None))
+    return out
 
 
 def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
@@ -547,7 +561,16 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
         m = ep[id(t)]
         if hasattr(wmap, "save_rows"):
             return _expert_slices(t, m, merge[2] if merge is not None else None)
-        rows = merge[2] if merge is not None else (lambda: t)
+        def rows() -> torch.Tensor:  # this rank's block (or its FSDP shard over edp), merged if asked
+            if merge is None:
+                return t
+            if not is_sharded(t):
+                return merge[2]()
+            from torch.distributed.tensor import DTensor  # the merge gives this rank's rows: FSDP's layout
+
+            return DTensor.from_local(merge[2](), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+
         return [Computed((m.num_experts, *t.shape[1:]), merge[1] if merge is not None else t.dtype,
                          lambda: gather_experts(m, rows()))]
 
@@ -614,10 +637,10 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if prm.grad is None:
             continue
         g = prm.grad
-        if hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        elif id(prm) in ep:  # expert-parallel: every EP rank's experts (a collective of the EP group)
+        if id(prm) in ep:  # expert-parallel: every EP rank's experts (a collective of the EP group, and of edp)
             g = gather_experts(ep[id(prm)], g)
+        elif hasattr(g, "full_tensor"):
+            g = g.full_tensor()
         elif id(prm) in parts:  # an expert adapter's part: the whole tensor in PEFT's layout (a collective)
             m, a, which = parts[id(prm)]
             g = gather_adapter(m, a, which, g)

@@ -162,25 +162,22 @@ def _ep_model(model) -> bool:
 
 
 def _ep_to_dtensors(model, state: dict, split_b: bool = True) -> list:
-    """Expert-parallel experts (plain per-rank tensors) described as DTensors, so DCP stores each expert once and
-    reads it into any layout, and the experts' LoRA adapters in the checkpoint's layout (``lora_B`` as ``[out, r,
-    experts]``, DTensors under expert parallelism; ``split_b``: see ``adapters_to_dcp``). Returns what
-    :func:`_ep_to_local` puts back (``longstraw.distributed.expert_parallel``)."""
+    """Expert-parallel experts (per-rank tensors, or FSDP's shards of them over edp) described as DTensors, so DCP
+    stores each expert once and reads it into any layout, and the experts' LoRA adapters in the checkpoint's layout
+    (``lora_B`` as ``[out, r, experts]``, DTensors under expert parallelism; ``split_b``: see ``adapters_to_dcp``).
+    Returns what :func:`_ep_to_local` puts back (``longstraw.distributed.expert_parallel``)."""
     from longstraw.distributed.expert_parallel import adapters_to_dcp, ep_state_to_dtensors
 
-    if _ep_model(model):
-        ep_state_to_dtensors(model, state["model"], state.get("optimizer"))
-    return adapters_to_dcp(model, state["model"], state.get("optimizer"), split_b=split_b)
+    undo = ep_state_to_dtensors(model, state["model"], state.get("optimizer")) if _ep_model(model) else []
+    return undo + adapters_to_dcp(model, state["model"], state.get("optimizer"), split_b=split_b)
 
 
 def _ep_to_local(model, state: dict, undo: list) -> None:
-    """After DCP has read into them, the inverse of :func:`_ep_to_dtensors`: the model's own shapes and this rank's
-    parts as plain tensors, as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect."""
-    from longstraw.distributed.expert_parallel import adapters_from_dcp, ep_state_to_local
+    """After DCP has read into them, the inverse of :func:`_ep_to_dtensors`: the entries the state dicts had (the
+    model's own shapes, this rank's parts), as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect."""
+    from longstraw.distributed.expert_parallel import adapters_from_dcp
 
     adapters_from_dcp(undo)
-    if _ep_model(model):
-        ep_state_to_local(model, state["model"], state.get("optimizer"))
 
 
 def _split_b(model, reader) -> bool:

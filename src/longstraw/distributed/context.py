@@ -126,7 +126,8 @@ class ParallelContext:
     ep_rank: int = 0
     ep: Comm | None = None
     edp: Comm | None = None
-    ep_mesh: Any = None  # the 2-D ("edp", "ep") mesh of expert parallelism (checkpoints describe experts on it)
+    ep_mesh: Any = None  # the 2-D ("ep", "edp") mesh of expert parallelism: FSDP shards the experts over "edp",
+    # checkpoints describe them on both dims
 
     @property
     def cp_mesh(self):
@@ -261,8 +262,9 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
                      DeviceMesh(device.type, ranks.view(replicate, world // replicate),
                                 mesh_dim_names=("replicate", "fsdp")))
     ep_comm = edp_comm = ep_mesh = None
-    if ep > 1:  # EP groups of ep consecutive ranks; edp: the ranks holding the same experts
-        ep_mesh = DeviceMesh(device.type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("edp", "ep"))
+    if ep > 1:  # EP groups of ep consecutive ranks; edp: the ranks holding the same experts. Mesh dims in the
+        # order the experts' rows split: by ep (blocks of experts), then each block by edp (FSDP's shards of it)
+        ep_mesh = DeviceMesh(device.type, torch.arange(world).view(world // ep, ep).t(), mesh_dim_names=("ep", "edp"))
         ep_comm = Comm(ep_mesh.get_group("ep"), rank % ep, ep)
         edp_comm = Comm(ep_mesh.get_group("edp"), rank // ep, world // ep)
     _CONTEXT = ParallelContext(rank=rank, world_size=world, cp_size=cp, cp_rank=rank % cp, dp_size=dp_size,

@@ -6,8 +6,12 @@ FSDP) keeps, in every routed-experts module (:class:`~longstraw.models.moe_block
 ``GptOssExperts``: a module with ``ep_tensor_names`` and ``local_experts``), only the experts of this rank's EP
 coordinate: rows ``[ep_rank * n / E, (ep_rank + 1) * n / E)`` of each tensor ``ep_tensor_names`` lists (the fused
 ``gate_up_proj [n, 2I, H]`` and ``down_proj [n, H, I]``; GPT-OSS's transposed ones and their biases ``[n, 2I]``,
-``[n, H]``) (whole local tensors, not DTensors; FSDP leaves them alone: ``ignored_params``), and mixes
-:class:`ExpertParallel` into the module's class (:class:`ExpertParallelExperts` for :class:`Experts`), whose forward
+``[n, H]``), and mixes :class:`ExpertParallel` into the module's class (:class:`ExpertParallelExperts` for
+:class:`Experts`). With more ranks than ``E`` (``W / E`` expert-data-parallel groups, ``edp``) ``apply_fsdp`` then
+makes each experts module an FSDP2 unit of its own over the ``edp`` ranks holding the same experts (torchtitan's
+pattern): each rank keeps ``1 / (W / E)`` of its EP block (``1 / W`` of the experts; rows split as ``torch.chunk``
+does), gathered while the module runs; with ``W == E`` they stay whole local tensors (``ignored_params``). The
+module's forward
 
 1. sends each routed token slot (sorted by expert, hence by owning rank) to the rank that holds its expert
    (``all_to_all_single`` with uneven splits, after exchanging per-expert counts),
@@ -26,11 +30,12 @@ replicas, or both.
 
 Gradients (the convention of ``init_distributed``: the mean over data-parallel replicas). The all-to-all backward
 already sums every EP-group rank's contribution into the owner's expert gradient; the ``W / E`` ranks that hold the
-same experts (the expert-data-parallel group ``edp``) sum theirs (an all-reduce in the backward of each layer's
-expert weights), so each expert gradient is the sum over all ``W`` ranks, divided by the same factor FSDP divides
-the rest of the model by (``W`` for the replay, the number of replicas in the CP reverse pass:
-``cp_state.ShardedPromptState.backward_scope`` sets both). Expert weights are replicated over ``edp``, not further
-FSDP-sharded.
+same experts (the expert-data-parallel group ``edp``) sum theirs: FSDP's reduce-scatter over ``edp`` for the expert
+weights, an all-reduce in the backward of each layer's call for what FSDP does not manage (the experts with ``W ==
+E``, where it is skipped, and the experts' LoRA adapters, replicated over ``edp``), so each expert gradient is the
+sum over all ``W`` ranks, divided by the same factor FSDP divides the rest of the model by (``W`` for the replay,
+the number of replicas in the CP reverse pass: ``cp_state.ShardedPromptState.backward_scope`` sets both: its FSDP
+units, the experts' among them, and :func:`set_ep_divide_factor`).
 
 LoRA on the experts (``target_parameters``, ``models.lora.ExpertLoRA``): :func:`shard_experts` keeps each adapter's
 part for this rank's experts (``ExpertLoRA.keep_experts``: ``lora_A``'s rows, ``lora_B``'s columns of PEFT's
@@ -52,7 +57,7 @@ from longstraw.ops import meta
 from longstraw.ops.moe import combine_slots
 
 __all__ = ["ExpertParallel", "ExpertParallelExperts", "shard_experts", "expert_tensors", "ep_modules", "ep_param_ids",
-           "ep_param_rows", "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_state_to_local",
+           "ep_param_rows", "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_block",
            "ep_adapter_params", "gather_adapter", "expert_params", "ep_local_parts", "expert_adapter_tensors",
            "adapters_to_dcp", "adapters_from_dcp"]
 
@@ -75,9 +80,10 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _ExpertGrad(torch.autograd.Function):
-    """Identity on the local expert tensors that are trained (the fused weights, or their LoRA adapters' ``lora_A``
-    / ``lora_B``); backward: their gradients, in one flat buffer, summed over the expert-data-parallel group (the
-    ranks holding the same experts) and divided by the module's current factor (module docstring)."""
+    """Identity on the local expert tensors that are trained and not FSDP-sharded (the fused weights with ``W ==
+    E``, or their LoRA adapters' ``lora_A`` / ``lora_B``); backward: their gradients, in one flat buffer, summed over
+    the expert-data-parallel group (the ranks holding the same experts) and divided by the module's current factor
+    (module docstring)."""
 
     @staticmethod
     def forward(ctx, module: ExpertParallel, *tensors: Tensor):
@@ -98,10 +104,11 @@ class _ExpertGrad(torch.autograd.Function):
         return (None, *out)
 
 
-def _trained_local(m: ExpertParallel, tensors: list[Tensor]) -> list[Tensor]:
+def _trained_local(m: ExpertParallel, tensors: list[Tensor], skip: int = 0) -> list[Tensor]:
     """``tensors`` with those that require a gradient passed through :class:`_ExpertGrad` (one call, one
-    reduction); frozen ones as they are (LoRA: the base experts get no gradient, and none is computed for them)."""
-    idx = [i for i, t in enumerate(tensors) if t.requires_grad]
+    reduction), but the first ``skip`` (FSDP's over ``edp``: it reduces them); frozen ones as they are (LoRA: the
+    base experts get no gradient, and none is computed for them)."""
+    idx = [i for i, t in enumerate(tensors) if t.requires_grad and i >= skip]
     if not idx:
         return tensors
     views = _ExpertGrad.apply(m, *(tensors[i] for i in idx))
@@ -137,7 +144,8 @@ class ExpertParallel:
     edp: Comm | None
     first: int
     divide_factor: float
-    mesh: object  # the ("edp", "ep") DeviceMesh: replicated over edp, rows sharded over ep (state dicts)
+    mesh: object  # the ("ep", "edp") DeviceMesh: rows split over ep, then FSDP's shards over edp (state dicts)
+    shard_edp: bool  # the expert tensors are FSDP-sharded over edp (W > E; apply_fsdp), else whole local tensors
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         tensors = expert_tensors(self)
@@ -167,7 +175,8 @@ class ExpertParallel:
         # r*local]) through the identity whose backward reduces their gradients over edp
         nt = len(tensors)
         trained = _trained_local(self, tensors + [w for _, a in adapters for w in (a.lora_A.weight,
-                                                                                   a.lora_B.weight)])
+                                                                                   a.lora_B.weight)],
+                                 skip=nt if self.shard_edp else 0)
         tensors, ab = trained[:nt], trained[nt:]
         lora = {p: (*a.factors(ab[2 * i], ab[2 * i + 1]), a.scaling) for i, (p, a) in enumerate(adapters)}
         # fp32 master experts under a low-precision compute dtype: compute in x's (experts_forward casts the
@@ -248,9 +257,17 @@ def set_ep_divide_factor(model: nn.Module, factor: float) -> None:
         m.divide_factor = float(factor)
 
 
+def ep_block(t: Tensor) -> Tensor:
+    """This rank's EP block of an expert tensor or its gradient: ``t`` itself, or gathered over ``edp`` when FSDP
+    shards it there (a DTensor: a collective of the edp group)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def gather_experts(module: ExpertParallel, t: Tensor) -> Tensor:
-    """The full ``[num_experts, ...]`` tensor from every EP rank's local ``t`` (a collective of the EP group)."""
-    return module.ep.all_gather(t.detach()).reshape(module.num_experts, *t.shape[1:])
+    """The full ``[num_experts, ...]`` tensor from every EP rank's local ``t`` (this rank's block, or its FSDP
+    shard over ``edp``): a collective of the EP group (and of the edp group first for a shard)."""
+    t = ep_block(t.detach())
+    return module.ep.all_gather(t).reshape(module.num_experts, *t.shape[1:])
 
 
 def ep_adapter_params(model: nn.Module) -> dict[str, tuple[ExpertParallel, object, str]]:
@@ -296,6 +313,7 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
             adapter.keep_experts(a, local)
         m.__class__ = _ep_class(type(m))
         m.ep, m.edp, m.first, m.mesh = ctx.ep, ctx.edp, a, ctx.ep_mesh
+        m.shard_edp = ctx.edp is not None and ctx.edp.size > 1  # apply_fsdp shards them over edp
         m.divide_factor = float(ctx.world_size)
     mark_params(model)
     return model
@@ -330,28 +348,27 @@ def _entries(model: nn.Module, model_sd: dict | None, optim_sd: dict | None):
         m.num_experts // m.ep.size, m.num_experts))
 
 
-def ep_state_to_dtensors(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None) -> None:
-    """In place: each expert-parallel tensor of the state dicts (this rank's rows, a plain tensor that FSDP leaves
-    alone) becomes a DTensor on the ``("edp", "ep")`` mesh, replicated over ``edp`` and row-sharded over ``ep``, so
-    that DCP writes each expert once and reads it back into any layout (another ``ep``, or one process)."""
+def ep_state_to_dtensors(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None
+                         ) -> list[tuple[dict, str, Tensor]]:
+    """In place: each expert-parallel tensor of the state dicts (this rank's rows: a plain tensor that FSDP leaves
+    alone, or with ``W > E`` FSDP's DTensor of this rank's shard of its EP block) becomes a DTensor of the whole
+    ``[num_experts, ...]`` tensor on the ``("ep", "edp")`` mesh: rows sharded over ``ep``, then over ``edp``
+    (``Shard(0)`` twice, as FSDP splits a block) or replicated there, so that DCP writes each expert once and reads
+    it back into any layout (another ``ep``, another world size, one process). The new entry shares the old one's
+    storage, so what DCP reads lands in it: returns ``(container, key, old entry)`` to put back
+    (:func:`adapters_from_dcp`)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    for d, k, m in _entries(model, model_sd, optim_sd):
-        t = d[k]
-        full = (m.num_experts, *t.shape[1:])
-        d[k] = DTensor.from_local(t, m.mesh, [Replicate(), Shard(0)], run_check=False, shape=torch.Size(full),
+    undo = []
+    for d, k, m in list(_entries(model, model_sd, optim_sd)):
+        old = d[k]
+        t = old.to_local() if isinstance(old, DTensor) else old
+        full = (m.num_experts, *old.shape[1:])
+        d[k] = DTensor.from_local(t, m.mesh, [Shard(0), Shard(0) if isinstance(old, DTensor) else Replicate()],
+                                  run_check=False, shape=torch.Size(full),
                                   stride=torch.empty(full, device="meta").stride())
-
-
-def ep_state_to_local(model: nn.Module, model_sd: dict | None, optim_sd: dict | None = None) -> None:
-    """In place, the inverse of :func:`ep_state_to_dtensors` (after DCP has read into them): this rank's rows as
-    plain tensors again, as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect for parameters FSDP
-    does not manage."""
-    from torch.distributed.tensor import DTensor
-
-    for d, k, _ in _entries(model, model_sd, optim_sd):
-        if isinstance(d[k], DTensor):
-            d[k] = d[k].to_local()
+        undo.append((d, k, old))
+    return undo
 
 
 # ----------------------------------------------------------------------- expert adapters in a DCP checkpoint
@@ -377,8 +394,8 @@ def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | No
     """In place: the expert adapters' tensors of DCP state dicts in the checkpoint's layout, the same whatever the
     run's: ``lora_A [total*r, in]`` as it is, ``lora_B [out, r*total]`` as its view ``[out, r, total]`` (PEFT's
     columns are interleaved, ``j*total + e``: an expert-parallel rank's experts are a block of the last dimension
-    only there). Under expert parallelism each rank's part becomes a DTensor on the ``("edp", "ep")`` mesh, replicated
-    over ``edp`` and sharded over ``ep`` (``lora_A`` by rows, ``lora_B`` by its last dimension), so that DCP writes
+    only there). Under expert parallelism each rank's part becomes a DTensor on the ``("ep", "edp")`` mesh, sharded
+    over ``ep`` and replicated over ``edp`` (``lora_A`` by rows, ``lora_B`` by its last dimension), so that DCP writes
     every expert's adapter once and reads it into any layout (another ``ep``, FSDP without EP, one process).
     ``split_b=False``: ``lora_B`` stays ``[out, r*total]`` (checkpoints written before this layout; ValueError under
     expert parallelism). Every new entry is a view of the old one, so what DCP reads into it lands in the old one:
@@ -396,7 +413,7 @@ def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | No
                                  "cannot be read into an expert-parallel run (a rank's experts are not a block of "
                                  "it); resume it with parallel.ep = 1")
             full = (a.total * a.r, a.in_features) if which == "lora_A" else (a.out_features, a.r, a.total)
-            t = DTensor.from_local(t, m.mesh, [Replicate(), Shard(0 if which == "lora_A" else 2)], run_check=False,
+            t = DTensor.from_local(t, m.mesh, [Shard(0 if which == "lora_A" else 2), Replicate()], run_check=False,
                                    shape=torch.Size(full), stride=torch.empty(full, device="meta").stride())
         if t is not old:
             d[k] = t

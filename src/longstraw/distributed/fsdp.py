@@ -3,8 +3,9 @@
 Applied from outside the model (torchtitan's ``parallelize`` pattern). Units: every decoder layer, the embedding,
 the LM head (with tied embeddings, which share one tensor between the two, one group of both: :func:`end_units`),
 and the backbone, the root, whose forward every pass enters (``CausalLM.run`` calls ``model.model``) and which holds
-what is left: the final norm. The LM head is called after the root's forward, as FSDP2 supports (the chunked-loss
-pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of the job, or with HSDP each replicate
+what is left: the final norm; under expert parallelism with more ranks than ``ep``, also each routed-experts
+module, over the ranks that hold the same experts (``distributed/expert_parallel.py``). The LM head is called
+after the root's forward, as FSDP2 supports (the chunked-loss pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of the job, or with HSDP each replicate
 group) with ``reshard_after_forward=True``: a unit's full parameters exist only while it runs. The engine calls every
 unit as a module (``model.run`` calls the layers, the embedding and the norm; the log-probs and decoding call
 ``model.lm_head(...)``), so FSDP's hooks all-gather before and reduce-scatter after each use, in lockstep on every
@@ -93,12 +94,21 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
         # cast_forward_inputs=False: a layer's inputs include the prompt state (float32 recurrent states, float32
         # gradient sinks filled in place), which must reach it as they are
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    # expert-parallel experts (distributed/expert_parallel.py) are this rank's own: FSDP leaves them whole
-    from longstraw.distributed.expert_parallel import ep_modules
+    # expert-parallel experts (distributed/expert_parallel.py): this rank's EP block. With W > E each experts module
+    # is first a unit of its own over the edp ranks holding the same block (each keeps 1/(W/E) of it; the layer's
+    # unit then skips it); with W == E FSDP leaves them whole. The experts' LoRA adapters stay whole either way
+    # (replicated over edp; their gradients reduced by the module itself)
+    from longstraw.distributed.expert_parallel import ep_modules, expert_tensors, mark_params
 
-    ignored = {p for _, m in ep_modules(model) for p in m.parameters()}
-    kw = {"ignored_params": ignored} if ignored else {}
+    ignored = set()
     _quiet_view_warning()
+    for _, m in ep_modules(model):
+        adapters = set(m.parameters()) - set(expert_tensors(m))
+        if m.shard_edp:
+            fully_shard(m, mesh=m.mesh["edp"], reshard_after_forward=True, mp_policy=mp,
+                        **({"ignored_params": adapters} if adapters else {}))
+        ignored |= adapters if m.shard_edp else set(m.parameters())
+    kw = {"ignored_params": ignored} if ignored else {}
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     for unit in end_units(model):
@@ -108,6 +118,7 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
         m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
         if ctx.backend == "gloo":
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM / AVG reductions
+    mark_params(model)  # FSDP replaced the experts' parameters by DTensors: tag those
     return model
 
 

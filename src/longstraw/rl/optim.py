@@ -41,6 +41,12 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+def _full_norm(g: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``g`` in float64 (of the whole tensor for a DTensor: a collective of its mesh)."""
+    n = torch.linalg.vector_norm(g.double())
+    return n.full_tensor() if hasattr(n, "full_tensor") else n
+
+
 def clip_grad_norm(params, max_norm: float) -> float:
     """Global L2 norm of the gradients (before clipping); clips in place when ``max_norm > 0``.
 
@@ -57,8 +63,9 @@ def clip_grad_norm(params, max_norm: float) -> float:
         total = torch.nn.utils.get_total_norm([p.grad for p in rest], 2.0) if rest else torch.zeros(())
         if hasattr(total, "full_tensor"):
             total = total.full_tensor()
-        if ep:  # squares summed over the EP group: every expert once (the edp replicas hold the same ones)
-            sq = torch.stack([torch.linalg.vector_norm(p.grad.double()) ** 2 for p in ep]).sum()
+        if ep:  # squares summed over the EP group: every expert once (the edp replicas hold the same ones, or
+            # with FSDP over edp each its shard: a DTensor norm, gathered over edp first)
+            sq = torch.stack([_full_norm(p.grad) ** 2 for p in ep]).sum()
             ep[0]._longstraw_ep.all_reduce(sq.to(ep[0].grad.device))
             total = torch.sqrt(total.double() ** 2 + sq.to(total.device)).to(total.dtype)
         if max_norm > 0:
