@@ -73,7 +73,8 @@ exchanges' buffers with balanced routing (every rank receives its share of the s
 layer's send and receive buffers of its inputs and outputs (``4 x tokens x top_k x hidden`` in the compute dtype),
 and in a graph (a branch batch, a recomputed chunk) the received inputs and returned outputs that every MoE layer
 keeps for its backward (``2 x tokens x top_k x hidden`` per MoE layer; one layer's with ``checkpoint_layers``),
-whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's metrics measures it). The dry run itself computes the experts as one process does.
+whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's metrics measures it).
+The dry run itself computes the experts as one process does.
 
 LoRA: the meta model gets its adapters exactly as a run's does (``models.lora.add_adapters``: the same targets,
 shapes and frozen parameters for every family and target rule), and the dry run runs through them, so the

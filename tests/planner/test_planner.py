@@ -333,8 +333,9 @@ def test_expert_adapters_per_rank_plan_under_expert_parallelism(tmp_path):
     experts split over ep = 2 and 4 of 4 ranks: each rank holds its experts' part of the adapters with their
     gradients and AdamW moments, outside FSDP (never gathered; with ep = 2 replicated over the 2 expert-data-parallel
     groups, not sharded over all 4, while the frozen experts' blocks are FSDP-sharded over them). Planned against
-    measured per rank, and the planned ``weights`` against the bytes of each rank's parameters. (The plan once counted the expert adapters as FSDP-sharded and gathered: the
-    weights 0.88x at ep = 2, where a gathered term as wrong hid it in the peak, and the peak 1.19x at ep = 4.)"""
+    measured per rank, and the planned ``weights`` against the bytes of each rank's parameters. (The plan once
+    counted the expert adapters as FSDP-sharded and gathered: the weights 0.88x at ep = 2, where a gathered term as
+    wrong hid it in the peak, and the peak 1.19x at ep = 4.)"""
     moe, path = _moe_model()
     for ep in (2, 4):
         weights = []

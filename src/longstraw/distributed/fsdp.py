@@ -3,13 +3,13 @@
 Applied from outside the model (torchtitan's ``parallelize`` pattern). Units: every decoder layer, the embedding,
 the LM head (with tied embeddings, which share one tensor between the two, one group of both: :func:`end_units`),
 and the backbone, the root, whose forward every pass enters (``CausalLM.run`` calls ``model.model``) and which holds
-what is left: the final norm; under expert parallelism with more ranks than ``ep``, also each routed-experts
-module, over the ranks that hold the same experts (``distributed/expert_parallel.py``). The LM head is called
-after the root's forward, as FSDP2 supports (the chunked-loss pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of the job, or with HSDP each replicate
-group) with ``reshard_after_forward=True``: a unit's full parameters exist only while it runs. The engine calls every
-unit as a module (``model.run`` calls the layers, the embedding and the norm; the log-probs and decoding call
-``model.lm_head(...)``), so FSDP's hooks all-gather before and reduce-scatter after each use, in lockstep on every
-rank.
+what is left: the final norm; under expert parallelism with more ranks than ``ep``, also each routed-experts module,
+over the ranks that hold the same experts (``distributed/expert_parallel.py``). The LM head is called after the
+root's forward, as FSDP2 supports (the chunked-loss pattern). Each is sharded over ``ctx.fsdp_mesh`` (all ranks of
+the job, or with HSDP each replicate group) with ``reshard_after_forward=True``: a unit's full parameters exist only
+while it runs. The engine calls every unit as a module (``model.run`` calls the layers, the embedding and the norm;
+the log-probs and decoding call ``model.lm_head(...)``), so FSDP's hooks all-gather before and reduce-scatter after
+each use, in lockstep on every rank.
 
 Gradients. Each backward reduce-scatters into the sharded ``.grad`` (a DTensor, accumulating across calls) divided
 by a factor. The convention is the MEAN over data-parallel replicas (``init_distributed``'s docstring). The replay is
