@@ -2,6 +2,7 @@
 
     python benchmarks/ep_vs_fsdp.py                      # 4 ranks: ep=1 (FSDP shards the experts) and ep=4
     python benchmarks/ep_vs_fsdp.py --ranks 2 --ep 1 2 --experts 32
+    python benchmarks/ep_vs_fsdp.py --ep 1 2 4           # ep=2: each block FSDP-sharded over the 2 ranks holding it
 
 For each ``ep`` the launcher starts ``--ranks`` worker processes (torchrun's environment, gloo, one thread each) on
 this file. Every rank builds the same float32 MoE model (Qwen3.5-MoE-style hybrid: Gated DeltaNet + attention
@@ -10,7 +11,8 @@ layers, a routed-expert block in every layer) with ``init_distributed(cp=1, fsdp
 warm-up, ``--repeats`` timed ``grpo_backward`` calls (exact mode). Printed per ``ep``, for the slowest rank: the
 step time (best repeat), the peak resident memory above the rank's baseline during the step (gradients
 included; ``longstraw.profiling.measure_step`` with glibc's mmap threshold fixed), the rank's parameter bytes
-(its FSDP shards + its whole experts under EP) and the planner's prediction for the same step
+(its FSDP shards + its experts under EP: its whole block with ``ep == ranks``, else
+its FSDP shard of the block) and the planner's prediction for the same step
 (``plan(..., gpus=ranks, ep=E)``: its transient terms plus gradients, which is what the measured window covers).
 
 What to expect: with ep=1 FSDP all-gathers every MoE layer's experts (all of them) before the layer runs, so the

@@ -615,6 +615,9 @@ SCENARIOS.update({
     "ep_save": ep_save,
     "gpt_oss_ep_experts": lambda p: ep_experts(p, family="gpt_oss"),
     "gpt_oss_ep_save": lambda p: ep_save(p, family="gpt_oss"),
+    # 6 experts: blocks of 3 over 2 edp ranks are FSDP chunks of 2 and 1 rows
+    "minimax_ep_experts": lambda p: ep_experts(p, family="minimax_m2"),
+    "minimax_ep_save": lambda p: ep_save(p, family="minimax_m2"),
     "dsa_exact_ckpt": lambda p: grpo_two_groups(p, family="glm_moe_dsa", chunk=2, branch_batch=2,
                                                 checkpoint_layers=True),
 })

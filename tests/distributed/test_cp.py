@@ -89,7 +89,8 @@ EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_e
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init", "gpt_oss_exact",
        "gpt_oss_ep_experts"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init",
-              "gpt_oss_exact", "gpt_oss_ep_experts", "gpt_oss_ep_save"]
+              "gpt_oss_exact", "gpt_oss_ep_experts", "gpt_oss_ep_save", "minimax_exact", "mixtral_detached",
+              "minimax_ep_experts", "minimax_ep_save"]
 # sliding windows past which the groups reach (replicated tails, the halo exchange) and attention sinks (GPT-OSS):
 # exact and detached (checkpointed layers, batched branches, the state and its gradient offloaded),
 # score, generate, the replicated state's bytes
@@ -108,7 +109,8 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
         "ep2_cp2_w4": (4, 2, True, EP2_CP2_W4, 1, 2), "window_cp2": (2, 2, False, WINDOW2),
         "window_cp4": (4, 4, False, WINDOW4)}
-_EP_ONLY = ("ep_experts", "ep_save", "ep_init", "gpt_oss_ep_experts", "gpt_oss_ep_save")
+_EP_ONLY = ("ep_experts", "ep_save", "ep_init", "gpt_oss_ep_experts", "gpt_oss_ep_save", "minimax_ep_experts",
+            "minimax_ep_save")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
              "registered_shards", "offload_dcp", "kept_refused")
 GRAD_SCENARIOS = [s for s in ALL + DP + MOE2 + MOE4 + MLA2 + MLA4 + EP2_CP2 + EP2_CP2_W4 + WINDOW2 + WINDOW4
@@ -390,14 +392,18 @@ def check_registered_shards(ranks):
 
 
 def check_ep_experts(ranks, single, job, name="ep_experts"):
-    """Each rank holds 1/E of the routed-expert bytes with W == E, and 1/W with more ranks (each EP block
-    FSDP-sharded over the W / E ranks holding it, rows as torch.chunk splits them), loaded from its rows of the
+    """Each rank holds 1/E of the routed-expert bytes with W == E, and with more ranks its FSDP chunk of its EP
+    block (sharded over the W / E ranks holding it, rows as torch.chunk splits them), loaded from its rows of the
     checkpoint: experts ``[ep_rank * n / E, (ep_rank + 1) * n / E)``, or its chunk of them."""
     world, ep = _job(job)[0], _job(job)[5]
     want = single(name)
-    for r, got in enumerate(_result(ranks, name)):
+    got_all = _result(ranks, name)
+    if world > ep:  # every expert row held by one rank of the job (6 experts: blocks of 3 over 2 ranks, 2 + 1 rows)
+        assert sum(g["expert_bytes"] for g in got_all) == want["expert_bytes"]
+    for r, got in enumerate(got_all):
         assert all(s == (world > ep) for s in got["sharded_edp"]), (r, got["sharded_edp"])
-        assert got["expert_bytes"] * world == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
+        if world == ep:
+            assert got["expert_bytes"] * ep == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
         for name, (_, w) in want["weights"].items():
             block = w.shape[0] // ep
             a = (r % ep) * block
@@ -411,7 +417,7 @@ def check_ep_save(ranks, name="ep_save"):
     """The saved checkpoint equals the original. Per-expert checkpoints (DeepSeek-V3) are written by the ranks that
     hold each expert (no gather over the EP group); GPT-OSS's stores each expert tensor fused, so each of the 3
     layers' 4 expert tensors (weights and biases) is gathered whole once, when its turn comes."""
-    gathers = {"ep_save": 0, "gpt_oss_ep_save": 3 * 4}[name]
+    gathers = {"ep_save": 0, "minimax_ep_save": 0, "gpt_oss_ep_save": 3 * 4}[name]
     for got in _result(ranks, name):
         assert got["same"], got
         assert got["comm_gathers"] == gathers, got
@@ -472,7 +478,9 @@ def _check(job, name, ranks, single):
     checks.update({"ep_experts": lambda: check_ep_experts(ranks, single, job),
                    "ep_save": lambda: check_ep_save(ranks), "ep_init": lambda: check_ep_init(ranks, job),
                    "gpt_oss_ep_experts": lambda: check_ep_experts(ranks, single, job, name),
-                   "gpt_oss_ep_save": lambda: check_ep_save(ranks, name)})
+                   "gpt_oss_ep_save": lambda: check_ep_save(ranks, name),
+                   "minimax_ep_experts": lambda: check_ep_experts(ranks, single, job, name),
+                   "minimax_ep_save": lambda: check_ep_save(ranks, name)})
     if name in checks:
         checks[name]()
     if name.endswith("_score"):  # the MoE families' variants of these checks
