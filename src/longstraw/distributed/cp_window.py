@@ -194,8 +194,7 @@ class ShardedSlidingState(PositionShardedState):
         if tail is None or tail.k_grad is None:
             raise RuntimeError(f"the tail [{lo}, {e}) of a sliding layer has no gradient sink: the exact reverse "
                                "pass needs a state built with exact=True and enable_grad() called")
-        gk = read_summed(tail.k_grad, k, self.comm.all_reduce)
-        gv = read_summed(tail.v_grad, v, self.comm.all_reduce)
+        gk, gv = read_summed([tail.k_grad, tail.v_grad], [k, v], self.comm.all_reduce)  # one all-reduce
         a = max(start, lo)
         if a >= end:
             return [(k, torch.zeros_like(k)), (v, torch.zeros_like(v))]

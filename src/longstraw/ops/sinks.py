@@ -39,11 +39,18 @@ def read(sink: Tensor, like: Tensor) -> Tensor:
     return sink.to(device=like.device, dtype=like.dtype)
 
 
-def read_summed(sink: Tensor, like: Tensor, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
-    """:func:`read` of a sink that several processes each hold a part of (a replicated state's partial gradients):
-    the sink copied to ``like``'s device in its own dtype, summed by ``all_reduce`` (in place, a collective), then
-    cast to ``like``'s dtype, so that the sum is taken in the sink's precision."""
-    return all_reduce(sink.to(device=like.device, copy=True)).to(like.dtype)
+def read_summed(sinks: list[Tensor], likes: list[Tensor], all_reduce: Callable[[Tensor], Tensor]) -> list[Tensor]:
+    """:func:`read` of sinks that several processes each hold a part of (a replicated state's partial gradients):
+    the sinks copied, flat and together, to the first ``like``'s device in the first sink's dtype (one buffer), summed
+    by one ``all_reduce`` (in place, a collective), then each cast to its ``like``'s dtype, so that the sums are taken
+    in the sinks' precision. ``sinks[i]`` and ``likes[i]`` pair up (shapes: the sink's)."""
+    flat = torch.cat([s.reshape(-1).to(device=likes[0].device, dtype=sinks[0].dtype) for s in sinks])
+    flat = all_reduce(flat)
+    out, at = [], 0
+    for s, like in zip(sinks, likes):
+        out.append(flat[at:at + s.numel()].view(s.shape).to(like.dtype))
+        at += s.numel()
+    return out
 
 
 def offloads(state: Tensor | torch.device, offload: bool) -> bool:
