@@ -752,8 +752,8 @@ def _expert_params(module) -> list:
 
 
 def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool | None, replicate: int,
-                 master_dtype: str, optimizer_states: int, optimizer_offload: str, ep: int = 1
-                 ) -> tuple[dict, dict, dict, int]:
+                 master_dtype: str, optimizer_states: int, optimizer_offload: str, ep: int = 1,
+                 ep_shard: bool = True) -> tuple[dict, dict, dict, int]:
     """Per-device bytes of the parameters, gradients, optimiser state and FSDP's gathered buffers, what was assumed
     (which group shards what, in which dtype), how ``weights`` splits (frozen / adapters / other trained) and the
     optimiser state's bytes in host memory per device (``optimizer_offload``; 0 without). The
@@ -779,6 +779,7 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
 
     experts = {id(p) for p in _expert_params(model)} if ep > 1 else set()
     edp = gpus // ep if ep > 1 else 1  # ranks holding the same experts: FSDP shards their block over them
+    edp = edp if ep_shard else 1  # (ep_shard=False: each holds all of it)
     from longstraw.distributed.expert_parallel import expert_tensors
 
     blocks = {id(p) for m in model.modules() if hasattr(m, "ep_tensor_names") for p in expert_tensors(m)} \
@@ -861,7 +862,8 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
     }
     if ep > 1:
         held = (f"FSDP-sharded over the {edp} ranks holding the same experts (gathered with their layer)"
-                if edp > 1 else "each held by one rank")
+                if edp > 1 else "each held by one rank" if gpus == ep else
+                f"replicated over the {gpus // ep} ranks holding the same experts (ep_shard=False)")
         assumptions["experts"] = (f"routed experts split over ep={ep} ranks ({count(ex, True) + count(ex, False):,} "
                                   f"parameters, {ex_n + ex_frozen:,} per device), {held}; their LoRA adapters "
                                   "split over ep only; token exchanges with balanced routing")
@@ -919,7 +921,7 @@ def _all_to_all_bytes(model, compute: torch.dtype, cfg, response_len: int) -> in
 def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg=None,
          dtype: str | torch.dtype = "bfloat16", gpus: int = 1, cp: int = 1, gpu_mem: float | None = None,
          optimizer_states: int = 2, fsdp: bool | None = None, replicate: int = 1, master_dtype: str = "auto",
-         optimizer_offload: bool | str = False, lora=None, reserve: int = 0, ep: int = 1,
+         optimizer_offload: bool | str = False, lora=None, reserve: int = 0, ep: int = 1, ep_shard: bool = True,
          max_positions: int | None = None, graph_budget: int | str | None = None) -> Plan:
     """Peak memory per device of one GRPO step of ``cfg`` (a ``GRPOConfig``; default: its defaults) on a model of
     ``hf_config``, computing in ``dtype`` (see module docstring). ``gpu_mem`` in bytes gives the verdict
@@ -937,8 +939,10 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     longer than the model takes, or a LoRA setting the model refuses (a target that matches none of its linear
     layers, with the names it has). ``reserve``: bytes of ``gpu_mem`` the run's tensors cannot use
     (:func:`device_reserve`; the verdict compares the peak with ``gpu_mem - reserve``). ``ep``: expert parallelism
-    over ``ep`` ranks (needs FSDP over ``gpus > 1``, ``replicate=1``, and ``ep`` dividing ``gpus`` and every MoE
-    layer's experts; module docstring). ``max_positions``: the positions the run extends the model to (RoPE scaling such as YaRN),
+    over ``ep`` ranks (needs FSDP over ``gpus > 1`` (HSDP too), and ``ep`` dividing ``gpus`` and every MoE
+    layer's experts; module docstring); ``ep_shard=False``: each EP block replicated over the ``gpus / ep`` ranks
+    holding it instead of FSDP-sharded there (``init_distributed(ep_shard=)``). ``max_positions``: the positions the
+    run extends the model to (RoPE scaling such as YaRN),
     instead of the config's ``max_position_embeddings``. ``graph_budget``: exact mode's bytes for kept prompt-step
     graphs (default ``cfg.graph_budget_bytes``), or ``"auto"``: what ``gpu_mem`` less the reserve leaves after the
     peak without them (0 without ``gpu_mem``); ``Plan.settings["graph_budget"]`` then has the budget, the bytes and
@@ -965,8 +969,6 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         if fsdp is False or gpus < 2:
             raise ValueError(f"ep={ep} needs FSDP over several GPUs (expert parallelism runs with the rest of the "
                              f"model FSDP-sharded); got gpus={gpus}" + (", fsdp=False" if fsdp is False else ""))
-        if replicate != 1:
-            raise ValueError(f"ep={ep} with replicate={replicate} (HSDP) is not supported; plan replicate=1")
         if gpus % ep:
             allowed = ", ".join(str(d) for d in _divisors(gpus) if d > 1)
             raise ValueError(f"ep={ep} must divide gpus={gpus}: allowed {allowed} (or 1: none)")
@@ -1010,7 +1012,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                              f"allowed with gpus={gpus}: {', '.join(map(str, ok))}")
     fixed, assumptions, split, optimizer_host = _fixed_bytes(
         model, dt, gpus=gpus, cp=cp, fsdp=fsdp, replicate=replicate, master_dtype=master_dtype,
-        optimizer_states=optimizer_states, optimizer_offload=_offload_mode(optimizer_offload), ep=ep)
+        optimizer_states=optimizer_states, optimizer_offload=_offload_mode(optimizer_offload), ep=ep,
+        ep_shard=ep_shard)
     if ep > 1:
         fixed["all_to_all"] = _all_to_all_bytes(model, dt, cfg, response_len)
 
@@ -1139,7 +1142,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
                     dtype=str(dt).removeprefix("torch."), gpus=gpus, cp=cp, gpu_mem=gpu_mem,
                     prefill_chunk=cfg.prefill_chunk, branch_batch=cfg.branch_batch,
                     checkpoint_layers=cfg.checkpoint_layers, param_bytes=pbytes, layer_bytes=layer, ep=ep,
-                    assumptions=assumptions)
+                    ep_shard=ep_shard, assumptions=assumptions)
     if at_len["state_host"] or peaks["forward"] > peaks["backward"]:  # shown where the forward phases matter
         settings["phase_peaks"] = peaks
         # the forward phases' two transients (a step measured without a rollout compares with the prefill's)
@@ -1451,8 +1454,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="positions the run extends the model to (RoPE scaling, e.g. YaRN), instead of the config's "
                         "max_position_embeddings: 4M, 8M")
     p.add_argument("--ep", type=int, default=1, metavar="E",
-                   help="expert parallelism: the routed experts split over E ranks (each holds 1/E of them, not "
-                        "FSDP-sharded; tokens exchanged all-to-all); must divide --gpus and each layer's experts")
+                   help="expert parallelism: the routed experts split over E ranks (tokens exchanged all-to-all), "
+                        "each block FSDP-sharded again over the gpus/E ranks holding it; must divide --gpus and each "
+                        "layer's experts")
+    p.add_argument("--ep-replicate", action="store_true",
+                   help="with --ep: replicate each block of experts over the gpus/E ranks holding it instead of "
+                        "sharding it (1/E of the experts per GPU, no gathers; parallel.ep_shard = false)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
     p.add_argument("--graph-budget", default=None, metavar="SIZE",
                    help="exact mode: memory for prompt-step graphs kept from the prefill (the reverse pass does not "
@@ -1654,7 +1661,8 @@ def plan_from_args(args) -> int:
     res = plan(cfg, prompt_len=prompt_len, response_len=response_len, group=args.group, cfg=gcfg, dtype=args.dtype,
                gpus=args.gpus, cp=args.cp, gpu_mem=gpu_mem, fsdp=False if args.no_fsdp else None,
                replicate=args.replicate, master_dtype=args.master_dtype, optimizer_offload=args.optimizer_offload,
-               lora=lora, reserve=reserve, max_positions=max_positions, graph_budget=budget, ep=args.ep)
+               lora=lora, reserve=reserve, max_positions=max_positions, graph_budget=budget, ep=args.ep,
+               ep_shard=not args.ep_replicate)
     if args.json:
         print(json.dumps(res.to_json()))
         return 0

@@ -299,7 +299,8 @@ def test_shard_experts_splits_the_adapters():
     parts = []
     for rank in range(4):
         model = with_experts("deepseek_v3")
-        ctx = types.SimpleNamespace(ep_size=4, world_size=4, ep_rank=rank, ep=None, edp=None, ep_mesh=None)
+        ctx = types.SimpleNamespace(ep_size=4, world_size=4, ep_rank=rank, ep=None, edp=None, ep_mesh=None,
+                                    ep_shard=True)
         shard_experts(model, ctx)
         got = expert_adapters(model)
         assert set(got) == set(want)

@@ -25,10 +25,10 @@ def _free_port() -> int:
 
 
 def launch(world: int, *, cp: int, paths: dict, scenarios: list[str], fsdp: bool = False, replicate: int = 1, ep: int = 1,
-           timeout_s: float = 300.0, collective_timeout_s: float = 120.0) -> list[dict]:
+           ep_shard: bool = True, timeout_s: float = 300.0, collective_timeout_s: float = 120.0) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="longstraw-cp-"))
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"cp": cp, "fsdp": fsdp, "replicate": replicate, "ep": ep,
+    spec.write_text(json.dumps({"cp": cp, "fsdp": fsdp, "replicate": replicate, "ep": ep, "ep_shard": ep_shard,
                                 "paths": {k: str(v) for k, v in paths.items()},
                                 "scenarios": scenarios, "out": str(out),
                                 "timeout_s": collective_timeout_s}))

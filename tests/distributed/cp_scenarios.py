@@ -537,7 +537,7 @@ def ep_init_errors(cp: int, ep: int) -> dict:
     """init_distributed's one-line errors for EP combinations it rejects (before any process group exists)."""
     out = {}
     for key, kw in {"ep_no_fsdp": dict(fsdp=False, ep=ep), "ep_zero": dict(fsdp=True, ep=0),
-                    "ep_not_dividing": dict(fsdp=True, ep=3), "ep_hsdp": dict(fsdp=True, ep=ep, replicate=2)}.items():
+                    "ep_not_dividing": dict(fsdp=True, ep=3)}.items():
         try:
             longstraw.init_distributed(cp=cp, **kw)
             out[key] = "no error"

@@ -34,7 +34,8 @@ def main(spec_path: str) -> None:
     if spec.get("ep", 1) > 1:
         results["init_errors"].update(cp_scenarios.ep_init_errors(spec["cp"], spec["ep"]))
     ctx = longstraw.init_distributed(cp=spec["cp"], fsdp=spec["fsdp"], replicate=spec.get("replicate", 1),
-                                     ep=spec.get("ep", 1), timeout_s=spec.get("timeout_s", 120))
+                                     ep=spec.get("ep", 1), ep_shard=spec.get("ep_shard", True),
+                                     timeout_s=spec.get("timeout_s", 120))
     results["context"] = {"rank": ctx.rank, "cp_rank": ctx.cp_rank, "cp_size": ctx.cp_size, "dp_size": ctx.dp_size,
                           "replicate": ctx.replicate, "ep_size": ctx.ep_size, "ep_rank": ctx.ep_rank,
                           "longstraw": longstraw.__file__}

@@ -91,6 +91,10 @@ EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init",
               "gpt_oss_exact", "gpt_oss_ep_experts", "gpt_oss_ep_save", "minimax_exact", "mixtral_detached",
               "minimax_ep_experts", "minimax_ep_save"]
+# HSDP (2 replica groups of 2) with EP groups of 2 and ep_shard=False: the dense part sharded inside a group and
+# replicated across, each EP block replicated over the 2 ranks (one per group) holding it (gradients all-reduced)
+EP2_HSDP_W4 = ["v3_exact", "v3_detached", "next_exact", "gpt_oss_exact", "ep_experts", "ep_save", "minimax_exact",
+               "minimax_ep_experts", "minimax_ep_save"]
 # sliding windows past which the groups reach (replicated tails, the halo exchange) and attention sinks (GPT-OSS):
 # exact and detached (checkpointed layers, batched branches, the state and its gradient offloaded),
 # score, generate, the replicated state's bytes
@@ -100,7 +104,7 @@ WINDOW2 = ["w5_exact", "w5_detached", "w5_exact_ckpt", "w5_exact_offload", "w5_e
            "gpt_oss_exact_kept"]
 WINDOW4 = ["w5_exact", "w5_exact_c1", "w5_detached", "w5_generate", "w5_state_bytes", "w5_exact_state_bytes",
            "gpt_oss_exact", "gpt_oss_detached", "gpt_oss_score", "w5_exact_kept"]
-# job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep]])
+# job: (world, cp, fsdp from init_distributed, scenarios[, replicate[, ep[, ep_shard]]])
 JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (4, 2, True, DP),
         "moe_cp2": (2, 2, False, MOE2), "moe_cp4": (4, 4, False, MOE4), "mla_cp2": (2, 2, False, MLA2),
         "mla_cp4": (4, 4, False, MLA4), "fsdp_cp1_w2": (2, 1, True, FSDP_CP1_W2),
@@ -108,7 +112,7 @@ JOBS = {"cp2": (2, 2, False, ALL), "cp4": (4, 4, False, FOUR), "dp2xcp2_fsdp": (
         "fsdp_cp4_w4": (4, 4, True, FSDP_CP4_W4), "hsdp_r2_w4": (4, 1, True, HSDP, 2),
         "ep2": (2, 1, True, EP2, 1, 2), "ep2_cp2": (2, 2, True, EP2_CP2, 1, 2), "ep4": (4, 1, True, EP4, 1, 4),
         "ep2_cp2_w4": (4, 2, True, EP2_CP2_W4, 1, 2), "window_cp2": (2, 2, False, WINDOW2),
-        "window_cp4": (4, 4, False, WINDOW4)}
+        "window_cp4": (4, 4, False, WINDOW4), "ep2_hsdp_w4": (4, 1, True, EP2_HSDP_W4, 2, 2, False)}
 _EP_ONLY = ("ep_experts", "ep_save", "ep_init", "gpt_oss_ep_experts", "gpt_oss_ep_save", "minimax_ep_experts",
             "minimax_ep_save")
 _NOT_GRPO = ("score", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "master_weights",
@@ -398,17 +402,20 @@ def check_ep_experts(ranks, single, job, name="ep_experts"):
     world, ep = _job(job)[0], _job(job)[5]
     want = single(name)
     got_all = _result(ranks, name)
-    if world > ep:  # every expert row held by one rank of the job (6 experts: blocks of 3 over 2 ranks, 2 + 1 rows)
+    sharded = _ep_sharded(job)
+    if sharded:  # every expert row held by one rank of the job (6 experts: blocks of 3 over 2 ranks, 2 + 1 rows)
         assert sum(g["expert_bytes"] for g in got_all) == want["expert_bytes"]
     for r, got in enumerate(got_all):
-        assert all(s == (world > ep) for s in got["sharded_edp"]), (r, got["sharded_edp"])
-        if world == ep:
+        assert all(s == sharded for s in got["sharded_edp"]), (r, got["sharded_edp"])
+        if not sharded:
             assert got["expert_bytes"] * ep == want["expert_bytes"], (r, got["expert_bytes"], want["expert_bytes"])
         for name, (_, w) in want["weights"].items():
             block = w.shape[0] // ep
             a = (r % ep) * block
-            chunk = -(-block // (world // ep))
-            a, b = a + min((r // ep) * chunk, block), a + min((r // ep + 1) * chunk, block)
+            parts = world // ep if sharded else 1
+            chunk = -(-block // parts)
+            d = (r // ep) if sharded else 0
+            a, b = a + min(d * chunk, block), a + min((d + 1) * chunk, block)
             first, mine = got["weights"][name]
             assert first == a and torch.equal(mine, w[a:b]), (r, name, first, a, b)
 
@@ -431,13 +438,22 @@ def check_ep_init(ranks, job):
         assert errs["ep_no_fsdp"].startswith(f"ep={ep} needs fsdp=True"), errs
         assert errs["ep_zero"].startswith("ep=0 must be an integer >= 1"), errs
         assert errs["ep_not_dividing"] == f"ep=3 does not divide the world size {world}; allowed: {allowed}", errs
-        assert errs["ep_hsdp"].startswith(f"ep={ep} with replicate=2 (HSDP) is not supported"), errs
 
 
 def _job(job):
     """``(world, cp, fsdp, scenarios, replicate, ep)`` of a job."""
     world, cp, fsdp, names, *rest = JOBS[job]
     return world, cp, fsdp, names, (rest[0] if rest else 1), (rest[1] if len(rest) > 1 else 1)
+
+
+def _ep_shard(job) -> bool:
+    """The job's ``init_distributed(ep_shard=)`` (default True)."""
+    return JOBS[job][6] if len(JOBS[job]) > 6 else True
+
+
+def _ep_sharded(job) -> bool:
+    """Whether the job's EP blocks are FSDP-sharded over the ranks holding them (more ranks than ep, ep_shard)."""
+    return _job(job)[0] > _job(job)[5] and _ep_shard(job)
 
 
 CASES = [(job, name) for job in JOBS for name in _job(job)[3]]
@@ -453,7 +469,7 @@ def launched(paths):
             world, cp, fsdp, names, replicate, ep = _job(job)
             try:
                 cache[job] = launch(world, cp=cp, paths=paths, scenarios=[n for n in names if n != "ep_init"],
-                                    fsdp=fsdp, replicate=replicate, ep=ep)
+                                    fsdp=fsdp, replicate=replicate, ep=ep, ep_shard=_ep_shard(job))
             except AssertionError as e:
                 cache[job] = e
         if isinstance(cache[job], AssertionError):
@@ -515,7 +531,7 @@ def test_job_context(job, launched):
         for r in _result(ranks, names[0]):
             # nothing left whole on any rank but the expert-parallel experts (each rank's own) when ep is the whole
             # job; with more ranks their blocks are FSDP-sharded over the ranks holding them (edp) too
-            assert r["sharded_params"] > 0 and r["whole_params"] == (r["ep_params"] if world == ep else 0)
+            assert r["sharded_params"] > 0 and r["whole_params"] == (0 if _ep_sharded(job) else r["ep_params"])
             assert (r["ep_params"] > 0) == (ep > 1)
 
 

@@ -850,6 +850,15 @@ def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
     assert "routed experts split over ep=2 ranks" in ep.settings["assumptions"]["experts"]
     assert "FSDP-sharded over the 2 ranks holding the same experts" in ep.settings["assumptions"]["experts"]
     assert "each held by one rank" in whole.settings["assumptions"]["experts"]
+    # ep_shard=False: each block replicated over the 2 ranks holding it, 1/E per GPU as with gpus == E; HSDP too
+    rep = plan(MLA_MOE, ep=2, ep_shard=False, **kw)
+    r = rep.breakdown
+    assert (r["weights"], r["grads"], r["optimizer"]) == (4 * rest // 4 + 4 * n_ex // 2, 4 * rest // 4 + 4 * n_ex // 2,
+                                                          8 * rest // 4 + 8 * n_ex // 2)
+    assert "replicated over the 2 ranks holding the same experts" in rep.settings["assumptions"]["experts"]
+    assert rep.settings["ep_shard"] is False and ep.settings["ep_shard"] is True
+    hsdp = plan(MLA_MOE, ep=2, replicate=2, **kw).breakdown
+    assert hsdp["weights"] == 4 * rest // 2 + 4 * n_ex // 4  # the dense part over 2, the experts over all 4
     # with LoRA the experts are frozen: 1/E of them with gpus == E (1/gpus with more), weights only, in the compute
     # dtype
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_b_proj"]}
@@ -864,7 +873,6 @@ def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
     (dict(ep=3), r"ep=3 must divide gpus=4: allowed 2, 4 \(or 1: none\)"),
     (dict(ep=4, gpus=8), r"ep=4 does not divide the 4 routed experts|allowed"),
     (dict(ep=2, fsdp=False), r"ep=2 needs FSDP over several GPUs"),
-    (dict(ep=2, gpus=4, replicate=2), r"ep=2 with replicate=2 \(HSDP\) is not supported"),
     (dict(ep=0), r"ep=0 must be"),
 ])
 def test_expert_parallel_bad_input(kw, msg):
@@ -878,6 +886,12 @@ def test_cli_ep(tmp_path):
     out = _cli("--model", str(tmp_path), "--prompt-len", "1K", "--response-len", "64", "--gpus", "4", "--ep", "4")
     assert out.returncode == 0, out.stderr
     assert "ep=4" in out.stdout and "all_to_all" in out.stdout and "+ all_to_all" in out.stdout
+    args = ("--model", str(tmp_path), "--prompt-len", "1K", "--response-len", "64", "--gpus", "4", "--ep", "2",
+            "--json")
+    shard, rep = (json.loads(_cli(*args, *extra).stdout) for extra in ((), ("--ep-replicate",)))
+    assert "FSDP-sharded over the 2 ranks" in shard["assumptions"]["experts"]
+    assert "replicated over the 2 ranks" in rep["assumptions"]["experts"]
+    assert rep["breakdown"]["weights"] > shard["breakdown"]["weights"]  # 1/2 of the experts per GPU, not 1/4
 
 
 def test_cp_mla_step_prices_a_ranks_piece_not_a_whole_chunk():

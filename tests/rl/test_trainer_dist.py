@@ -281,7 +281,8 @@ def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layo
     over 2 (4 per EP rank, tokens moved by all-to-all) and each block FSDP-sharded over the 2 ranks holding it: the
     metrics (expert load included: summed over the ranks, it is the work of the job) and weights equal a one-process
     run; its sharded checkpoint stores each expert once (DTensors on the (ep, edp) mesh) and resumes on 2 ranks with
-    ep=2 (blocks whole), on 4 with ep=4, and in one process; the one-process run's checkpoint (its full optimiser
+    ep=2 (blocks whole), on 4 with ep=4 and with ep=2 and ep_shard = false (blocks replicated over their 2 ranks),
+    and in one process; the one-process run's checkpoint (its full optimiser
     state, cut to each rank's experts and to its shard of them) resumes on 4 ranks with ep=2."""
     (tmp_path / "rw.py").write_text(REWARD)
     moe = ['model.builtin="tiny-moe"']
@@ -295,6 +296,8 @@ def test_expert_parallel_run_gives_the_one_process_run_and_resumes_in_other_layo
     _close_weights(_weights(tmp_path / "four"), _weights(tmp_path / "one"))
     for src, name, world, extra in (("four", "two-ep2", 2, ["parallel.cp=1", "parallel.ep=2"]),
                                     ("four", "four-ep4", 4, ["parallel.cp=2", "parallel.ep=4"]),
+                                    ("four", "four-ep2-replicated", 4, ["parallel.cp=2", "parallel.ep=2",
+                                                                        "parallel.ep_shard=false"]),
                                     ("four", "single", 0, ["parallel.cp=1", "parallel.ep=1"]),
                                     ("one", "one-ep2", 4, ["parallel.cp=2", "parallel.ep=2"])):  # its full state cut
         # to each rank's block, then to its FSDP shard of it

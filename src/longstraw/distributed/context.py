@@ -128,6 +128,7 @@ class ParallelContext:
     edp: Comm | None = None
     ep_mesh: Any = None  # the 2-D ("ep", "edp") mesh of expert parallelism: FSDP shards the experts over "edp",
     # checkpoints describe them on both dims
+    ep_shard: bool = True  # with W > ep: each EP block FSDP-sharded over the edp ranks (False: replicated there)
 
     @property
     def cp_mesh(self):
@@ -156,8 +157,8 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int = 1, backend: str | None = None,
-                     timeout_s: float | None = None) -> ParallelContext:
+def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int = 1, ep_shard: bool = True,
+                     backend: str | None = None, timeout_s: float | None = None) -> ParallelContext:
     """Start (or join) the process group and set up context parallelism over groups of ``cp`` ranks.
 
     Call once per process, before :func:`longstraw.load_model`, in a job launched by ``torchrun`` (which sets
@@ -168,8 +169,12 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
     them (HSDP: all-gathers stay inside a node; ``N`` must divide ``W / cp``).
     ``ep=E > 1``: expert parallelism (:mod:`longstraw.distributed.expert_parallel`): the routed experts of every MoE
     layer are split over groups of ``E`` consecutive ranks (which may span CP groups and replicas) and tokens are
-    sent to them; needs ``fsdp=True`` and ``replicate=1``, and ``E`` must divide the world size (and, checked when
-    the model is loaded, every layer's number of experts).
+    sent to them; needs ``fsdp=True`` (HSDP too), and ``E`` must divide the world size (and, checked when the model
+    is loaded, every layer's number of experts). With more ranks than ``E``, ``ep_shard=True`` (default) FSDP-shards
+    each rank's block of experts again over the ``W / E`` ranks holding it (``1 / W`` of the experts per rank, each
+    block all-gathered over them while its layer runs, across the replicate groups under HSDP); ``ep_shard=False``
+    replicates the block there instead (``1 / E`` per rank, no gathers, gradients all-reduced: where the memory
+    allows, e.g. frozen LoRA experts, or HSDP with ``E`` the ranks of a node keeping expert traffic inside it).
 
     Data-parallel gradient convention: MEAN over the replicas. The ranks of a CP group share one prompt (each group's
     gradient is computed once, split over them); replicas take different groups, and ``.grad`` ends up as the mean of
@@ -194,11 +199,11 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
         raise ValueError(f"replicate={replicate} needs fsdp=True (it replicates FSDP's shards over node groups)")
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ValueError(f"ep={ep!r} must be an integer >= 1 (ranks the routed experts are split over; 1: off)")
+    if not isinstance(ep_shard, bool):
+        raise ValueError(f"ep_shard={ep_shard!r} must be True or False")
     if ep > 1 and not fsdp:
         raise ValueError(f"ep={ep} needs fsdp=True (expert parallelism runs with the rest of the model FSDP-sharded "
                          "and every rank in lockstep)")
-    if ep > 1 and replicate > 1:
-        raise ValueError(f"ep={ep} with replicate={replicate} (HSDP) is not supported; use replicate=1")
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed: None, {', '.join(map(repr, _BACKENDS))}")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -271,7 +276,7 @@ def init_distributed(cp: int, fsdp: bool = False, *, replicate: int = 1, ep: int
                                dp_rank=rank // cp, backend=backend, device=device, fsdp=fsdp, mesh=mesh,
                                cp=cp_comm, dp=dp_comm, owns_process_group=owns, replicate=replicate,
                                fsdp_mesh=fsdp_mesh, ep_size=ep, ep_rank=rank % ep, ep=ep_comm, edp=edp_comm,
-                               ep_mesh=ep_mesh)
+                               ep_mesh=ep_mesh, ep_shard=ep_shard)
     return _CONTEXT
 
 

@@ -10,7 +10,8 @@ coordinate: rows ``[ep_rank * n / E, (ep_rank + 1) * n / E)`` of each tensor ``e
 :class:`Experts`). With more ranks than ``E`` (``W / E`` expert-data-parallel groups, ``edp``) ``apply_fsdp`` then
 makes each experts module an FSDP2 unit of its own over the ``edp`` ranks holding the same experts (torchtitan's
 pattern): each rank keeps ``1 / (W / E)`` of its EP block (``1 / W`` of the experts; rows split as ``torch.chunk``
-does), gathered while the module runs; with ``W == E`` they stay whole local tensors (``ignored_params``). The
+does), gathered while the module runs; with ``W == E``, or ``init_distributed(ep_shard=False)``, they stay whole
+local tensors (``ignored_params``), replicated over ``edp``. The
 module's forward
 
 1. sends each routed token slot (sorted by expert, hence by owning rank) to the rank that holds its expert
@@ -313,7 +314,7 @@ def shard_experts(model: nn.Module, ctx: ParallelContext) -> nn.Module:
             adapter.keep_experts(a, local)
         m.__class__ = _ep_class(type(m))
         m.ep, m.edp, m.first, m.mesh = ctx.ep, ctx.edp, a, ctx.ep_mesh
-        m.shard_edp = ctx.edp is not None and ctx.edp.size > 1  # apply_fsdp shards them over edp
+        m.shard_edp = ctx.ep_shard and ctx.edp is not None and ctx.edp.size > 1  # apply_fsdp shards them over edp
         m.divide_factor = float(ctx.world_size)
     mark_params(model)
     return model

@@ -272,7 +272,12 @@ class ParallelSection(_Section):
     ep: int = _key(1, "expert parallelism (MoE models): the routed experts of every MoE layer are split over groups "
                       "of this many consecutive ranks, which exchange tokens (all-to-all) instead of gathering "
                       "experts; must divide the world size and every layer's number of experts; > 1 needs fsdp = "
-                      "true and replicate = 1 (docs/DISTRIBUTED.md)")
+                      "true; with more ranks than ep each rank's block of experts is FSDP-sharded again over the "
+                      "ranks holding it (ep_shard; docs/DISTRIBUTED.md)")
+    ep_shard: bool = _key(True, "with more ranks than ep: FSDP-shard each rank's block of experts over the world / ep "
+                                "ranks holding it (1/world of the experts per rank, gathered while its layer runs); "
+                                "false: replicate it there (1/ep per rank, no gathers: where memory allows, e.g. "
+                                "frozen LoRA experts, or HSDP with ep = the ranks of a node)")
 
 
 SECTIONS = {
@@ -749,8 +754,6 @@ def validate(cfg: RunConfig) -> None:
     _require(p.ep >= 1, f"parallel.ep={p.ep} must be >= 1 (ranks the routed experts are split over; 1: off)")
     _require(p.ep == 1 or p.fsdp, f"parallel.ep={p.ep} needs parallel.fsdp = true (the rest of the model is FSDP-"
                                   "sharded and every rank runs in lockstep)")
-    _require(p.ep == 1 or p.replicate == 1, f"parallel.ep={p.ep} with parallel.replicate={p.replicate} (HSDP) is not "
-                                            "supported; set replicate = 1")
 
 
 def lora_key_names(message: str) -> str:

@@ -120,12 +120,13 @@ class Job:
         if ctx is None:  # torchrun (a job of one rank too: --nproc_per_node 1, where FSDP is simply off)
             device, backend = _device_for_job(device)
             ctx = init_distributed(cp=p.cp, fsdp=p.fsdp and world // p.replicate > 1, replicate=p.replicate,
-                                   ep=p.ep, backend=backend)
+                                   ep=p.ep, ep_shard=p.ep_shard, backend=backend)
         elif ((ctx.cp_size, ctx.replicate, ctx.ep_size) != (p.cp, p.replicate, p.ep)
-              or ctx.fsdp != (p.fsdp and ctx.shard_size > 1)):
+              or ctx.fsdp != (p.fsdp and ctx.shard_size > 1) or (p.ep > 1 and ctx.ep_shard != p.ep_shard)):
             raise JobError(f"this process already runs with cp={ctx.cp_size}, fsdp={ctx.fsdp}, replicate="
-                           f"{ctx.replicate}, ep={ctx.ep_size} (init_distributed), but [parallel] says cp={p.cp}, "
-                           f"fsdp={p.fsdp}, replicate={p.replicate}, ep={p.ep}")
+                           f"{ctx.replicate}, ep={ctx.ep_size}, ep_shard={ctx.ep_shard} (init_distributed), but "
+                           f"[parallel] says cp={p.cp}, fsdp={p.fsdp}, replicate={p.replicate}, ep={p.ep}, "
+                           f"ep_shard={p.ep_shard}")
         return cls(rank=ctx.rank, world=ctx.world_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                    cp_rank=ctx.cp_rank, cp_size=ctx.cp_size, sharded=ctx.fsdp, device=ctx.device, ctx=ctx, owns=owns)
 

@@ -114,10 +114,12 @@ def check_run_memory(cfg: RunConfig, hf_config: dict, prompt_len: int, response_
         limit -= device_reserve(limit, shard * cp * replicas)
     limit = int(limit) if limit is not None else None
     t0 = time.perf_counter()
+    rep = cfg.parallel.replicate if shard > 1 else 1  # HSDP: the shard group is the job's ranks / replicate
     kw = dict(prompt_len=max(2, prompt_len), response_len=max(1, response_len), group=cfg.rollout.group_size,
-              cfg=g, dtype=cfg.model.dtype, gpus=shard, cp=cp if shard > 1 else 1, master_dtype=master_dtype,
+              cfg=g, dtype=cfg.model.dtype, gpus=shard * rep, replicate=rep, cp=cp if shard > 1 else 1,
+              master_dtype=master_dtype,
               optimizer_offload="none" if on_host else cfg.optim.offload, lora=lora,
-              ep=cfg.parallel.ep if shard > 1 else 1)
+              ep=cfg.parallel.ep if shard > 1 else 1, ep_shard=cfg.parallel.ep_shard)
     pl = plan(hf_config, **kw)
     b = dict(pl.breakdown)
     extra = {}

@@ -74,7 +74,7 @@ RESUMABLE_CHANGES = ("train.steps", "train.progress", "train.tensorboard", "trai
                      "train.save_every", "train.keep_last", "train.memory_check", "train.memory_limit",
                      "train.wandb", "train.wandb_project", "train.wandb_mode",
                      # the job's layout: a run resumes on another number of ranks (docs/DISTRIBUTED.md)
-                     "parallel.cp", "parallel.fsdp", "parallel.replicate", "parallel.ep")
+                     "parallel.cp", "parallel.fsdp", "parallel.replicate", "parallel.ep", "parallel.ep_shard")
 
 
 @dataclass
