@@ -76,8 +76,10 @@ FSDP_CP1_W2 = ["exact", "detached", "hybrid_exact", "v3_exact", "fp32_exact", "b
                "generate", "score", "master_weights", "registered_shards", "offload_dcp"]
 FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsdp", "hybrid_dp_sum_fsdp",
                "v3_dp_sum_fsdp"]
-FSDP_CP2_W2 = ["exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact", "registered_shards"]
-FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact"]
+# kept prompt-step graphs under FSDP: every rank on one prompt (cp = the world size)
+FSDP_CP2_W2 = ["kept_exact", "kept_split", "exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact",
+               "registered_shards"]
+FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact", "kept_exact"]
 HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 # expert parallelism (init_distributed(cp, fsdp=True, ep=E)): the MoE gradient scenarios against one process, the
 # routed-expert bytes and values per rank, save_model of the split experts, the one-line init errors

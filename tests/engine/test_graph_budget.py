@@ -162,9 +162,10 @@ def test_handed_in_state_keeps_nothing_and_fsdp_refuses():
     from longstraw.distributed.placement import ContextParallel
 
     # one rank's CP "group" under FSDP over replicas: the placement refuses, before anything runs
-    model.placement = ContextParallel(types.SimpleNamespace(cp_size=1, dp_size=2), fsdp=True)
+    model.placement = ContextParallel(types.SimpleNamespace(cp_size=1, dp_size=2, world_size=2), fsdp=True)
     model.zero_grad(set_to_none=True)
-    with pytest.raises(ValueError, match="graph_budget_bytes=1073741824: kept prompt-step graphs are not supported "
-                                         "with FSDP"):
+    with pytest.raises(ValueError, match=r"graph_budget_bytes=1073741824: kept prompt-step graphs under FSDP need "
+                                         r"every rank on one prompt \(cp = the world size\), but this job has 2 "
+                                         r"data-parallel replicas \(cp=1 of 2 ranks\)"):
         longstraw.grpo_backward(model, prompt, responses, adv, cfg)
     assert all(p.grad is None for p in model.parameters())

@@ -68,13 +68,13 @@ def test_run_config_graph_budget_values():
         apply_overrides(cfg, [*detached, 'algorithm.graph_budget="1G"'])
 
 
-def _resolve(budget, memory, world=1, reuse=False, sharded=None):
+def _resolve(budget, memory, world=1, reuse=False, sharded=None, dp=None):
     cfg = apply_overrides(RunConfig(), [f"algorithm.graph_budget={budget}",
                                         f"algorithm.reuse_rollout_state={str(reuse).lower()}"])
     said = []
     fake = types.SimpleNamespace(cfg=cfg, gcfg=cfg.algorithm.grpo, memory=memory, echo=said.append,
                                  job=types.SimpleNamespace(world=world, sharded=world > 1 if sharded is None
-                                                           else sharded))
+                                                           else sharded, dp_size=world if dp is None else dp))
     return Trainer._graph_budget(fake), said
 
 
@@ -88,9 +88,13 @@ def test_trainer_resolves_auto_from_the_memory_check():
     n, said = _resolve('"auto"', None)
     assert n == 0 and "no memory limit known" in said[0]
     assert _resolve('"2G"', None) == (2 << 30, [])
-    assert _resolve('"auto"', verdict, world=2) == (0, [])  # FSDP over the ranks: nothing kept
-    with pytest.raises(ValueError, match=r"not supported with FSDP \(parallel.fsdp = true over several ranks\)"):
+    assert _resolve('"auto"', verdict, world=2) == (0, [])  # FSDP over 2 replicas: nothing kept
+    with pytest.raises(ValueError, match=r"kept prompt-step graphs under FSDP need every rank on one prompt "
+                                         r"\(parallel.cp = the world size 2\), but this job has 2 data-parallel"):
         _resolve('"2G"', verdict, world=2)
+    # FSDP with every rank on one prompt (cp = world): kept, "auto" from the memory check as in one process
+    assert _resolve('"2G"', verdict, world=2, dp=1) == (2 << 30, [])
+    assert _resolve('"auto"', verdict, world=2, dp=1)[0] == 6 << 30
     # several ranks without FSDP (context parallelism, or replicas): each rank keeps its pieces' graphs
     assert _resolve('"2G"', verdict, world=2, sharded=False) == (2 << 30, [])
     assert _resolve('"auto"', verdict, world=2, sharded=False)[0] == 6 << 30

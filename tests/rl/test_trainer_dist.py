@@ -370,16 +370,16 @@ def _tiny_gpt_oss(directory: Path) -> Path:
 
 
 def test_gpt_oss_under_context_and_expert_parallelism_gives_the_one_process_run(tmp_path):
-    """GPT-OSS on 2 ranks, its 96-token prompts several windows long: cp = 2 without FSDP keeping prompt-step graphs
-    (``algorithm.graph_budget``; the sliding layers' replicated tails, the halo exchange, the sinks merged over the
-    group), and ep = 2 under FSDP (its biased experts split, 2 replicas): metrics and weights equal one process's,
-    and the ep = 2 checkpoint resumes in one process."""
+    """GPT-OSS on 2 ranks, its 96-token prompts several windows long: cp = 2 under FSDP keeping prompt-step graphs
+    (``algorithm.graph_budget``: every rank on one prompt; the sliding layers' replicated tails, the halo exchange,
+    the sinks merged over the group), and ep = 2 under FSDP (its biased experts split, 2 replicas): metrics and
+    weights equal one process's, and the ep = 2 checkpoint resumes in one process."""
     (tmp_path / "rw.py").write_text(REWARD)
     ckpt = _tiny_gpt_oss(tmp_path / "gpt-oss")
     g = ['model.builtin=""', f'model.path="{ckpt}"', 'algorithm.graph_budget="1G"',
          "algorithm.reuse_rollout_state=false"]
     _ok(train(0, _args(tmp_path / "one", *g)), "GPT-OSS, one process")
-    _ok(train(2, _args(tmp_path / "cp2", *g, "parallel.cp=2", "parallel.fsdp=false")), "GPT-OSS, cp=2")
+    _ok(train(2, _args(tmp_path / "cp2", *g, "parallel.cp=2")), "GPT-OSS, cp=2 under FSDP")
     _ok(train(2, _args(tmp_path / "ep2", *g[:2], "parallel.cp=1", "parallel.ep=2")), "GPT-OSS, ep=2")
     one = read_metrics(tmp_path / "one")
     for run in ("one", "cp2"):  # the budget kept graphs (in the steps with active groups), under CP too

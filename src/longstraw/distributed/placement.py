@@ -94,13 +94,18 @@ class ContextParallel(Placement):
         return max_over_job(steps, self.ctx) if self.fsdp and self.ctx.dp_size > 1 else steps
 
     def check_kept_graphs(self, model, budget: int) -> None:
-        """Kept prompt-step graphs need FSDP off (its units reshard between a graph's forward in the prefill and its
-        backward in the reverse pass) and, under CP, every layer's state sharded by position or replicated (their
-        grad-mode prefixes are the same in the prefill and the reverse pass); a DeltaNet layer's hand-off is not
-        (its reverse-pass prefix seeds the state gradient from the next step's)."""
-        if self.fsdp:
-            raise ValueError(f"graph_budget_bytes={budget}: kept prompt-step graphs are not supported with FSDP "
-                             "(parameters sharded over processes); use graph_budget_bytes=None there")
+        """Kept prompt-step graphs need, under FSDP, every rank of the job on one prompt (``cp`` = the world size):
+        a kept step's backward runs FSDP's collectives without its forward, so ranks that keep different steps (data-
+        parallel replicas with prompts of other lengths) would call different collectives; the ranks of one CP group
+        plan alike (:meth:`agree_max`), and FSDP2 gathers a unit again for a kept graph's backward as for any.
+        Under CP every layer's state must be sharded by position or replicated (their grad-mode prefixes are the same
+        in the prefill and the reverse pass); a DeltaNet layer's hand-off is not (its reverse-pass prefix seeds the
+        state gradient from the next step's)."""
+        if self.fsdp and self.ctx.dp_size > 1:
+            raise ValueError(f"graph_budget_bytes={budget}: kept prompt-step graphs under FSDP need every rank on one "
+                             f"prompt (cp = the world size), but this job has {self.ctx.dp_size} data-parallel "
+                             f"replicas (cp={self.ctx.cp_size} of {self.ctx.world_size} ranks), which would keep "
+                             "different steps; use graph_budget_bytes=None there")
         if self.ctx.cp_size == 1:
             return
         from longstraw.distributed.cp_state import PositionShardedState, kind_of

@@ -192,7 +192,7 @@ def add_pieces(pieces: list[Any], seen: set[int], per_layer: list[int]) -> None:
 
 def check_budget_placement(model: Any, budget: int | None) -> None:
     """ValueError when a nonzero budget meets a placement that cannot keep prompt-step graphs
-    (``Placement.check_kept_graphs``: under context parallelism, every layer's state kind must support it, and FSDP
-    must be off)."""
+    (``Placement.check_kept_graphs``: under context parallelism, every layer's state kind must support it, and
+    under FSDP every rank must be on one prompt)."""
     if budget:
         model.placement.check_kept_graphs(model, budget)

@@ -177,7 +177,9 @@ class AlgorithmSection(_Section):
                                       "\"auto\" (what the memory check leaves after everything else; 0 when no "
                                       "limit is known or memory_check is off), a size (\"8G\") or bytes, 0: none. "
                                       "Applies to updates that prefill themselves (not to a reused rollout state: "
-                                      "reuse_rollout_state, first epoch); one process only")
+                                      "reuse_rollout_state, first epoch); under FSDP only with parallel.cp = the "
+                                      "world size (every rank on one prompt), under cp > 1 not for the DeltaNet "
+                                      "hybrids")
 
 
 @dataclass(frozen=True)

@@ -378,17 +378,19 @@ class Trainer:
 
     def _graph_budget(self) -> int:
         """``algorithm.graph_budget`` in bytes: a fixed size as configured; ``"auto"``: what the memory check leaves
-        of the limit after the run's planned peak (0, said once, when no limit is known). Kept graphs need the
-        parameters unsharded: a job with FSDP gets 0 for "auto" and a ValueError for a size (under context
-        parallelism without FSDP each rank keeps its pieces' graphs, the ranks planning alike: engine/prefill.py)."""
+        of the limit after the run's planned peak (0, said once, when no limit is known). Under FSDP kept graphs need
+        every rank on one prompt (parallel.cp = the world size): a job with data-parallel replicas gets 0 for "auto"
+        and a ValueError for a size (under context parallelism each rank keeps its pieces' graphs, the ranks planning
+        alike: engine/prefill.py; distributed/placement.py)."""
         a, g = self.cfg.algorithm, self.gcfg
         if not g.exact:
             return 0
-        if self.job.sharded:
+        if self.job.sharded and self.job.dp_size > 1:
             if a.graph_budget == "auto" or not g.graph_budget_bytes:
                 return 0
-            raise ValueError(f"algorithm.graph_budget={a.graph_budget!r}: kept prompt-step graphs are not supported "
-                             "with FSDP (parallel.fsdp = true over several ranks); use algorithm.graph_budget = 0")
+            raise ValueError(f"algorithm.graph_budget={a.graph_budget!r}: kept prompt-step graphs under FSDP need "
+                             f"every rank on one prompt (parallel.cp = the world size {self.job.world}), but this "
+                             f"job has {self.job.dp_size} data-parallel replicas; use algorithm.graph_budget = 0")
         if a.reuse_rollout_state and a.ppo_epochs == 1 and not self.cfg.data.offline:
             if a.graph_budget == "auto" or g.graph_budget_bytes:  # every update reuses its rollout's prompt state
                 self.echo(f"algorithm.graph_budget = {a.graph_budget!r} has no effect: with "
