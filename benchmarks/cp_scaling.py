@@ -3,6 +3,7 @@
     python benchmarks/cp_scaling.py                      # runs torchrun for each rank count, prints a table
     python benchmarks/cp_scaling.py --ranks 1 2 --prompt 4096
     python benchmarks/cp_scaling.py --ranks 1 2 --window 1024   # sliding-window layers (distributed/cp_window.py)
+    python benchmarks/cp_scaling.py --ranks 2 --fsdp on --graph-budget 1G   # kept graphs under FSDP
 
 For each rank count R the launcher starts ``torchrun --nproc_per_node R`` on this file in worker mode. Every rank
 builds the same random float32 model (a small dense GQA transformer, weights from a fixed seed), runs one
@@ -116,7 +117,8 @@ def worker(args) -> None:
     from longstraw.units import parse_bytes
 
     torch.set_num_threads(args.threads)
-    ctx = longstraw.init_distributed(cp=int(os.environ["WORLD_SIZE"]))
+    ctx = longstraw.init_distributed(cp=int(os.environ["WORLD_SIZE"]),
+                                     fsdp=args.fsdp == "on" and int(os.environ["WORLD_SIZE"]) > 1)
     model = build(args)
     prompt, responses, adv = group(args)
     cfg = longstraw.GRPOConfig(prompt_grad=args.mode, prefill_chunk=args.chunk, clip_ratio_c=None,
@@ -180,7 +182,8 @@ def report(args, results, load) -> None:
     print(f"model: {kind}, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({max(1, args.heads // 2)} kv), vocab {args.vocab}, float32; group: prompt {args.prompt}, "
           f"{args.group} x {args.response} response tokens, prefill_chunk {args.chunk}, {args.mode} mode"
-          f"{f', graph budget {args.graph_budget} per rank' if args.graph_budget else ''}; best of {args.repeats}")
+          f"{f', graph budget {args.graph_budget} per rank' if args.graph_budget else ''}"
+          f"{', FSDP2 over the ranks' if args.fsdp == 'on' else ''}; best of {args.repeats}")
     print(f"{'ranks':>5} {'prefill s':>10} {'replay s':>9} {'reverse s':>10} {'total s':>8} {'speed-up':>9}"
           f" {'CPU s per rank':>22}  state MiB per rank (grad)")
     base = results[0]["seconds"][3]
@@ -219,6 +222,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--mode", default="exact", choices=["exact", "detached"])
+    ap.add_argument("--fsdp", choices=["on", "off"], default=None,
+                    help="on: FSDP2 over the ranks too (every rank on the one prompt: cp = ranks); default off")
     ap.add_argument("--graph-budget", default=None, help="exact mode: keep prompt-step graphs up to this size per "
                     "rank (GRPOConfig.graph_budget_bytes, e.g. 1G); default: none")
     ap.add_argument("--window", type=int, default=None, help="every layer slides with this window (a Mistral-like "
