@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from longstraw import distributed
 from longstraw.devices import device_memory, resolve_device
-from longstraw.distributed.fsdp import is_sharded, local_rows, reshard
+from longstraw.distributed.fsdp import is_sharded, local_rows, reshard, shard_rows
 from longstraw.models import registry
 from longstraw.models.registry import family_for
 from longstraw.models.transformer import CausalLM
@@ -481,10 +481,8 @@ def _expert_slices(t: torch.Tensor, m, make=None) -> list:
     experts' LoRA merged, made when written)."""
     from longstraw.checkpoint.export import ExpertRows
 
-    from longstraw.distributed.fsdp import shard_rows
-
     local, size, world = t.shape[0], m.ep.size, torch.distributed.get_world_size()
-    if not is_sharded(t):  # the block is whole on its holders (W == E, or one per edp group)
+    if not is_sharded(t):  # the block is whole on its holders (W == E, or replicated over edp: ep_shard=False)
         return [ExpertRows((local, *t.shape[1:]), t.dtype, j * local, tuple(range(j, world, size)),
                            t if j == m.ep.rank else None, make if j == m.ep.rank else None) for j in range(size)]
     # FSDP over edp: each block's rows split again over the W / E ranks holding it; each rank writes its own rows

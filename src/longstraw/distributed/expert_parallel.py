@@ -11,8 +11,7 @@ coordinate: rows ``[ep_rank * n / E, (ep_rank + 1) * n / E)`` of each tensor ``e
 makes each experts module an FSDP2 unit of its own over the ``edp`` ranks holding the same experts (torchtitan's
 pattern): each rank keeps ``1 / (W / E)`` of its EP block (``1 / W`` of the experts; rows split as ``torch.chunk``
 does), gathered while the module runs; with ``W == E``, or ``init_distributed(ep_shard=False)``, they stay whole
-local tensors (``ignored_params``), replicated over ``edp``. The
-module's forward
+local tensors (``ignored_params``), replicated over ``edp``. The module's forward
 
 1. sends each routed token slot (sorted by expert, hence by owning rank) to the rank that holds its expert
    (``all_to_all_single`` with uneven splits, after exchanging per-expert counts),
@@ -32,8 +31,8 @@ replicas, or both.
 Gradients (the convention of ``init_distributed``: the mean over data-parallel replicas). The all-to-all backward
 already sums every EP-group rank's contribution into the owner's expert gradient; the ``W / E`` ranks that hold the
 same experts (the expert-data-parallel group ``edp``) sum theirs: FSDP's reduce-scatter over ``edp`` for the expert
-weights, an all-reduce in the backward of each layer's call for what FSDP does not manage (the experts with ``W ==
-E``, where it is skipped, and the experts' LoRA adapters, replicated over ``edp``), so each expert gradient is the
+weights, an all-reduce in the backward of each layer's call for what FSDP does not manage (the experts' whole
+blocks with ``ep_shard=False``, skipped with ``W == E``, and the experts' LoRA adapters, replicated over ``edp``), so each expert gradient is the
 sum over all ``W`` ranks, divided by the same factor FSDP divides the rest of the model by (``W`` for the replay,
 the number of replicas in the CP reverse pass: ``cp_state.ShardedPromptState.backward_scope`` sets both: its FSDP
 units, the experts' among them, and :func:`set_ep_divide_factor`).
@@ -81,8 +80,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _ExpertGrad(torch.autograd.Function):
-    """Identity on the local expert tensors that are trained and not FSDP-sharded (the fused weights with ``W ==
-    E``, or their LoRA adapters' ``lora_A`` / ``lora_B``); backward: their gradients, in one flat buffer, summed over
+    """Identity on the local expert tensors that are trained and not FSDP-sharded (the fused weights when their
+    blocks are whole: ``W == E`` or ``ep_shard=False``; their LoRA adapters' ``lora_A`` / ``lora_B`` always); backward: their gradients, in one flat buffer, summed over
     the expert-data-parallel group (the ranks holding the same experts) and divided by the module's current factor
     (module docstring)."""
 
