@@ -778,8 +778,8 @@ def _fixed_bytes(model, compute: torch.dtype, *, gpus: int, cp: int, fsdp: bool 
         return sum(p.numel() for p in params if p.requires_grad == trained)
 
     experts = {id(p) for p in _expert_params(model)} if ep > 1 else set()
-    edp = gpus // ep if ep > 1 else 1  # ranks holding the same experts: FSDP shards their block over them
-    edp = edp if ep_shard else 1  # (ep_shard=False: each holds all of it)
+    # ranks FSDP shards each EP block over: its holders (ep_shard=False: none, each holds all of it)
+    edp = gpus // ep if ep > 1 and ep_shard else 1
     from longstraw.distributed.expert_parallel import expert_tensors
 
     blocks = {id(p) for m in model.modules() if hasattr(m, "ep_tensor_names") for p in expert_tensors(m)} \
@@ -938,15 +938,14 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     ``Plan.settings["lora"]`` says what was adapted and splits ``weights``. ValueError for a prompt + response
     longer than the model takes, or a LoRA setting the model refuses (a target that matches none of its linear
     layers, with the names it has). ``reserve``: bytes of ``gpu_mem`` the run's tensors cannot use
-    (:func:`device_reserve`; the verdict compares the peak with ``gpu_mem - reserve``). ``ep``: expert parallelism
-    over ``ep`` ranks (needs FSDP over ``gpus > 1`` (HSDP too), and ``ep`` dividing ``gpus`` and every MoE
-    layer's experts; module docstring); ``ep_shard=False``: each EP block replicated over the ``gpus / ep`` ranks
-    holding it instead of FSDP-sharded there (``init_distributed(ep_shard=)``). ``max_positions``: the positions the
-    run extends the model to (RoPE scaling such as YaRN),
-    instead of the config's ``max_position_embeddings``. ``graph_budget``: exact mode's bytes for kept prompt-step
-    graphs (default ``cfg.graph_budget_bytes``), or ``"auto"``: what ``gpu_mem`` less the reserve leaves after the
-    peak without them (0 without ``gpu_mem``); ``Plan.settings["graph_budget"]`` then has the budget, the bytes and
-    tokens kept and the predicted saving (:func:`kept_graph_plan`)."""
+    (:func:`device_reserve`; the verdict compares the peak with ``gpu_mem - reserve``). ``ep``: expert parallelism over
+    ``ep`` ranks (needs FSDP over ``gpus > 1`` (HSDP too), and ``ep`` dividing ``gpus`` and every MoE layer's experts;
+    module docstring); ``ep_shard=False``: each EP block replicated over the ``gpus / ep`` ranks holding it instead of
+    FSDP-sharded there (``init_distributed(ep_shard=)``). ``max_positions``: the positions the run extends the model to
+    (RoPE scaling such as YaRN), instead of the config's ``max_position_embeddings``. ``graph_budget``: exact mode's
+    bytes for kept prompt-step graphs (default ``cfg.graph_budget_bytes``), or ``"auto"``: what ``gpu_mem`` less the
+    reserve leaves after the peak without them (0 without ``gpu_mem``); ``Plan.settings["graph_budget"]`` then has the
+    budget, the bytes and tokens kept and the predicted saving (:func:`kept_graph_plan`)."""
     from longstraw.checkpoint.hf import parse_dtype
     from longstraw.engine.config import GRPOConfig
 

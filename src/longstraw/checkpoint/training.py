@@ -175,9 +175,9 @@ def _ep_to_dtensors(model, state: dict, split_b: bool = True) -> list:
 def _ep_to_local(model, state: dict, undo: list) -> None:
     """After DCP has read into them, the inverse of :func:`_ep_to_dtensors`: the entries the state dicts had (the
     model's own shapes, this rank's parts), as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect."""
-    from longstraw.distributed.expert_parallel import adapters_from_dcp
+    from longstraw.distributed.expert_parallel import restore_entries
 
-    adapters_from_dcp(undo)
+    restore_entries(undo)
 
 
 def _split_b(model, reader) -> bool:

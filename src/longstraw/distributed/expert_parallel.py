@@ -29,13 +29,13 @@ idle steps join with one dummy token; a rank that receives no tokens joins with 
 replicas, or both.
 
 Gradients (the convention of ``init_distributed``: the mean over data-parallel replicas). The all-to-all backward
-already sums every EP-group rank's contribution into the owner's expert gradient; the ``W / E`` ranks that hold the
-same experts (the expert-data-parallel group ``edp``) sum theirs: FSDP's reduce-scatter over ``edp`` for the expert
-weights, an all-reduce in the backward of each layer's call for what FSDP does not manage (the experts' whole
-blocks with ``ep_shard=False``, skipped with ``W == E``, and the experts' LoRA adapters, replicated over ``edp``), so each expert gradient is the
-sum over all ``W`` ranks, divided by the same factor FSDP divides the rest of the model by (``W`` for the replay,
-the number of replicas in the CP reverse pass: ``cp_state.ShardedPromptState.backward_scope`` sets both: its FSDP
-units, the experts' among them, and :func:`set_ep_divide_factor`).
+already sums every EP-group rank's contribution into the owner's expert gradient; the ``W / E`` ranks that hold the same
+experts (the expert-data-parallel group ``edp``) sum theirs: FSDP's reduce-scatter over ``edp`` for the expert weights,
+an all-reduce in the backward of each layer's call for what FSDP does not manage (the experts' whole blocks with
+``ep_shard=False``, skipped with ``W == E``, and the experts' LoRA adapters, replicated over ``edp``), so each expert
+gradient is the sum over all ``W`` ranks, divided by the same factor FSDP divides the rest of the model by (``W`` for
+the replay, the number of replicas in the CP reverse pass: ``cp_state.ShardedPromptState.backward_scope`` sets both: its
+FSDP units, the experts' among them, and :func:`set_ep_divide_factor`).
 
 LoRA on the experts (``target_parameters``, ``models.lora.ExpertLoRA``): :func:`shard_experts` keeps each adapter's
 part for this rank's experts (``ExpertLoRA.keep_experts``: ``lora_A``'s rows, ``lora_B``'s columns of PEFT's
@@ -59,7 +59,7 @@ from longstraw.ops.moe import combine_slots
 __all__ = ["ExpertParallel", "ExpertParallelExperts", "shard_experts", "expert_tensors", "ep_modules", "ep_param_ids",
            "ep_param_rows", "set_ep_divide_factor", "mark_params", "ep_state_to_dtensors", "ep_block",
            "ep_adapter_params", "gather_adapter", "expert_params", "ep_local_parts", "expert_adapter_tensors",
-           "adapters_to_dcp", "adapters_from_dcp"]
+           "adapters_to_dcp", "restore_entries"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,9 +81,9 @@ class _AllToAll(torch.autograd.Function):
 
 class _ExpertGrad(torch.autograd.Function):
     """Identity on the local expert tensors that are trained and not FSDP-sharded (the fused weights when their
-    blocks are whole: ``W == E`` or ``ep_shard=False``; their LoRA adapters' ``lora_A`` / ``lora_B`` always); backward: their gradients, in one flat buffer, summed over
-    the expert-data-parallel group (the ranks holding the same experts) and divided by the module's current factor
-    (module docstring)."""
+    blocks are whole: ``W == E`` or ``ep_shard=False``; their LoRA adapters' ``lora_A`` / ``lora_B`` always);
+    backward: their gradients, in one flat buffer, summed over the expert-data-parallel group (the ranks holding the
+    same experts) and divided by the module's current factor (module docstring)."""
 
     @staticmethod
     def forward(ctx, module: ExpertParallel, *tensors: Tensor):
@@ -260,7 +260,7 @@ def set_ep_divide_factor(model: nn.Module, factor: float) -> None:
 def ep_block(t: Tensor) -> Tensor:
     """This rank's EP block of an expert tensor or its gradient: ``t`` itself, or gathered over ``edp`` when FSDP
     shards it there (a DTensor: a collective of the edp group)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # (fsdp.is_sharded's test: fsdp imports this module)
 
 
 def gather_experts(module: ExpertParallel, t: Tensor) -> Tensor:
@@ -356,7 +356,7 @@ def ep_state_to_dtensors(model: nn.Module, model_sd: dict | None, optim_sd: dict
     (``Shard(0)`` twice, as FSDP splits a block) or replicated there, so that DCP writes each expert once and reads
     it back into any layout (another ``ep``, another world size, one process). The new entry shares the old one's
     storage, so what DCP reads lands in it: returns ``(container, key, old entry)`` to put back
-    (:func:`adapters_from_dcp`)."""
+    (:func:`restore_entries`)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     undo = []
@@ -399,7 +399,7 @@ def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | No
     every expert's adapter once and reads it into any layout (another ``ep``, FSDP without EP, one process).
     ``split_b=False``: ``lora_B`` stays ``[out, r*total]`` (checkpoints written before this layout; ValueError under
     expert parallelism). Every new entry is a view of the old one, so what DCP reads into it lands in the old one:
-    returns ``(container, key, old entry)`` for :func:`adapters_from_dcp` to put back."""
+    returns ``(container, key, old entry)`` for :func:`restore_entries` to put back."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     undo = []
@@ -421,9 +421,9 @@ def adapters_to_dcp(model: nn.Module, model_sd: dict | None, optim_sd: dict | No
     return undo
 
 
-def adapters_from_dcp(undo: list[tuple[dict, str, Tensor]]) -> None:
-    """In place, the inverse of :func:`adapters_to_dcp` (after DCP has read into the views): the old entries back,
-    in the model's shapes (an expert-parallel rank's part as a plain tensor), as ``set_model_state_dict`` /
-    ``set_optimizer_state_dict`` expect."""
+def restore_entries(undo: list[tuple[dict, str, Tensor]]) -> None:
+    """In place, the inverse of :func:`adapters_to_dcp` and :func:`ep_state_to_dtensors` (after DCP has read into
+    the entries they made): the old entries back, in the model's shapes (an expert-parallel rank's part as a plain
+    tensor, or FSDP's DTensor of its shard), as ``set_model_state_dict`` / ``set_optimizer_state_dict`` expect."""
     for d, k, old in undo:
         d[k] = old
