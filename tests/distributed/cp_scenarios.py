@@ -57,14 +57,17 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def grpo_two_groups(paths, *, family="llama", prompt_grad="exact", fsdp=False, chunk=3, branch_batch=1,
                     checkpoint_layers=False, mla_mode=None, dtype=None, offload=False, state_offload=False,
-                    graph_budget=None):
+                    graph_budget=None, train_only=None):
     """Two groups accumulated into .grad with a step-global normaliser (the second adds to the first's .grad).
     ``mla_mode``: force an MLA form (in one process and under CP alike; see :func:`_mla_mode`). Every rank passes
     the same groups: with the mean over data-parallel replicas, the gradients are the single process's.
     ``offload``: the state gradient offloaded (``offload_state_grad``), every sink access checked to go through
     ``ops/sinks.py`` (``tests/sink_guard.py``). ``state_offload``: the K/V moved to host memory (``offload_state``,
-    forced on the CPU), every read of it checked to go through ``ops/host_memory.py`` (``tests/host_guard.py``)."""
+    forced on the CPU), every read of it checked to go through ``ops/host_memory.py`` (``tests/host_guard.py``).
+    ``train_only``: only the parameters whose name contains it are trained (LoRA's case: a frozen model whose first
+    layers' outputs need no gradient on the rank with the first piece, while the next rank's prefix collects one)."""
     model = _load(paths[family], fsdp, dtype)
+    _freeze(model, train_only)
     _mla_mode(model, mla_mode)
     groups = [group(5, 23, [4, 1, 6]), group(6, 18, [3, 5])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
@@ -187,6 +190,13 @@ def window_state_bytes(paths, *, family="gemma3_w5", exact=False):
     return {"layers": out, "window": model.spec.sliding_window}
 
 
+def _freeze(model, train_only: str | None) -> None:
+    """Train only the parameters whose name contains ``train_only`` (None: all)."""
+    if train_only is not None:
+        for n, prm in model.named_parameters():
+            prm.requires_grad_(train_only in n)
+
+
 def _split_budget(paths, family="gemma3_w5", chunk=2) -> int:
     """A graph budget under which the first group of :func:`grpo_two_groups` (prefill chunks of ``chunk``) keeps its
     last step whole and the top layers of the one before: found on a throwaway model by trying fractions of a
@@ -264,13 +274,15 @@ def low_precision(paths):
     return out
 
 
-def dp_sum(paths, *, family="llama", prompt_grad="exact", fsdp=False):
+def dp_sum(paths, *, family="llama", prompt_grad="exact", fsdp=False, train_only=None):
     """Data parallel x context parallel: replica d back-propagates its own groups (prompts of different lengths, so
     different numbers of prefill and reverse-pass steps; different G, so different numbers of replay batches; they
     also generate rollouts that stop at different steps), with the step-global normaliser over the replicas
     (``loss_scale = D / replicas``: the gradients are averaged over replicas); the result is one process's gradient
-    of all the groups. Under FSDP over every rank the replicas' phases run in lockstep (idle steps)."""
+    of all the groups. Under FSDP over every rank the replicas' phases run in lockstep (idle steps).
+    ``train_only``: as :func:`grpo_two_groups`'s."""
     model = _load(paths[family], fsdp)
+    _freeze(model, train_only)
     ctx = distributed.get_context()
     groups = [group(20, 15, [3, 4]), group(21, 29, [5, 2, 6]), group(22, 9, [2, 2]), group(23, 23, [4])]
     d = longstraw.loss_denominator([r.numel() for _, rs, _ in groups for r in rs], "token-mean")
@@ -426,6 +438,8 @@ SCENARIOS = {
     "hybrid_detached_state_offload": lambda p: grpo_two_groups(p, family="hybrid", prompt_grad="detached",
                                                                chunk=4, state_offload=True),
     "hybrid_detached": lambda p: grpo_two_groups(p, family="hybrid", prompt_grad="detached", chunk=4),
+    # only the attention's queries trained: the DeltaNet layer below them has nothing to differentiate on CP rank 0
+    "hybrid_exact_q_only": lambda p: grpo_two_groups(p, family="hybrid", train_only="q_proj"),
     "hybrid_exact_fsdp_ckpt": lambda p: grpo_two_groups(p, family="hybrid", chunk=5, fsdp=True, branch_batch=2,
                                                         checkpoint_layers=True),
     "hybrid_generate": lambda p: generate(p, family="hybrid"),
@@ -438,6 +452,8 @@ SCENARIOS = {
     "dp_sum_fsdp": lambda p: dp_sum(p, fsdp=True),
     "hybrid_dp_sum_fsdp": lambda p: dp_sum(p, family="hybrid", fsdp=True),
     "v3_dp_sum_fsdp": lambda p: dp_sum(p, family="deepseek_v3", prompt_grad="detached", fsdp=True),
+    "next_dp_sum_q_only": lambda p: dp_sum(p, family="qwen3_next", fsdp=True, train_only="q_proj"),
+    "hybrid_dp_sum_q_only": lambda p: dp_sum(p, family="hybrid", fsdp=True, train_only="q_proj"),
     "fp32_exact": lambda p: grpo_two_groups(p, dtype="float32"),
     "bf16_exact": lambda p: grpo_two_groups(p, dtype="bfloat16", chunk=4),
     "hybrid_fp32_exact": lambda p: grpo_two_groups(p, family="hybrid", dtype="float32"),
@@ -491,6 +507,12 @@ SCENARIOS = {
     "next_detached": lambda p: grpo_two_groups(p, family="qwen3_next", prompt_grad="detached", chunk=4),
     "q35moe_exact": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", chunk=4),
     "q35moe_detached": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", prompt_grad="detached"),
+    # frozen but the top layer's queries: under EP no MoE layer has a gradient to compute on CP rank 0's piece, the
+    # other rank's experts still need it to run their backward (and its all-to-alls)
+    "next_exact_q_only": lambda p: grpo_two_groups(p, family="qwen3_next", train_only="q_proj"),
+    "q35moe_exact_q_only": lambda p: grpo_two_groups(p, family="qwen3_5_moe_text", train_only="q_proj"),
+    "v3_exact_kept_top_only": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, graph_budget=1 << 30,
+                                                        train_only="layers.2.self_attn"),
     # GQA + softmax-routed MoE: Qwen3-MoE (a dense layer between sparse ones), Mixtral (float32 routing weights)
     "q3moe_exact": lambda p: grpo_two_groups(p, family="qwen3_moe"),
     "q3moe_detached": lambda p: grpo_two_groups(p, family="qwen3_moe", prompt_grad="detached", branch_batch=2),

@@ -18,8 +18,8 @@ to 1e-8 relative; a 4-rank run killed during its second checkpoint and resumed c
 in transformers with the sharded model's logits; an HSDP run (replicate = 2) equals one process and resumes, in its
 layout bit for bit, in another within float precision; bad ``[parallel]`` values are one line; two "nodes" of two ranks
 each under torchrun with a c10d rendezvous train and rank 0 writes the metrics; expert parallelism (the built-in MoE,
-expert adapters, GPT-OSS's biased experts) and GPT-OSS under context parallelism with kept prompt-step graphs equal
-one process.
+expert adapters, GPT-OSS's biased experts, query adapters on the DeltaNet + MoE hybrid under CP) and GPT-OSS under
+context parallelism with kept prompt-step graphs equal one process.
 """
 
 import fcntl
@@ -346,6 +346,24 @@ def test_expert_adapters_under_expert_parallelism_give_the_one_process_run_and_r
     for name, world, extra in (("single", 0, ["parallel.ep=1"]), ("fsdp", 2, ["parallel.ep=1"])):
         same_as_one(_resumed(tmp_path / "ep2", tmp_path / f"ep2-{name}", world, extra, f"resumed: {name}"))
     same_as_one(_resumed(tmp_path / "one", tmp_path / "one-ep2", 2, ep2, "one-process checkpoint, ep=2"))
+
+
+def test_query_adapters_on_the_hybrid_moe_under_context_and_expert_parallelism_give_the_one_process_run(tmp_path):
+    """LoRA on q_proj alone (the full-attention layer on top) of the built-in DeltaNet + MoE hybrid, 2 ranks with
+    cp = 2 and ep = 2: the frozen DeltaNet and MoE layers below have no gradient to compute on the rank holding the
+    prompt's first piece, but the other rank's hand-off and the experts' exchanges need it in every backward (a
+    regression: this run hung in the first update's reverse pass). Metrics and adapters equal one process's."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    lora = ['model.builtin="tiny-moe"', "lora.rank=4", "lora.alpha=8", 'lora.target_modules=["q_proj"]']
+    _ok(train(0, _args(tmp_path / "one", *lora)), "query LoRA, one process")
+    _ok(train(2, _args(tmp_path / "two", *lora, "parallel.cp=2", "parallel.ep=2"), timeout_s=300),
+        "query LoRA, cp=2, ep=2")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in rows]  # noqa
+    _close(strip(read_metrics(tmp_path / "two")), strip(read_metrics(tmp_path / "one")))
+    assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(tmp_path / "one"))
+    got, want = (load_file(checkpoint_dirs(r)[-1] / "adapter" / "adapter_model.safetensors")
+                 for r in (tmp_path / "two", tmp_path / "one"))
+    _close_weights(got, want)
 
 
 def _tiny_gpt_oss(directory: Path) -> Path:

@@ -164,6 +164,11 @@ class _ReversePrefix(RecurrentPrefix):
     def leave(self, y: Tensor, conv: Tensor, S: Tensor):
         o = self.owner
         if o.rank < o.comm.size - 1 and torch.is_grad_enabled():
+            if not (y.requires_grad or conv.requires_grad or S.requires_grad):
+                # nothing of this piece needs a gradient here (a frozen model's first DeltaNet layers on the rank
+                # whose piece starts at position 0), but rank r + 1 sends its initial state's gradient all the
+                # same: the node must exist, and its zero-seeded state roots (backward_roots) run its receive
+                conv, S = conv.detach().requires_grad_(), S.detach().requires_grad_()
             return _Handoff.apply(y, conv, S, o)
         return y, conv, S
 

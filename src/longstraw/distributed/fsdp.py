@@ -114,12 +114,28 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
     for unit in end_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     fully_shard(backbone, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)  # the root: every pass enters
+    layers[0].register_forward_pre_hook(_input_needs_grad)
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
         if ctx.backend == "gloo":
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM / AVG reductions
     mark_params(model)  # FSDP replaced the experts' parameters by DTensors: tag those
     return model
+
+
+def _input_needs_grad(module: torch.nn.Module, args: tuple):
+    """Forward pre-hook of the first decoder layer under FSDP: with autograd on, its hidden input ``[B, T, H]``
+    requires a gradient (a leaf where the embedding is frozen). Every layer's backward gathers its unit and may
+    reduce-scatter: every rank must run it whenever one does. Whether a layer's output needs a gradient otherwise
+    depends on the rank's data with a frozen model (LoRA on the attention alone of a DeltaNet hybrid: a step's
+    initial recurrent state is a leaf that collects a gradient, the first step's is not; an idle step has none), so
+    ranks would differ; from this input on, every layer's output needs one on every rank, and the backward from a
+    step's state pieces (every rank has some) or the loss reaches every layer in the same order. Costs the input
+    gradients of the frozen layers below the first trained one (docs/DISTRIBUTED.md, "Lockstep")."""
+    x = args[0]
+    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
+        return (x.detach().requires_grad_(), *args[1:])
+    return None
 
 
 def end_units(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
