@@ -4,6 +4,7 @@
     python benchmarks/cp_scaling.py --ranks 1 2 --prompt 4096
     python benchmarks/cp_scaling.py --ranks 1 2 --window 1024   # sliding-window layers (distributed/cp_window.py)
     python benchmarks/cp_scaling.py --ranks 2 --fsdp on --graph-budget 1G   # kept graphs under FSDP
+    python benchmarks/cp_scaling.py --ranks 2 --hybrid --graph-budget 1G    # the DeltaNet hybrid's kept graphs
 
 For each rank count R the launcher starts ``torchrun --nproc_per_node R`` on this file in worker mode. Every rank
 builds the same random float32 model (a small dense GQA transformer, weights from a fixed seed), runs one
@@ -38,6 +39,16 @@ import torch
 
 
 def model_config(args) -> dict:
+    if args.hybrid:  # the Qwen3.5 hybrid: 3 Gated DeltaNet layers to 1 full-attention layer
+        from longstraw.models.qwen_hybrid import tiny_config
+
+        d = args.hidden // args.heads
+        return tiny_config(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+                           num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2), head_dim=d,
+                           linear_num_key_heads=max(1, args.heads // 2), linear_num_value_heads=args.heads,
+                           linear_key_head_dim=d, linear_value_head_dim=d, vocab_size=args.vocab,
+                           max_position_embeddings=args.prompt + args.response + 8, tie_word_embeddings=False,
+                           dtype="float32")
     kind = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]} if args.window is None else {
         "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": args.window}
     return {
@@ -155,8 +166,8 @@ def worker(args) -> None:
 
 def launch(args) -> None:
     here = Path(__file__).resolve()
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k not in ("ranks", "worker") and v is not None]
+    passthrough = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+                   if k not in ("ranks", "worker") and v is not None and v is not False]
     results = []
     load = [os.getloadavg()[0]]
     for r in args.ranks:
@@ -178,7 +189,8 @@ def report(args, results, load) -> None:
           f"  {cores} logical cores  torch {torch.__version__}  gloo, {args.threads} thread(s) per rank")
     print("1-minute load average before and after each rank count (other processes share the cores when it "
           "exceeds the ranks running): " + ", ".join(f"{x:.1f}" for x in load))
-    kind = "llama-like" if args.window is None else f"mistral-like (every layer slides, window {args.window})"
+    kind = ("Qwen3.5-hybrid-like (3 DeltaNet : 1 full attention)" if args.hybrid else "llama-like"
+            if args.window is None else f"mistral-like (every layer slides, window {args.window})")
     print(f"model: {kind}, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({max(1, args.heads // 2)} kv), vocab {args.vocab}, float32; group: prompt {args.prompt}, "
           f"{args.group} x {args.response} response tokens, prefill_chunk {args.chunk}, {args.mode} mode"
@@ -226,6 +238,8 @@ def main() -> None:
                     help="on: FSDP2 over the ranks too (every rank on the one prompt: cp = ranks); default off")
     ap.add_argument("--graph-budget", default=None, help="exact mode: keep prompt-step graphs up to this size per "
                     "rank (GRPOConfig.graph_budget_bytes, e.g. 1G); default: none")
+    ap.add_argument("--hybrid", action="store_true", help="the Qwen3.5 hybrid (3 Gated DeltaNet layers to 1 full "
+                    "attention; its CP hand-off: distributed/cp_recurrent.py) instead of the dense model")
     ap.add_argument("--window", type=int, default=None, help="every layer slides with this window (a Mistral-like "
                     "model: the replicated tails and halo exchange of distributed/cp_window.py); default: full")
     ap.add_argument("--repeats", type=int, default=2)

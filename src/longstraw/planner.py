@@ -998,6 +998,10 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         from longstraw.models.lora import add_adapters
 
         adapted = add_adapters(model, lora_settings)  # on meta: the run's targets, shapes and frozen parameters
+    if gpus > 1 and fsdp is not False:  # as apply_fsdp: the first layer's input needs a gradient (a frozen model's
+        from longstraw.distributed.fsdp import input_needs_grad  # layers all compute their input gradients)
+
+        model.layers[0].register_forward_pre_hook(input_needs_grad)
     model.spec.check_length(prompt_len + response_len, f"a prompt of {prompt_len} tokens and a response of "
                                                         f"{response_len}")
     longest = model.spec.max_position_embeddings - response_len

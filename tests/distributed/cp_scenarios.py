@@ -221,16 +221,23 @@ def _split_budget(paths, family="gemma3_w5", chunk=2) -> int:
 
 
 def kept_refused(paths):
-    """A graph budget on the DeltaNet hybrid: refused under CP (one line, before anything runs), fine in one
-    process."""
+    """A graph budget on a model with a layer whose context-parallel kind does not say it can keep step graphs
+    (``keeps_step_graphs``; here the DeltaNet hand-off registered through a plain function): refused under CP (one
+    line, before anything runs), fine in one process."""
+    from longstraw.distributed.cp_recurrent import ShardedRecurrentState
+    from longstraw.models.deltanet import RecurrentState
+
     model = longstraw.load_model(paths["hybrid"])
     prompt, responses, adv = group(5, 23, [4, 1, 6])
+    distributed.register_cp_kind(RecurrentState, lambda st, layout, comm: ShardedRecurrentState(st, layout, comm))
     try:
         longstraw.grpo_backward(model, prompt, responses, adv, longstraw.GRPOConfig(graph_budget_bytes=1 << 30))
         return {"error": None}
     except ValueError as e:
         assert all(p.grad is None for p in model.parameters())
         return {"error": str(e)}
+    finally:
+        distributed.register_cp_kind(RecurrentState, ShardedRecurrentState)
 
 
 def bad_inputs(paths):
@@ -529,6 +536,14 @@ SCENARIOS = {
     "v3_exact_kept": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, graph_budget=1 << 30),
     "dsa_exact_kept": lambda p: grpo_two_groups(p, family="glm_moe_dsa", graph_budget=1 << 30),
     "hybrid_kept_refused": lambda p: kept_refused(p),
+    # the DeltaNet hand-off with kept graphs (steps after the first: their prefill prefix carries the gradient
+    # links), whole steps and split ones, the frozen-bottom case, and the hybrid MoE (EP jobs)
+    "hybrid_exact_kept": lambda p: grpo_two_groups(p, family="hybrid", graph_budget=1 << 30),
+    "hybrid_kept_split": lambda p: grpo_two_groups(p, family="hybrid", chunk=2,
+                                                   graph_budget=_split_budget(p, "hybrid")),
+    "hybrid_exact_kept_q_only": lambda p: grpo_two_groups(p, family="hybrid", graph_budget=1 << 30,
+                                                          train_only="q_proj"),
+    "next_exact_kept": lambda p: grpo_two_groups(p, family="qwen3_next", graph_budget=1 << 30),
     # past the window (distributed/cp_window.py): Gemma 3 with a window of 5, GPT-OSS (sinks, windows of 4)
     "w5_exact": lambda p: grpo_two_groups(p, family="gemma3_w5"),
     "w5_exact_c1": lambda p: grpo_two_groups(p, family="gemma3_w5", chunk=1),  # 1-token pieces

@@ -45,10 +45,12 @@ ALL = ["exact", "detached", "exact_fsdp", "detached_fsdp", "qwen3_exact_ckpt", "
        "hybrid_exact", "hybrid_detached", "hybrid_exact_fsdp_ckpt", "hybrid_generate", "score", "generate",
        "generate_fsdp", "state_bytes", "bad_inputs", "op_blocks", "low_precision", "hybrid_exact_offload",
        "exact_state_offload", "hybrid_exact_state_offload", "hybrid_detached_state_offload", "kept_exact",
-       "kept_split", "hybrid_kept_refused", "hybrid_exact_q_only"]
+       "kept_split", "hybrid_kept_refused", "hybrid_exact_q_only", "hybrid_exact_kept", "hybrid_kept_split",
+       "hybrid_exact_kept_q_only"]
 FOUR = ["exact", "detached", "exact_fsdp", "qwen3_exact_ckpt", "hybrid_exact", "hybrid_detached",
         "hybrid_exact_fsdp_ckpt", "score", "generate", "state_bytes", "bad_inputs", "op_blocks",
-        "exact_state_offload", "kept_exact", "kept_split", "hybrid_exact_q_only"]
+        "exact_state_offload", "kept_exact", "kept_split", "hybrid_exact_q_only", "hybrid_exact_kept",
+        "hybrid_kept_split"]
 DP = ["exact", "hybrid_exact", "dp_sum", "hybrid_dp_sum_fsdp", "v3_exact", "v3_dp_sum_fsdp", "fp32_exact",
       "bf16_exact"]
 MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_bytes",
@@ -78,8 +80,8 @@ FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsd
                "v3_dp_sum_fsdp"]
 # kept prompt-step graphs under FSDP: every rank on one prompt (cp = the world size)
 FSDP_CP2_W2 = ["kept_exact", "kept_split", "exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact",
-               "registered_shards"]
-FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact", "kept_exact"]
+               "hybrid_exact_kept", "registered_shards"]
+FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact", "kept_exact", "hybrid_exact_kept"]
 HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 # expert parallelism (init_distributed(cp, fsdp=True, ep=E)): the MoE gradient scenarios against one process, the
 # routed-expert bytes and values per rank, save_model of the split experts, the one-line init errors
@@ -89,7 +91,7 @@ EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_e
            "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt",
            "q3moe_exact", "mixtral_detached", "minimax_exact", "gpt_oss_exact", "gpt_oss_detached",
            # frozen models but for the top attention: a MoE layer has work to differentiate on one CP rank only
-           "next_exact_q_only", "q35moe_exact_q_only", "v3_exact_kept_top_only"]
+           "next_exact_q_only", "q35moe_exact_q_only", "v3_exact_kept_top_only", "next_exact_kept"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init", "gpt_oss_exact",
        "gpt_oss_ep_experts"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init",

@@ -162,30 +162,80 @@ class _ReversePrefix(RecurrentPrefix):
         return x, self.conv, self.S
 
     def leave(self, y: Tensor, conv: Tensor, S: Tensor):
+        return _receive_final_grad(self.owner, y, conv, S)
+
+
+def _receive_final_grad(o, y: Tensor, conv: Tensor, S: Tensor):
+    """The mixer's outputs, on ranks ``r < R - 1`` under autograd through :class:`_Handoff` (its backward receives
+    the final state's gradient from ``r + 1``)."""
+    if o.rank < o.comm.size - 1 and torch.is_grad_enabled():
+        if not (y.requires_grad or conv.requires_grad or S.requires_grad):
+            # nothing of this piece needs a gradient here (a frozen model's first DeltaNet layers on the rank whose
+            # piece starts at position 0), but rank r + 1 sends its initial state's gradient all the same: the
+            # node must exist, and its zero-seeded state roots (backward_roots) run its receive
+            conv, S = conv.detach().requires_grad_(), S.detach().requires_grad_()
+        return _Handoff.apply(y, conv, S, o)
+    return y, conv, S
+
+
+@dataclass
+class _KeptPrefix(RecurrentPrefix):
+    """Prefill with the step's graph kept for the reverse pass (``GRPOConfig.graph_budget_bytes``), rank ``r``'s
+    piece: the prefill's hand-off (rank ``r > 0`` receives its initial state from ``r - 1``, rank 0 starts from the
+    state after the previous step; the final state goes to ``r + 1``) with the reverse pass's gradient links already
+    in the graph: the initial state is a leaf that collects its gradient (sent to ``r - 1`` by :class:`_GradToPrev`
+    on ranks ``r > 0``; rank 0's goes to rank ``R - 1`` at the previous step, as a recomputed step's does), and the
+    final state receives its gradient from ``r + 1`` (:class:`_Handoff`)."""
+
+    owner: Any = None
+
+    def enter(self, x: Tensor):
         o = self.owner
-        if o.rank < o.comm.size - 1 and torch.is_grad_enabled():
-            if not (y.requires_grad or conv.requires_grad or S.requires_grad):
-                # nothing of this piece needs a gradient here (a frozen model's first DeltaNet layers on the rank
-                # whose piece starts at position 0), but rank r + 1 sends its initial state's gradient all the
-                # same: the node must exist, and its zero-seeded state roots (backward_roots) run its receive
-                conv, S = conv.detach().requires_grad_(), S.detach().requires_grad_()
-            return _Handoff.apply(y, conv, S, o)
-        return y, conv, S
+        o.device = x.device
+        if o.rank > 0:
+            conv, S = _recv(2, o.rank - 1, o.comm, x.device)
+        else:
+            init = o.final if o._step > 0 else None
+            if init is None:  # (step 0's graph is never kept: first_step_keepable)
+                return x, None, None
+            conv, S = init
+        if o.exact:
+            o.initial[o._step] = (conv, S)
+        leaves = tuple(t.detach().to(o.grad_dtype).requires_grad_() for t in (conv, S))
+        o._track(("init", o._step), leaves)
+        if o.rank > 0:
+            return _GradToPrev.apply(x, *leaves, o)
+        return x, *leaves
+
+    def leave(self, y: Tensor, conv: Tensor, S: Tensor):
+        o = self.owner
+        if o.rank < o.comm.size - 1:
+            _send([conv.detach(), S.detach()], o.rank + 1, o.comm)
+        return _receive_final_grad(o, y, conv, S)
 
 
 class ShardedRecurrentState:
     """A DeltaNet layer's prompt state under CP (see module docstring).
 
     ``final``: ``(conv, S)`` after the ``length`` positions written so far, the same on every rank. ``initial[k]``
-    (exact mode): the state before this rank's piece of step ``k`` (None before position 0). Host memory
-    (``GRPOConfig.offload_state``), as a single process's :class:`RecurrentState`: after :meth:`offload_history`
-    each step moves the earlier steps' initial states to host memory, :meth:`offload` moves them all; the reverse
-    pass copies a step's back when it starts from it.
+    (exact mode): the state before this rank's piece of step ``k`` (None before position 0). Kept prompt-step
+    graphs (``keeps_step_graphs``): a step asked for with ``grad`` before it is written is a prefill step whose
+    graph is kept (:class:`_KeptPrefix`); the reverse pass then seeds it without recomputing it (``backward_roots``
+    hands the state gradient over as a recomputed step's ``step_prefix`` does). Step 0's graph is never kept
+    (``first_step_keepable``: the prefill measures step 0 with the plain prefix, which has no gradient links).
+    Host memory (``GRPOConfig.offload_state``), as a single process's :class:`RecurrentState`: after
+    :meth:`offload_history` each step moves the earlier steps' initial states to host memory, :meth:`offload` moves
+    them all; the reverse pass copies a step's back when it starts from it.
     """
+
+    keeps_step_graphs = True
+    first_step_keepable = False
 
     def __init__(self, local: RecurrentState, layout: ShardLayout, comm: Comm):
         self.exact, self.layout, self.comm, self.rank = local.exact, layout, comm, comm.rank
         self.length = 0
+        self._written = 0  # steps written (the prefill's progress)
+        self._seeded: int | None = None  # the step whose state gradient _seed_last_rank handed over last
         self.final: tuple[Tensor, Tensor] | None = None
         self.initial: dict[int, tuple[Tensor, Tensor] | None] = {}
         self.grad_dtype: torch.dtype | None = None
@@ -209,7 +259,13 @@ class ShardedRecurrentState:
             if self.exact:
                 self.initial[step] = init
             return _PrefillPrefix(*(init if init is not None else (None, None)), owner=self)
-        self._seed_last_rank(step)
+        if step >= self._written:  # a prefill step whose graph is kept (docstring)
+            if self.host_history:
+                self._to_host(range(step))
+            return _KeptPrefix(None, None, owner=self)
+        self._seed(step)
+        if ("init", step) in self._leaves:  # its graph was kept from the prefill (and back-propagated already):
+            return _ReversePrefix(*self._leaves[("init", step)], owner=self)  # the recomputed layers below it
         init = self.initial.get(step)
         if init is None:
             return _ReversePrefix(None, None, owner=self)
@@ -218,6 +274,13 @@ class ShardedRecurrentState:
         leaves = tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in init)
         self._track(("init", step), leaves)
         return _ReversePrefix(*leaves, owner=self)  # rank 0's .grad goes to rank R-1 at the next (earlier) step
+
+    def _seed(self, step: int) -> None:
+        """:meth:`_seed_last_rank` once per step of the reverse pass (a kept step's seeds ask for it, and the
+        recomputation of its layers below the kept ones asks again)."""
+        if self._seeded != step:
+            self._seeded = step
+            self._seed_last_rank(step)
 
     def _seed_last_rank(self, step: int) -> None:
         """Give rank R-1 the gradient of the state after step ``step`` (its piece's final state)."""
@@ -246,8 +309,10 @@ class ShardedRecurrentState:
         self.final, self.device = (conv, S), conv.device
         step = next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start)
         self.length = self.layout.steps[step][-1][1]
+        self._written = max(self._written, step + 1)
 
     def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        self._seed(next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start))  # (kept step)
         conv, S = piece
         if self.rank < self.comm.size - 1:  # zero seeds: the real gradient arrives through the hand-off
             return [(conv, torch.zeros_like(conv)), (S, torch.zeros_like(S))]
@@ -280,12 +345,14 @@ class ShardedRecurrentState:
             return
         self.grad_dtype = dtype or grad_dtype_for(self.final[1].dtype)
         self._leaves.clear()
+        self._seeded = None
         self._grad_peak = 0
 
     def release_grad(self) -> None:
         self._leaves.clear()
         self.grad_dtype = None
         self._root_grad = None
+        self._seeded = None
         self._grad_peak = 0
 
     def _to_host(self, steps) -> None:

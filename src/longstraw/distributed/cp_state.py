@@ -130,6 +130,8 @@ class PositionShardedState:
     written so far: every rank writes its piece of each step). Storing, backward seeds, gradient buffers and byte
     counts delegate to ``local`` after mapping the piece's global range to its local one."""
 
+    keeps_step_graphs = True  # prompt-step graphs can be kept (ContextParallel.check_kept_graphs)
+
     def __init__(self, local: Any, layout: ShardLayout, comm: Comm):
         self.local, self.layout, self.comm = local, layout, comm
         self.rank = comm.rank

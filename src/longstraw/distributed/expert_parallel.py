@@ -26,7 +26,7 @@ Every MoE layer call is thus a collective of the EP group: all its ranks must ca
 of times in the same order, forward and backward. FSDP over the job already demands that (the engine's lockstep:
 idle steps join with one dummy token; a rank that receives no tokens joins with zero rows; under autograd every
 layer's input needs a gradient on every rank and the reverse pass seeds the last layer's output, so a frozen
-model's MoE layers run their backward everywhere: ``fsdp._input_needs_grad``), so ``ep > 1`` requires
+model's MoE layers run their backward everywhere: ``fsdp.input_needs_grad``), so ``ep > 1`` requires
 ``fsdp=True``. Under that rule an EP group may span anything: ranks of one CP group, of different data-parallel
 replicas, or both.
 

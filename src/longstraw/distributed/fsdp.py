@@ -114,7 +114,7 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
     for unit in end_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     fully_shard(backbone, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)  # the root: every pass enters
-    layers[0].register_forward_pre_hook(_input_needs_grad)
+    layers[0].register_forward_pre_hook(input_needs_grad)
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(float(ctx.world_size))  # the mean over replicas (module docstring)
         if ctx.backend == "gloo":
@@ -123,7 +123,7 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
     return model
 
 
-def _input_needs_grad(module: torch.nn.Module, args: tuple):
+def input_needs_grad(module: torch.nn.Module, args: tuple):
     """Forward pre-hook of the first decoder layer under FSDP: with autograd on, its hidden input ``[B, T, H]``
     requires a gradient (a leaf where the embedding is frozen). Every layer's backward gathers its unit and may
     reduce-scatter: every rank must run it whenever one does. Whether a layer's output needs a gradient otherwise

@@ -98,9 +98,10 @@ class ContextParallel(Placement):
         a kept step's backward runs FSDP's collectives without its forward, so ranks that keep different steps (data-
         parallel replicas with prompts of other lengths) would call different collectives; the ranks of one CP group
         plan alike (:meth:`agree_max`), and FSDP2 gathers a unit again for a kept graph's backward as for any.
-        Under CP every layer's state must be sharded by position or replicated (their grad-mode prefixes are the same
-        in the prefill and the reverse pass); a DeltaNet layer's hand-off is not (its reverse-pass prefix seeds the
-        state gradient from the next step's)."""
+        Under CP every layer's state kind must say it can (``keeps_step_graphs``: the kinds sharded by position or
+        replicated, whose grad-mode prefixes are the same in the prefill and the reverse pass, and the DeltaNet
+        hand-off, whose kept prefill prefix carries the reverse pass's gradient links); a kind registered without it
+        is refused."""
         if self.fsdp and self.ctx.dp_size > 1:
             raise ValueError(f"graph_budget_bytes={budget}: kept prompt-step graphs under FSDP need every rank on one "
                              f"prompt (cp = the world size), but this job has {self.ctx.dp_size} data-parallel "
@@ -108,11 +109,10 @@ class ContextParallel(Placement):
                              "different steps; use graph_budget_bytes=None there")
         if self.ctx.cp_size == 1:
             return
-        from longstraw.distributed.cp_state import PositionShardedState, kind_of
+        from longstraw.distributed.cp_state import kind_of
 
         for i, st in enumerate(model.new_prompt_states(1, True)):
-            kind = kind_of(st)
-            if not (isinstance(kind, type) and issubclass(kind, PositionShardedState)):
+            if not getattr(kind_of(st), "keeps_step_graphs", False):
                 raise ValueError(f"graph_budget_bytes={budget}: layer {i} keeps a {type(st).__name__} prompt state, "
                                  f"whose context-parallel form cannot keep prompt-step graphs (cp={self.ctx.cp_size}); "
                                  "use graph_budget_bytes=None or cp=1")
