@@ -4,7 +4,7 @@ import pytest
 import torch
 from grpo_reference import assert_grads_close, random_group, reference_loss, run_against_reference
 from hf_reference import save_tiny, tiny_hf
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config, SeedOssConfig
 
 import longstraw
 
@@ -25,6 +25,16 @@ def qwen3_pair():
                       num_key_value_heads=1, head_dim=12, vocab_size=V, max_position_embeddings=512,
                       tie_word_embeddings=True)
     hf = tiny_hf(cfg, seed=12, init_std=0.15)
+    return hf, save_tiny(hf)
+
+
+@pytest.fixture(scope="module")
+def seed_oss_pair():
+    """Seed-OSS: q/k/v and o_proj biases, a free head_dim, dropout 0.1 as released (not applied)."""
+    cfg = SeedOssConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=12, vocab_size=V, max_position_embeddings=512,
+                        attention_out_bias=True, attention_dropout=0.1, residual_dropout=0.1)
+    hf = tiny_hf(cfg, seed=13, init_std=0.15)
     return hf, save_tiny(hf)
 
 
@@ -79,6 +89,13 @@ def test_prompt_lengths_around_the_chunk(llama_pair, p, chunk):
 def test_branch_batch_and_checkpointing_and_tied_gqa4(qwen3_pair, prompt_grad):
     model, hf, _ = _run_both(qwen3_pair, p=30, lens=[6, 2, 8, 1, 5], mode="seq-mean-token-mean", chunk=7,
                              prompt_grad=prompt_grad, branch_batch=3, checkpoint_layers=True)
+    assert_grads_close(longstraw.hf_grads(model), hf)
+
+
+@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+def test_seed_oss_matches_reference(seed_oss_pair, prompt_grad):
+    model, hf, _ = _run_both(seed_oss_pair, p=21, lens=[5, 1, 8], mode="token-mean", chunk=6, prompt_grad=prompt_grad,
+                             branch_batch=2)
     assert_grads_close(longstraw.hf_grads(model), hf)
 
 

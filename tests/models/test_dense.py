@@ -1,11 +1,12 @@
-"""Dense families (llama, qwen2, qwen3, mistral): logits parity with transformers, chunked prefill, save/load, bad input."""
+"""Dense families (llama, qwen2, qwen3, mistral, seed_oss): logits parity with transformers, chunked prefill, save/load,
+bad input."""
 
 import json
 
 import pytest
 import torch
 from hf_reference import continuation_error, save_tiny, tiny_hf, true_float64, weighted_logit_grads
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
 
 import longstraw
 from longstraw.state import KVState
@@ -31,6 +32,14 @@ def qwen3(kv=1, tied=True, head_dim=20):
                        max_position_embeddings=256)
 
 
+def seed_oss(out_bias=False, mlp_bias=False):
+    """Seed-OSS: q/k/v bias by default, o_proj bias and MLP bias as switched, a free head_dim, dropout 0.1 as
+    released (transformers' eval mode, as LongStraw computes, applies none)."""
+    return SeedOssConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=256,
+                         attention_out_bias=out_bias, mlp_bias=mlp_bias, attention_dropout=0.1, residual_dropout=0.1)
+
+
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 CONFIGS = {
@@ -44,6 +53,8 @@ CONFIGS = {
     "qwen2-gqa2-tied": lambda: qwen2(kv=2, tied=True),
     "qwen3-gqa4-tied": lambda: qwen3(kv=1, tied=True),
     "qwen3-gqa2-untied": lambda: qwen3(kv=2, tied=False, head_dim=12),
+    "seed_oss": lambda: seed_oss(),
+    "seed_oss-out-mlp-bias": lambda: seed_oss(out_bias=True, mlp_bias=True),
 }
 
 

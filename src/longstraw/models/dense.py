@@ -1,15 +1,19 @@
 """Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``ministral``, ``ministral3`` (and the
-text model of the multimodal ``mistral3`` checkpoints: Mistral Small 3.x, Ministral 3).
+text model of the multimodal ``mistral3`` checkpoints: Mistral Small 3.x, Ministral 3), ``seed_oss`` (ByteDance
+Seed-OSS-36B, 512K positions).
 
 They differ only in switches of the shared blocks: attention/MLP bias (Llama's ``attention_bias`` and
-``mlp_bias``), Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``, Ministral 3's query scaling
+``mlp_bias``; Seed-OSS's q/k/v bias ``attention_bias``, default on, and o_proj bias ``attention_out_bias``), Qwen2's
+q/k/v bias, Qwen3's per-head q/k RMSNorm and free ``head_dim``, Ministral 3's query scaling
 with the position (``rope_parameters["llama_4_scaling_beta"]``: queries times
 ``1 + beta log(1 + floor(p / original_max_position_embeddings))``, after RoPE). Sliding-window attention
 (Mistral's ``sliding_window``, transformers' default 4096; Ministral's ``layer_types``; Qwen2/Qwen3's
 ``use_sliding_window`` for the layers from ``max_window_layers`` on) is per layer, as transformers decides it
 (:func:`layer_windows`); the attention op tiles the queries so that no key outside a window is read
 (:mod:`longstraw.ops.window`). ``mistral3`` checkpoints hold the text weights under ``model.language_model.`` (or
-the released ``language_model.model.``); the vision tower and projector are skipped with a warning.
+the released ``language_model.model.``); the vision tower and projector are skipped with a warning. Dropout
+(Seed-OSS's ``residual_dropout`` and ``attention_dropout``, 0.1 in its released config) is not applied: every pass
+computes the eval-mode forward, what the sampler computes (transformers applies it in train mode only).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 from longstraw.models.weights import WeightMap, skip_vision_tower
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3", "seed_oss")
 _ARCHITECTURES = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
 
@@ -125,6 +129,9 @@ def build(cfg: dict) -> CausalLM:
     elif mt == "qwen3":
         attn_bias = r.opt("attention_bias", False, bool)
         qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, False, True
+    elif mt == "seed_oss":
+        qkv_bias, o_bias = r.opt("attention_bias", True, bool), r.opt("attention_out_bias", False, bool)
+        mlp_bias, qk_norm = r.opt("mlp_bias", False, bool), False
     else:  # llama, mistral, ministral, ministral3
         attn_bias = r.opt("attention_bias", False, bool)
         qkv_bias, o_bias, mlp_bias, qk_norm = attn_bias, attn_bias, r.opt("mlp_bias", False, bool), False
