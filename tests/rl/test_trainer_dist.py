@@ -352,18 +352,24 @@ def test_query_adapters_on_the_hybrid_moe_under_context_and_expert_parallelism_g
     """LoRA on q_proj alone (the full-attention layer on top) of the built-in DeltaNet + MoE hybrid, 2 ranks with
     cp = 2 and ep = 2: the frozen DeltaNet and MoE layers below have no gradient to compute on the rank holding the
     prompt's first piece, but the other rank's hand-off and the experts' exchanges need it in every backward (a
-    regression: this run hung in the first update's reverse pass). Metrics and adapters equal one process's."""
+    regression: this run hung in the first update's reverse pass). Metrics and adapters equal one process's, also
+    when the updates prefill again keeping prompt-step graphs (the DeltaNet hand-off's kept steps under CP)."""
     (tmp_path / "rw.py").write_text(REWARD)
     lora = ['model.builtin="tiny-moe"', "lora.rank=4", "lora.alpha=8", 'lora.target_modules=["q_proj"]']
+    par = ["parallel.cp=2", "parallel.ep=2"]
+    kept = ['algorithm.graph_budget="1G"', "algorithm.reuse_rollout_state=false"]
     _ok(train(0, _args(tmp_path / "one", *lora)), "query LoRA, one process")
-    _ok(train(2, _args(tmp_path / "two", *lora, "parallel.cp=2", "parallel.ep=2"), timeout_s=300),
-        "query LoRA, cp=2, ep=2")
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("expert_")} for r in rows]  # noqa
-    _close(strip(read_metrics(tmp_path / "two")), strip(read_metrics(tmp_path / "one")))
+    _ok(train(2, _args(tmp_path / "two", *lora, *par), timeout_s=300), "query LoRA, cp=2, ep=2")
+    _ok(train(2, _args(tmp_path / "kept", *lora, *par, *kept), timeout_s=300), "query LoRA, cp=2, ep=2, kept")
+    assert any(r.get("kept_steps", 0) > 0 for r in read_metrics(tmp_path / "kept"))
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("expert_", "kept_", "step_graph"))}  # noqa
+                          for r in rows]
     assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(tmp_path / "one"))
-    got, want = (load_file(checkpoint_dirs(r)[-1] / "adapter" / "adapter_model.safetensors")
-                 for r in (tmp_path / "two", tmp_path / "one"))
-    _close_weights(got, want)
+    for run in ("two", "kept"):
+        _close(strip(read_metrics(tmp_path / run)), strip(read_metrics(tmp_path / "one")))
+        got, want = (load_file(checkpoint_dirs(r)[-1] / "adapter" / "adapter_model.safetensors")
+                     for r in (tmp_path / run, tmp_path / "one"))
+        _close_weights(got, want)
 
 
 def _tiny_gpt_oss(directory: Path) -> Path:
