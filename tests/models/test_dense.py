@@ -1,11 +1,12 @@
-"""Dense families (llama, qwen2, qwen3, mistral, seed_oss): logits parity with transformers, chunked prefill, save/load,
-bad input."""
+"""Dense families (llama, qwen2, qwen3, mistral, seed_oss; Qwen3-VL's text model): logits parity with transformers,
+chunked prefill, save/load, bad input."""
 
 import json
 
 import pytest
 import torch
-from hf_reference import continuation_error, save_tiny, tiny_hf, true_float64, weighted_logit_grads
+from hf_reference import (check_multimodal_text_model, continuation_error, randomised, save_tiny, tiny_hf,
+                          true_float64, weighted_logit_grads)
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
 
 import longstraw
@@ -285,3 +286,27 @@ def test_quantised_checkpoints_are_refused_before_anything_is_read(good_dir, tmp
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"quantization_config \(quant_method='fp8'\) is not supported: dequantise"):
         longstraw.load_model(d)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_vl_checkpoint_loads_as_its_qwen3_text_model(tied, tmp_path):
+    """A dense Qwen3-VL checkpoint (``qwen3_vl``: the text model under ``model.language_model.``, a vision tower under
+    ``model.visual.``, interleaved M-RoPE with ``mrope_section``) loads as its text model, a ``qwen3``, with
+    transformers' logits on text (its M-RoPE at text positions is ordinary RoPE), the vision tower skipped with one
+    warning; ``save_model`` writes a ``qwen3`` checkpoint that transformers loads with the same logits."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16)
+    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=V - 1, video_token_id=V - 2,
+                        vision_start_token_id=V - 3, vision_end_token_id=V - 4, tie_word_embeddings=tied)
+    cfg._attn_implementation = "sdpa"
+    hf = randomised(Qwen3VLForConditionalGeneration(cfg), seed=7)
+    model = check_multimodal_text_model(hf, tmp_path, "qwen3", torch.randint(0, V - 5, (2, 27)))
+    assert model.spec.tie_word_embeddings == tied
+    assert all(layer.self_attn.q_norm is not None for layer in model.model.layers)

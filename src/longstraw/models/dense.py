@@ -1,6 +1,7 @@
 """Dense GQA transformers: ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``ministral``, ``ministral3`` (and the
 text model of the multimodal ``mistral3`` checkpoints: Mistral Small 3.x, Ministral 3), ``seed_oss`` (ByteDance
-Seed-OSS-36B, 512K positions).
+Seed-OSS-36B, 512K positions), and the text model of the dense Qwen3-VL checkpoints (``qwen3_vl``: a Qwen3 whose
+interleaved M-RoPE is ordinary RoPE at text positions, as Qwen3.5's; built and saved as ``qwen3``).
 
 They differ only in switches of the shared blocks: attention/MLP bias (Llama's ``attention_bias`` and
 ``mlp_bias``; Seed-OSS's q/k/v bias ``attention_bias``, default on, and o_proj bias ``attention_out_bias``), Qwen2's
@@ -11,7 +12,8 @@ with the position (``rope_parameters["llama_4_scaling_beta"]``: queries times
 ``use_sliding_window`` for the layers from ``max_window_layers`` on) is per layer, as transformers decides it
 (:func:`layer_windows`); the attention op tiles the queries so that no key outside a window is read
 (:mod:`longstraw.ops.window`). ``mistral3`` checkpoints hold the text weights under ``model.language_model.`` (or
-the released ``language_model.model.``); the vision tower and projector are skipped with a warning. Dropout
+the released ``language_model.model.``); the vision tower and projector are skipped with a warning (Qwen3-VL's:
+``model.language_model.`` and ``model.visual.``). Dropout
 (Seed-OSS's ``residual_dropout`` and ``attention_dropout``, 0.1 in its released config) is not applied: every pass
 computes the eval-mode forward, what the sampler computes (transformers applies it in train mode only).
 """
@@ -28,13 +30,16 @@ from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 from longstraw.models.weights import WeightMap, skip_vision_tower
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3", "seed_oss")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3", "seed_oss", "qwen3_vl")
 _ARCHITECTURES = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
 
 def text_config(cfg: dict) -> dict:
     """``cfg``, or for a multimodal ``mistral3`` checkpoint its text model's (``text_config``: ``mistral`` or
-    ``ministral3``)."""
+    ``ministral3``), for a ``qwen3_vl`` one its text model's as ``qwen3`` (the same layers; what ``save_model``
+    writes, and transformers loads as ``Qwen3ForCausalLM``)."""
+    if cfg.get("model_type") == "qwen3_vl":
+        return multimodal_text_config(cfg, {"qwen3_vl": "qwen3"}, {"qwen3": "Qwen3ForCausalLM"})
     if cfg.get("model_type") != "mistral3":
         return dict(cfg)
     tc = cfg.get("text_config")
@@ -152,7 +157,14 @@ def build(cfg: dict) -> CausalLM:
 
 
 def weights(cfg: dict) -> WeightMap:
-    """transformers' names; a ``mistral3`` checkpoint's text weights renamed, its vision tower skipped."""
+    """transformers' names; a ``mistral3`` or ``qwen3_vl`` checkpoint's text weights renamed, its vision tower
+    skipped."""
+    if cfg.get("model_type") == "qwen3_vl":
+        wm = WeightMap()
+        wm.renames.append((r"^model\.language_model\.", "model."))
+        wm.skip_with_warning.append((r"model\.visual\..*", "vision tower weights are not used: LongStraw trains the "
+                                                            "text model of this multimodal checkpoint"))
+        return wm
     return skip_vision_tower(WeightMap()) if cfg.get("model_type") == "mistral3" else WeightMap()
 
 
