@@ -1,7 +1,7 @@
-"""GQA + MoE families (qwen3_moe, qwen2_moe, mixtral, minimax_m2, olmoe): logits and gradients against transformers in
-float64 and float32, chunked prefill + continuation, bf16 logits (Mixtral's float32 routing weights), save/load
-through transformers under the names it writes (Mixtral's block_sparse_moe / w1 w2 w3), the num_experts alias,
-which layers are sparse, sliding windows, bad configs."""
+"""GQA + MoE families (qwen3_moe, qwen2_moe, mixtral, minimax_m2, olmoe; Qwen3-VL-MoE's text model): logits and
+gradients against transformers in float64 and float32, chunked prefill + continuation, bf16 logits (Mixtral's float32
+routing weights), save/load through transformers under the names it writes (Mixtral's block_sparse_moe / w1 w2 w3),
+the num_experts alias, which layers are sparse, sliding windows, bad configs."""
 
 import json
 import warnings
@@ -255,3 +255,51 @@ def test_mixtral_expert_rows_are_saved_under_mixtral_names():
     key = "model.layers.0.mlp.experts.lora_adapters.gate_up_proj.lora_A.weight"
     assert dict(wmap.save_tensors([(key, None)])) == {key: None}
     assert wmap.param_name("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.mlp.gate.weight"
+
+
+def test_qwen3_vl_moe_checkpoint_loads_as_its_qwen3_moe_text_model(tmp_path):
+    """A Qwen3-VL MoE checkpoint (``qwen3_vl_moe``: the text model under ``model.language_model.``, a vision tower
+    under ``model.visual.``, fused experts) loads as its text model, a ``qwen3_moe`` whose router renormalises the
+    top-k, with transformers' logits on text, the vision tower skipped with one warning; ``save_model`` writes a
+    ``qwen3_moe`` checkpoint that transformers loads with the same logits. The experts as the released files store
+    them (transposed: ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``; transformers writes its in-memory
+    layout) load too."""
+    from hf_reference import _perturbed, check_multimodal_text_model
+    from safetensors.torch import load_file
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+                mlp_only_layers=[1], max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16)
+    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=V - 1, video_token_id=V - 2,
+                           vision_start_token_id=V - 3, vision_end_token_id=V - 4)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = cfg.text_config._experts_implementation = "eager"  # (float64)
+    torch.manual_seed(8)
+    hf = _perturbed(Qwen3VLMoeForConditionalGeneration(cfg), 0.2)
+    ids = torch.randint(0, V - 5, (2, 27))
+    model = check_multimodal_text_model(hf, tmp_path, "qwen3_moe", ids, experts_implementation="eager")
+    assert model.hf_config["norm_topk_prob"] is True
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["SparseMoeBlock", "GatedMLP",
+                                                                          "SparseMoeBlock"]
+    f = next((tmp_path / "mm").glob("*.safetensors"))
+    sd = load_file(f)
+    turned = {k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert len(turned) == 4 and all(sd[k].shape[2] in (32, 12) for k in turned)  # [E, 2I, H] / [E, H, I]
+    save_file({k: v.transpose(1, 2).contiguous() if k in turned else v for k, v in sd.items()}, f,
+              metadata={"format": "pt"})
+    with torch.no_grad(), true_float64():
+        want = hf(input_ids=ids).logits
+        back = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.float64,
+                                                                  experts_implementation="eager").eval()
+        assert (back(input_ids=ids).logits - want).abs().max().item() <= 1e-10  # transformers reads them so too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the vision tower's, checked above)
+        released = longstraw.load_model(tmp_path / "mm")
+    with torch.no_grad():
+        assert (released(ids) - want).abs().max().item() <= 1e-10

@@ -1,6 +1,7 @@
 """GQA transformers with mixture-of-experts feed-forward blocks: ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B,
 Qwen3-Coder-480B-A35B), ``qwen2_moe`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), ``mixtral`` (Mixtral-8x7B / 8x22B),
-``minimax_m2`` (MiniMax-M2: Mixtral's layout with a sigmoid router) and ``olmoe`` (OLMoE-1B-7B).
+``minimax_m2`` (MiniMax-M2: Mixtral's layout with a sigmoid router) and ``olmoe`` (OLMoE-1B-7B); the text model of
+the Qwen3-VL MoE checkpoints (``qwen3_vl_moe``: Qwen3-VL-30B-A3B / 235B-A22B), built and saved as ``qwen3_moe``.
 
 The attention is the dense families' (:mod:`longstraw.models.dense`): Qwen3-MoE's per-head q/k RMSNorm, free
 ``head_dim`` and ``attention_bias`` on q/k/v/o; Qwen2-MoE's q/k/v bias (``qkv_bias``, on by default); Mixtral's plain
@@ -30,7 +31,12 @@ the experts' matrices ``w1`` (gate), ``w3`` (up), ``w2`` (down) (MiniMax-M2's to
 ``block_sparse_moe.e_score_correction_bias``, ours ``mlp.gate.e_score_correction_bias``); :class:`MixtralWeightMap`
 maps them to transformers 5's in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``) on load
 and back on save, so a saved model loads in transformers 4 and 5, vLLM and SGLang alike, and ``hf_grads`` needs no
-renaming. A checkpoint already in the fused in-memory layout loads as it is.
+renaming. A checkpoint already in the fused in-memory layout loads as it is. Qwen3-VL-MoE's (:class:`VLMoeWeightMap`):
+the text weights under ``model.language_model.`` renamed, the vision tower ``model.visual.`` skipped with a warning,
+its fused experts stored transposed (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``, as released) turned to the
+in-memory layout row range by row range (a file already in that layout loads as it is: the shapes decide, as
+transformers' own conversion does); its router always renormalises the top-k (``norm_topk_prob`` on), and its
+interleaved M-RoPE is ordinary RoPE at text positions.
 
 Left out, as for every family: auxiliary load-balancing losses (``output_router_logits``, ``router_aux_loss_coef``);
 FP8 checkpoints (MiniMax-M2 is released so: dequantise first, as for DeepSeek-V3).
@@ -48,7 +54,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, narrowest_window, num_routed_experts
+from longstraw.models.config import (ConfigReader, multimodal_text_config, narrowest_window, num_routed_experts,
+                                     text_reader)
 from longstraw.models.deepseek import SigmoidGroupedRouter
 from longstraw.models.dense import layer_windows
 from longstraw.models.family import Family
@@ -57,9 +64,9 @@ from longstraw.models.moe_block import Experts, SoftmaxTopKRouter, SparseMoeBloc
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import ExpertWeightMap
+from longstraw.models.weights import FUSED_EXPERTS, CheckpointReader, ExpertWeightMap, WeightSource
 
-MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe")
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe", "qwen3_vl_moe")
 MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")  # every layer sparse, block_sparse_moe / w1 w2 w3 in checkpoints
 ALL_SPARSE = MIXTRAL_LAYOUT + ("olmoe",)  # every layer sparse, the experts ``intermediate_size`` wide
 
@@ -92,9 +99,20 @@ def _ffn(mt: str, cfg: dict, r: ConfigReader, hidden: int, act: str, i: int):
     return SparseMoeBlock(router, Experts(hidden, experts, width, act))
 
 
+def text_config(cfg: dict) -> dict:
+    """``cfg``, or for a ``qwen3_vl_moe`` checkpoint its text model's as ``qwen3_moe`` (its router always renormalises
+    the top-k: ``norm_topk_prob`` on)."""
+    if cfg.get("model_type") != "qwen3_vl_moe":
+        return dict(cfg)
+    text = multimodal_text_config(cfg, {"qwen3_vl_moe": "qwen3_moe"}, {"qwen3_moe": "Qwen3MoeForCausalLM"})
+    text["norm_topk_prob"] = True
+    return text
+
+
 def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised model from an HF config dict."""
-    r = ConfigReader(cfg)
+    text = text_config(cfg)
+    r, cfg = text_reader(text, cfg), text  # the text model's config from here on (qwen3_vl_moe: its text_config)
     mt = cfg["model_type"]
     hidden = r.positive("hidden_size")
     windows = layer_windows(cfg, r)
@@ -207,8 +225,47 @@ def _mixtral_name(name: str) -> str:
     return name
 
 
+@dataclass
+class VLMoeWeightMap(ExpertWeightMap):
+    """A Qwen3-VL-MoE checkpoint (module docstring): ``hidden`` and ``inter`` (``moe_intermediate_size``) tell the
+    released transposed experts from the in-memory layout."""
+
+    hidden: int = 0
+    inter: int = 0
+
+    def __post_init__(self):
+        self.renames.append((r"^model\.language_model\.", "model."))
+        self.skip_with_warning.append((r"model\.visual\..*", "vision tower weights are not used: LongStraw trains the "
+                                                             "text model of this multimodal checkpoint"))
+
+    def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
+        fused = [n for n in ckpt_names if (p := self.param_name(n)) is not None and FUSED_EXPERTS.fullmatch(p)]
+        out = super().sources([n for n in ckpt_names if n not in fused], reader)
+        for n in fused:
+            param = self.param_name(n)
+            e, *stored = reader.shape(n)
+            gate_up = FUSED_EXPERTS.fullmatch(param).group(2) == "gate_up_proj"
+            wide, narrow = (2 * self.inter, self.hidden) if gate_up else (self.hidden, self.inter)
+            turn = tuple(stored) == (narrow, wide) and narrow != wide  # released: [E, H, 2I] / [E, I, H]
+            out.append(WeightSource(param, (e, wide, narrow) if turn else (e, *stored),
+                                    lambda rows, o, n=n, turn=turn: _rows(reader.read(n, rows), o, turn)))
+        return out
+
+
+def _rows(t: Tensor, out: Tensor | None, transpose: bool) -> Tensor:
+    """Rows read from a checkpoint (``[r, a, b]``), their last two dims swapped if ``transpose``, into ``out``."""
+    t = t.transpose(1, 2) if transpose else t
+    if out is None:
+        return t.contiguous()
+    return out.copy_(t)
+
+
 def weights(cfg: dict) -> ExpertWeightMap:
-    return MixtralWeightMap() if cfg.get("model_type") in MIXTRAL_LAYOUT else ExpertWeightMap()
+    mt = cfg.get("model_type")
+    if mt == "qwen3_vl_moe":
+        r = text_reader(text_config(cfg), cfg)
+        return VLMoeWeightMap(hidden=r.positive("hidden_size"), inter=r.positive("moe_intermediate_size"))
+    return MixtralWeightMap() if mt in MIXTRAL_LAYOUT else ExpertWeightMap()
 
 
 FAMILY = Family("gqa_moe", MODEL_TYPES, build, weights)

@@ -178,7 +178,7 @@ def skip_vision_tower(wm: WeightMap) -> WeightMap:
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
 def _experts_source(param: str, names: list[list[str]], reader: CheckpointReader) -> WeightSource:
@@ -240,7 +240,7 @@ class ExpertWeightMap(WeightMap):
 
     def save_tensors(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         for name, t in super().save_tensors(named):
-            if _FUSED.fullmatch(name):
+            if FUSED_EXPERTS.fullmatch(name):
                 yield from self._split(name, t, 0)
             else:
                 yield name, t
@@ -249,13 +249,13 @@ class ExpertWeightMap(WeightMap):
         """The checkpoint tensors of experts ``first .. first + rows.shape[0] - 1`` of the fused expert parameter
         ``name``, from its rows ``rows`` only (an expert-parallel rank's share, written without a gather)."""
         for renamed, t in super().save_tensors([(name, rows)]):
-            if not _FUSED.fullmatch(renamed):
+            if not FUSED_EXPERTS.fullmatch(renamed):
                 raise ValueError(f"{name} is not a fused expert parameter")
             yield from self._split(renamed, t, first)
 
     @staticmethod
     def _split(name: str, t: Tensor, first: int) -> Iterator[tuple[str, Tensor]]:
-        m = _FUSED.fullmatch(name)
+        m = FUSED_EXPERTS.fullmatch(name)
         if m.group(2) == "gate_up_proj":
             inter = t.shape[1] // 2
             for e in range(t.shape[0]):
