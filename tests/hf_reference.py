@@ -250,6 +250,20 @@ def randomised(model, seed: int):
     return _perturbed(model, 0.2)
 
 
+def qwen3_vl_config(config_cls, vocab: int, text: dict, **top):
+    """A tiny Qwen3-VL / Qwen3-VL-MoE config (``config_cls``): the text model ``text`` with interleaved M-RoPE (theta
+    5e6, sections for head_dim 8), a one-block vision tower, the special tokens at the top of the vocabulary; SDPA."""
+    text = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
+                                        "mrope_interleaved": True}}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16)
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=vocab - 1, video_token_id=vocab - 2,
+                     vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 4, **top)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
 def check_multimodal_text_model(hf, tmp: Path, text_type: str, ids, **hf_kwargs):
     """A multimodal checkpoint saved by transformers from ``hf``: LongStraw loads its text model (``text_type``) with
     one warning about the vision tower and transformers' logits of ``ids`` (float64, <= 1e-10); ``save_model``

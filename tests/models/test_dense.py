@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from hf_reference import (check_multimodal_text_model, continuation_error, randomised, save_tiny, tiny_hf,
-                          true_float64, weighted_logit_grads)
+from hf_reference import (check_multimodal_text_model, continuation_error, qwen3_vl_config, randomised, save_tiny,
+                          tiny_hf, true_float64, weighted_logit_grads)
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SeedOssConfig
 
 import longstraw
@@ -297,15 +297,8 @@ def test_qwen3_vl_checkpoint_loads_as_its_qwen3_text_model(tied, tmp_path):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     text = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                  deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=16)
-    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=V - 1, video_token_id=V - 2,
-                        vision_start_token_id=V - 3, vision_end_token_id=V - 4, tie_word_embeddings=tied)
-    cfg._attn_implementation = "sdpa"
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    cfg = qwen3_vl_config(Qwen3VLConfig, V, text, tie_word_embeddings=tied)
     hf = randomised(Qwen3VLForConditionalGeneration(cfg), seed=7)
     model = check_multimodal_text_model(hf, tmp_path, "qwen3", torch.randint(0, V - 5, (2, 27)))
     assert model.spec.tie_word_embeddings == tied

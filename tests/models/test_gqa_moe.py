@@ -264,21 +264,14 @@ def test_qwen3_vl_moe_checkpoint_loads_as_its_qwen3_moe_text_model(tmp_path):
     ``qwen3_moe`` checkpoint that transformers loads with the same logits. The experts as the released files store
     them (transposed: ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``; transformers writes its in-memory
     layout) load too."""
-    from hf_reference import _perturbed, check_multimodal_text_model
+    from hf_reference import _perturbed, check_multimodal_text_model, qwen3_vl_config
     from safetensors.torch import load_file
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
-                mlp_only_layers=[1], max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                  deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=16)
-    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=V - 1, video_token_id=V - 2,
-                           vision_start_token_id=V - 3, vision_end_token_id=V - 4)
-    cfg._attn_implementation = "sdpa"
+                mlp_only_layers=[1], max_position_embeddings=256)
+    cfg = qwen3_vl_config(Qwen3VLMoeConfig, V, text)
     cfg._experts_implementation = cfg.text_config._experts_implementation = "eager"  # (float64)
     torch.manual_seed(8)
     hf = _perturbed(Qwen3VLMoeForConditionalGeneration(cfg), 0.2)
