@@ -234,7 +234,6 @@ class ShardedRecurrentState:
     def __init__(self, local: RecurrentState, layout: ShardLayout, comm: Comm):
         self.exact, self.layout, self.comm, self.rank = local.exact, layout, comm, comm.rank
         self.length = 0
-        self._written = 0  # steps written (the prefill's progress)
         self._seeded: int | None = None  # the step whose state gradient _seed_last_rank handed over last
         self.final: tuple[Tensor, Tensor] | None = None
         self.initial: dict[int, tuple[Tensor, Tensor] | None] = {}
@@ -259,7 +258,7 @@ class ShardedRecurrentState:
             if self.exact:
                 self.initial[step] = init
             return _PrefillPrefix(*(init if init is not None else (None, None)), owner=self)
-        if step >= self._written:  # a prefill step whose graph is kept (docstring)
+        if self.layout.steps[step][-1][1] > self.length:  # not written yet: a prefill step whose graph is kept
             if self.host_history:
                 self._to_host(range(step))
             return _KeptPrefix(None, None, owner=self)
@@ -307,12 +306,10 @@ class ShardedRecurrentState:
         self.comm.broadcast(conv, src=self.comm.size - 1)
         self.comm.broadcast(S, src=self.comm.size - 1)
         self.final, self.device = (conv, S), conv.device
-        step = next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start)
-        self.length = self.layout.steps[step][-1][1]
-        self._written = max(self._written, step + 1)
+        self.length = self.layout.steps[self.layout.step_of(self.rank, start)][-1][1]
 
     def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
-        self._seed(next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start))  # (kept step)
+        self._seed(self.layout.step_of(self.rank, start))  # (a kept step's: its step_prefix was the prefill's)
         conv, S = piece
         if self.rank < self.comm.size - 1:  # zero seeds: the real gradient arrives through the hand-off
             return [(conv, torch.zeros_like(conv)), (S, torch.zeros_like(S))]

@@ -67,6 +67,14 @@ class ShardLayout:
     def pieces(self, rank: int) -> list[tuple[int, int]]:
         return [st[rank] for st in self.steps]
 
+    def step_of(self, rank: int, start: int, end: int | None = None) -> int:
+        """The step whose piece of rank ``rank`` starts at global position ``start`` (and ends at ``end``, if
+        given); ValueError if none does."""
+        for k, (s, e) in enumerate(self.pieces(rank)):
+            if s == start and end in (None, e):
+                return k
+        raise ValueError(f"[{start}, {end}) is not a piece of rank {rank}; its pieces: {self.pieces(rank)}")
+
     def local_size(self, rank: int) -> int:
         return sum(e - s for s, e in self.pieces(rank))
 
@@ -80,11 +88,8 @@ class ShardLayout:
 
     def to_local(self, rank: int, start: int, end: int) -> tuple[int, int]:
         """Local range of the piece ``[start, end)`` of rank ``rank``; ValueError if it is not one of its pieces."""
-        for k, (s, e) in enumerate(self.pieces(rank)):
-            if (s, e) == (start, end):
-                lo = self.local_offset(rank, k)
-                return lo, lo + e - s
-        raise ValueError(f"[{start}, {end}) is not a piece of rank {rank}; its pieces: {self.pieces(rank)}")
+        lo = self.local_offset(rank, self.step_of(rank, start, end))
+        return lo, lo + end - start
 
 
 def shard_layout(length: int, world: int, chunk: int) -> ShardLayout:
@@ -140,7 +145,7 @@ class PositionShardedState:
     def write(self, piece: Any, start: int, end: int) -> None:
         lo, hi = self.layout.to_local(self.rank, start, end)
         self.local.write(piece, lo, hi)
-        step = next(k for k, (s, _) in enumerate(self.layout.pieces(self.rank)) if s == start)
+        step = self.layout.step_of(self.rank, start)
         self.length = max(self.length, self.layout.steps[step][-1][1])  # every rank writes its piece of a step
 
     def backward_roots(self, piece: Any, start: int, end: int) -> list[tuple[Tensor, Tensor]]:

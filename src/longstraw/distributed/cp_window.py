@@ -142,12 +142,6 @@ class ShardedSlidingState(PositionShardedState):
         super().__init__(local, layout, comm)
         self.window = local.window
 
-    def _step_of(self, start: int, end: int) -> int:
-        for i, piece in enumerate(self.layout.pieces(self.rank)):
-            if piece == (start, end):
-                return i
-        raise ValueError(f"[{start}, {end}) is not a piece of rank {self.rank}: {self.layout.pieces(self.rank)}")
-
     def _tail(self, step: int) -> tuple[int, int]:
         """Global range ``[max(S, E - W + 1), E)`` of step ``step``'s tail."""
         pieces = self.layout.steps[step]
@@ -156,7 +150,7 @@ class ShardedSlidingState(PositionShardedState):
 
     def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
         """Store step ``k``'s tail on every rank: each rank sends its piece's overlap with it (one all-gather)."""
-        step = self._step_of(start, end)
+        step = self.layout.step_of(self.rank, start, end)
         lo, e = self._tail(step)
         spans = [(max(a, lo), b) for a, b in self.layout.steps[step]]
         n = [max(0, b - a) for a, b in spans]
@@ -188,7 +182,7 @@ class ShardedSlidingState(PositionShardedState):
         """Sum the ranks' partial gradients of step ``k``'s tail (every rank, in layer order), then seed this rank's
         piece with its part of it; a piece outside the tail gets a zero seed."""
         k, v = piece
-        step = self._step_of(start, end)
+        step = self.layout.step_of(self.rank, start, end)
         lo, e = self._tail(step)
         tail = next((t for t in self.local.tails if t.start == lo and t.end == e), None)
         if tail is None or tail.k_grad is None:

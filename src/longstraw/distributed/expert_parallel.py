@@ -24,9 +24,9 @@ see any of this (the module's class is swapped from outside, as FSDP does).
 
 Every MoE layer call is thus a collective of the EP group: all its ranks must call every MoE layer the same number
 of times in the same order, forward and backward. FSDP over the job already demands that (the engine's lockstep:
-idle steps join with one dummy token; a rank that receives no tokens joins with zero rows; under autograd every
-layer's input needs a gradient on every rank and the reverse pass seeds the last layer's output, so a frozen
-model's MoE layers run their backward everywhere: ``fsdp.input_needs_grad``), so ``ep > 1`` requires
+idle steps join with one dummy token; a rank that receives no tokens joins with zero rows; under autograd the
+first layer's input needs a gradient on every rank, so a frozen model's MoE layers run their backward everywhere:
+``fsdp.input_needs_grad``), so ``ep > 1`` requires
 ``fsdp=True``. Under that rule an EP group may span anything: ranks of one CP group, of different data-parallel
 replicas, or both.
 

@@ -28,7 +28,7 @@ from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import WeightMap, skip_vision_tower
+from longstraw.models.weights import WeightMap, skip_qwen_visual, skip_vision_tower
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "mistral3", "seed_oss", "qwen3_vl")
 _ARCHITECTURES = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
@@ -160,11 +160,7 @@ def weights(cfg: dict) -> WeightMap:
     """transformers' names; a ``mistral3`` or ``qwen3_vl`` checkpoint's text weights renamed, its vision tower
     skipped."""
     if cfg.get("model_type") == "qwen3_vl":
-        wm = WeightMap()
-        wm.renames.append((r"^model\.language_model\.", "model."))
-        wm.skip_with_warning.append((r"model\.visual\..*", "vision tower weights are not used: LongStraw trains the "
-                                                            "text model of this multimodal checkpoint"))
-        return wm
+        return skip_qwen_visual(WeightMap())
     return skip_vision_tower(WeightMap()) if cfg.get("model_type") == "mistral3" else WeightMap()
 
 

@@ -64,7 +64,7 @@ from longstraw.models.moe_block import Experts, SoftmaxTopKRouter, SparseMoeBloc
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import FUSED_EXPERTS, CheckpointReader, ExpertWeightMap, WeightSource
+from longstraw.models.weights import FUSED_EXPERTS, CheckpointReader, ExpertWeightMap, WeightSource, skip_qwen_visual
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe", "qwen3_vl_moe")
 MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")  # every layer sparse, block_sparse_moe / w1 w2 w3 in checkpoints
@@ -234,9 +234,7 @@ class VLMoeWeightMap(ExpertWeightMap):
     inter: int = 0
 
     def __post_init__(self):
-        self.renames.append((r"^model\.language_model\.", "model."))
-        self.skip_with_warning.append((r"model\.visual\..*", "vision tower weights are not used: LongStraw trains the "
-                                                             "text model of this multimodal checkpoint"))
+        skip_qwen_visual(self)
 
     def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
         fused = [n for n in ckpt_names if (p := self.param_name(n)) is not None and FUSED_EXPERTS.fullmatch(p)]

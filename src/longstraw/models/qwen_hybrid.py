@@ -38,7 +38,7 @@ from longstraw.models.moe_block import qwen_moe_block
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import CheckpointReader, ExpertWeightMap, WeightSource
+from longstraw.models.weights import CheckpointReader, ExpertWeightMap, WeightSource, skip_qwen_visual
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -212,11 +212,8 @@ class HybridWeightMap(ExpertWeightMap):
 
 
 def weights(cfg: dict) -> HybridWeightMap:
-    wm = HybridWeightMap()
-    wm.renames.append((r"^model\.language_model\.", "model."))
+    wm = skip_qwen_visual(HybridWeightMap())
     wm.skip_with_warning.append((_MTP, "multi-token-prediction (MTP) weights are not used by LongStraw"))
-    wm.skip_with_warning.append((r"model\.visual\..*", "vision tower weights are not used: LongStraw trains the "
-                                                       "text model of this multimodal checkpoint"))
     return wm
 
 

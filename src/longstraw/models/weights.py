@@ -165,15 +165,25 @@ class WeightMap:
         return param_name
 
 
+_VISION_SKIPPED = "vision tower weights are not used: LongStraw trains the text model of this multimodal checkpoint"
+
+
 def skip_vision_tower(wm: WeightMap) -> WeightMap:
     """``wm`` for a multimodal checkpoint of the llava layout (Gemma 3, Mistral 3): the text weights under
     ``model.language_model.`` (transformers 5) or ``language_model.model.`` / ``language_model.lm_head.`` (the
     released files) renamed to the text model's names, the vision tower and projector skipped with one warning."""
     wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
                    (r"^language_model\.lm_head\.", "lm_head.")]
-    wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*",
-                                 "vision tower weights are not used: LongStraw trains the text model of this "
-                                 "multimodal checkpoint"))
+    wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*", _VISION_SKIPPED))
+    return wm
+
+
+def skip_qwen_visual(wm: WeightMap) -> WeightMap:
+    """``wm`` for a Qwen multimodal checkpoint (Qwen3.5, Qwen3-VL): the text weights under ``model.language_model.``
+    renamed to the text model's names (``lm_head`` is at the top already), the vision tower ``model.visual.``
+    skipped with one warning."""
+    wm.renames.append((r"^model\.language_model\.", "model."))
+    wm.skip_with_warning.append((r"model\.visual\..*", _VISION_SKIPPED))
     return wm
 
 
