@@ -120,6 +120,50 @@ def test_composition_across_pieces(pieces, fn):
     assert_all_close(grads(po, state, inputs), grads(o, s, inputs), **GTOL)
 
 
+@pytest.mark.parametrize("pieces", [[37], [1, 36], [5, 17, 15], [3, 1, 33]])
+@pytest.mark.parametrize("Hk, H", [(2, 2), (1, 3)])
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_transfer_form_composes_pieces_from_unknown_states(pieces, Hk, H, fn):
+    """Every piece run once from an unknown state (the transfer call: Dk extra zero-valued columns from the
+    identity), then composed (``compose_transfer`` over the pieces, ``apply_initial`` per piece), equals the rule
+    run through the pieces from the true states: outputs, final state and every gradient (s0 included)."""
+    inputs = make_inputs(T=37, Hk=Hk, H=H, seed=11)
+    q, k, v, g, beta, s0 = inputs
+    dk, dv = q.shape[-1], v.shape[-1]
+    kw = dict(chunk_size=8) if fn is chunk_gated_delta_rule else {}
+    o, s = fn(q, k, v, g, beta, initial_state=s0, **kw)
+    fulls, t0 = [], 0
+    for n in pieces:
+        sl = slice(t0, t0 + n)
+        v2, init = deltanet.transfer_inputs(v[:, sl], dk)
+        assert v2.shape[-1] == dv + dk and init.shape == (v.shape[0], H, dk, dv + dk)
+        fulls.append(fn(q[:, sl], k[:, sl], v2, g[:, sl], beta[:, sl], initial_state=init, **kw))
+        t0 += n
+    outs, state = [], s0
+    for o_full, S_full in fulls:
+        oi, state_next = deltanet.apply_initial(o_full, S_full, state, dv)
+        torch.testing.assert_close(state_next, deltanet.compose_transfer(S_full, state, dv), **TOL)
+        outs.append(oi)
+        state = state_next
+    po = torch.cat(outs, dim=1)
+    torch.testing.assert_close(po, o, **TOL)
+    torch.testing.assert_close(state, s, **TOL)
+    assert_all_close(grads(po, state, inputs), grads(o, s, inputs), **GTOL)
+    o1, s1 = deltanet.apply_initial(*fulls[0], None, dv)  # from a zero state: the plain columns
+    ref_o, ref_s = fn(q[:, :pieces[0]], k[:, :pieces[0]], v[:, :pieces[0]], g[:, :pieces[0]],
+                      beta[:, :pieces[0]], **kw)
+    torch.testing.assert_close(o1, ref_o, **TOL)
+    torch.testing.assert_close(s1, ref_s, **TOL)
+
+
+def test_transfer_form_in_float32_keeps_a_float32_state():
+    """bf16 values: the extra columns in bf16, the identity initial state and the transfer in float32."""
+    q, k, v, g, beta = make_inputs(T=9, h0=False, dtype=torch.bfloat16)
+    v2, init = deltanet.transfer_inputs(v, q.shape[-1])
+    assert v2.dtype == torch.bfloat16 and init.dtype == torch.float32
+    torch.testing.assert_close(init[0, 0, :, v.shape[-1]:], torch.eye(q.shape[-1]))
+
+
 def test_output_final_state_false_and_no_initial_state():
     q, k, v, g, beta = make_inputs(T=20, h0=False)
     o, s = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=False)

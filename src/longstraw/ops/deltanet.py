@@ -67,7 +67,8 @@ from longstraw.ops import meta
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
            "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV",
-           "needs_grad"]
+           "needs_grad", "transfer_inputs", "apply_initial", "compose_transfer",
+           "transfer_output"]
 
 _L2NORM_EPS = 1e-6
 _BACKENDS = ("auto", "torch", "fla")
@@ -537,3 +538,50 @@ def gated_delta_rule(
         use_qk_l2norm_in_kernel=use_qk_l2norm,
     )
     return o.to(q.dtype), final
+
+
+# ---------------------------------------------------------------------------------------------------------- transfer
+# The rule is affine in its initial state: over a piece of tokens, S_end = M S0 + S1 and o_t = o1_t + S0^T b_t with
+# M = prod_t exp(g_t)(I - beta_t k_t k_t^T) ([Dk, Dk] per head), S1 / o1 the piece from a zero state and b_t =
+# M_{<=t}^T q_t ([Dk] per token and head). Value columns never mix, so ONE call of any rule (the torch form or
+# fla's kernel) with Dk extra value columns, their values zero and their initial state the identity, returns all
+# four: the first Dv columns of its output and final state are (o1, S1), the last Dk are (b, M). Context
+# parallelism runs its pieces that way from an unknown state and composes them across ranks afterwards
+# (distributed/cp_recurrent.py); the reference test holds it against the rule run from S0 directly.
+
+
+def transfer_inputs(v: Tensor, head_k_dim: int) -> tuple[Tensor, Tensor]:
+    """``(v2, S_init)`` for a transfer call: ``v [B, T, H, Dv]`` with ``Dk`` zero columns appended
+    (``[B, T, H, Dv + Dk]``) and the initial state ``[B, H, Dk, Dv + Dk]``: zeros, then the identity, in the
+    rule's compute dtype (float64 for float64 values, else float32)."""
+    B, T, H, _ = v.shape
+    v2 = torch.cat([v, v.new_zeros(B, T, H, head_k_dim)], dim=-1)
+    eye = torch.eye(head_k_dim, dtype=_compute_dtype(v.dtype), device=v.device)
+    init = torch.cat([eye.new_zeros(head_k_dim, v.shape[-1]), eye], dim=-1).expand(B, H, -1, -1).contiguous()
+    return v2, init
+
+
+def compose_transfer(S_full: Tensor, S0: Tensor | None, dv: int) -> Tensor:
+    """The state after a piece from the state ``S0 [..., Dk, Dv]`` before it (None: zeros), given the piece's
+    transfer-call final state ``S_full [..., Dk, Dv + Dk]``: ``M S0 + S1``."""
+    S1 = S_full[..., :dv]
+    return S1 if S0 is None else S1 + S_full[..., dv:] @ S0.to(S1.dtype)
+
+
+def apply_initial(o_full: Tensor, S_full: Tensor, S0: Tensor | None, dv: int) -> tuple[Tensor, Tensor]:
+    """``(o, S_end)`` of the piece from the initial state ``S0 [B, H, Dk, Dv]`` (None: zeros; batch 1 broadcasts),
+    given its transfer call's output ``o_full [B, T, H, Dv + Dk]`` and final state ``S_full [B, H, Dk, Dv + Dk]``:
+    ``o = o1 + b S0`` (computed in ``S0``'s dtype, returned in ``o_full``'s) and ``S_end = M S0 + S1``."""
+    return transfer_output(o_full, S0, dv), compose_transfer(S_full, S0, dv)
+
+
+def transfer_output(o_full: Tensor, S0: Tensor | None, dv: int) -> Tensor:
+    """The piece's output ``[B, T, H, Dv]`` from the initial state ``S0 [B, H, Dk, Dv]`` (or ``[H, Dk, Dv]``;
+    None: zeros), given its transfer call's output ``o_full [B, T, H, Dv + Dk]``: ``o1 + b S0``, computed in
+    ``S0``'s dtype and returned in ``o_full``'s."""
+    o1 = o_full[..., :dv]
+    if S0 is None:
+        return o1
+    S0 = S0.expand(o_full.shape[0], *S0.shape[-3:])
+    corr = torch.einsum("bthk,bhkv->bthv", o_full[..., dv:].to(S0.dtype), S0)
+    return (o1.to(S0.dtype) + corr).to(o_full.dtype)
