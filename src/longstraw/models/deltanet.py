@@ -24,11 +24,12 @@ the conv window ``[B, C, K-1]`` (the last ``K-1`` conv inputs, in the activation
 ``S [B, Hv, Dk, Dv]`` (float32, float64 for float64 models) after the new tokens. ``ctx`` is not read (DeltaNet
 has no positions). A prefix of batch 1 is broadcast over a batch of branches (expanded, never copied).
 
-The prefix's two hooks, :meth:`RecurrentPrefix.enter` (the layer's input and initial state) and
-:meth:`RecurrentPrefix.leave` (its output and final state), are identities here; a prefix whose state is handed
-between processes (context parallelism, ``longstraw.distributed``) overrides them, so the state arrives from the
-previous process and leaves for the next one inside the layer's call, forward and backward, without the model
-knowing.
+The prefix's four hooks are identities here (one call of the rule from the prefix's state):
+:meth:`RecurrentPrefix.enter` (the layer's input and initial state), :meth:`RecurrentPrefix.window` (the conv's
+initial window, given the conv input), :meth:`RecurrentPrefix.recur` (the delta rule, given the layer's rule) and
+:meth:`RecurrentPrefix.leave` (its output and final state). A prefix whose state lives across processes (context
+parallelism, ``longstraw.distributed``) overrides them, so each process runs its piece from an unknown state and the
+pieces are composed across processes inside the layer's call, forward and backward, without the model knowing.
 
 :class:`RecurrentState` is the prompt state of one DeltaNet layer (see :mod:`longstraw.state` for the protocol).
 Detached mode keeps only the latest ``(conv, S)``: O(1) in the prompt length. Exact mode also keeps the state at
@@ -70,6 +71,17 @@ class RecurrentPrefix:
     def enter(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(x, conv, S)``: the layer's input and the initial state it starts from (identity here)."""
         return x, self.conv, self.S
+
+    def window(self, mixed: Tensor, conv: Tensor | None, width: int) -> Tensor | None:
+        """The conv's initial window ``[B, C, width]`` (``width = K - 1``) for the layer's conv input ``mixed [B, T,
+        C]``, given the one :meth:`enter` returned (identity here)."""
+        return conv
+
+    def recur(self, rule, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              S: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """``(o, S_final)``: the delta rule over the new tokens; ``rule(q, k, v, g, beta, S)`` is the layer's
+        (kernel choice included), ``S`` the initial state :meth:`enter` returned (here: one call of the rule)."""
+        return rule(q, k, v, g, beta, S)
 
     def leave(self, y: Tensor, conv: Tensor, S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(y, conv, S)``: the layer's output and the final state it hands on (identity here)."""
@@ -351,6 +363,8 @@ class GatedDeltaNet(nn.Module):
                 assert conv0.shape[0] == 1, f"prefix batch {conv0.shape[0]} must be 1 or the batch {b}"
                 conv0, s0 = conv0.expand(b, -1, -1), s0.expand(b, -1, -1, -1)
             s0 = s0.contiguous()  # one [B, Hv, Dk, Dv] copy if expanded (kernels want a dense initial state)
+        if prefix is not None:
+            conv0 = prefix.window(mixed, conv0, self.conv_kernel - 1)
         mixed, conv1 = causal_conv1d(mixed, self.conv1d.weight, None, initial_state=conv0, activation="silu")
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -359,6 +373,22 @@ class GatedDeltaNet(nn.Module):
         beta = beta_logit.sigmoid()
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias)
+        with _autocast_off(x.device.type):  # (a prefix's recur may compose states: float32 / float64 too)
+            if prefix is None:
+                o, s1 = self._rule(q, k, v, g, beta, s0)
+            else:
+                o, s1 = prefix.recur(self._rule, q, k, v, g, beta, s0)
+        o = self.norm(o, z)  # [B, T, Hv, Dv]
+        y = self.out_proj(o.reshape(b, t, self.value_dim))
+        if prefix is not None:
+            y, conv1, s1 = prefix.leave(y, conv1, s1)
+        return y, (conv1, s1)
+
+    def _rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              s0: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The delta rule on ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv, Dv]`` (any ``Dv``: a context-parallel prefix
+        widens it), ``g, beta [B, T, Hv]`` from ``s0`` (None: zeros): the kernel chosen and counted here."""
+        t = q.shape[1]
         # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk.
         # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
         # run its matmuls, and so the state, in bf16)
@@ -367,18 +397,12 @@ class GatedDeltaNet(nn.Module):
         # rule gated_delta_rule's "auto" picks (fla or torch)
         kernel = "recurrent" if t == 1 and not grad else delta_rule_kernel(q.device, q.dtype, grad)
         self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
-        with _autocast_off(x.device.type):
+        with _autocast_off(q.device.type):
             if kernel == "recurrent":
-                o, s1 = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                                   use_qk_l2norm=True)
-            else:
-                o, s1 = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                         use_qk_l2norm=True, chunk_size=64 if x.is_cuda else max(1, min(64, t)))
-        o = self.norm(o, z)  # [B, T, Hv, Dv]
-        y = self.out_proj(o.reshape(b, t, self.value_dim))
-        if prefix is not None:
-            y, conv1, s1 = prefix.leave(y, conv1, s1)
-        return y, (conv1, s1)
+                return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                                  use_qk_l2norm=True)
+            return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                    use_qk_l2norm=True, chunk_size=64 if q.is_cuda else max(1, min(64, t)))
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""
