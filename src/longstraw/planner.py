@@ -101,6 +101,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from longstraw.state import Placement, PromptState, chunk_bounds
 from longstraw.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
 _ATTN_BLOCK = 32768  # ops.attention.segment_attention's default max_segment
@@ -421,6 +422,35 @@ def _meta_model(hf_config: dict, dtype: torch.dtype):
     from longstraw.models.registry import build_on_meta
 
     return build_on_meta(hf_config).to(dtype)
+
+
+class _ScanRehearsal(Placement):
+    """A ``cp > 1`` plan's placement for models with Gated DeltaNet layers: the single-process prompt state (whose
+    bytes the plan divides by ``cp``), except that the DeltaNet layers' prompt steps (prefill and reverse pass) run
+    through ``cp_recurrent.rehearsal_prefix``, the scan of the group's last rank (the widened rule, the gathered
+    transfers of ``cp`` pieces, the fold, the output correction), so that the dry run counts what a CP rank
+    allocates there; the replay and decoding read the plain state, as on a CP rank."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+
+    def prompt_state(self, model, ids, chunk_size, exact):
+        n = int(ids.shape[0])
+        return _RehearsedPromptState(model.new_prompt_states(n, exact), ids, chunk_bounds(n, chunk_size), self.cp)
+
+
+class _RehearsedPromptState(PromptState):
+    def __init__(self, layers, token_ids, chunks, cp: int):
+        super().__init__(layers, token_ids, chunks)
+        self.cp = cp
+
+    def step_prefix(self, step: int, grad: bool) -> list:
+        from longstraw.distributed.cp_recurrent import rehearsal_prefix
+        from longstraw.models.deltanet import RecurrentState
+
+        s, e = self.chunks[step]
+        return [rehearsal_prefix(p, self.cp, e - s) if isinstance(ls, RecurrentState) else p
+                for ls, p in zip(self.layers, super().step_prefix(step, grad))]
 
 
 def _param_bytes(model) -> int:
@@ -998,6 +1028,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         from longstraw.models.lora import add_adapters
 
         adapted = add_adapters(model, lora_settings)  # on meta: the run's targets, shapes and frozen parameters
+    if cp > 1 and any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers):
+        model.placement = _ScanRehearsal(cp)  # the DeltaNet layers' prompt steps as a CP rank runs them
     if gpus > 1 and fsdp is not False:  # as apply_fsdp: the first layer's input needs a gradient (a frozen model's
         from longstraw.distributed.fsdp import input_needs_grad  # layers all compute their input gradients)
 

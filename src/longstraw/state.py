@@ -351,8 +351,9 @@ class PromptState:
     @property
     def first_step_keepable(self) -> bool:
         """Whether the graph of prefill step 0 (the kept graphs' measurement run, with a plain prefix) may be kept
-        for the reverse pass; a layer's state says no with ``first_step_keepable = False`` (a DeltaNet layer under
-        context parallelism: its kept steps need the gradient links of a grad-mode prefix)."""
+        for the reverse pass; a layer's state says no with ``first_step_keepable = False`` (a kind whose kept steps
+        need the gradient links of a grad-mode prefix: the DeltaNet hand-off under context parallelism did, until
+        the state scan replaced it on 2026-12-05)."""
         return all(getattr(ls, "first_step_keepable", True) for ls in self.layers)
 
     # ------------------------------------------------------------------ schedule (prefill and the reverse pass)

@@ -222,7 +222,7 @@ def _split_budget(paths, family="gemma3_w5", chunk=2) -> int:
 
 def kept_refused(paths):
     """A graph budget on a model with a layer whose context-parallel kind does not say it can keep step graphs
-    (``keeps_step_graphs``; here the DeltaNet hand-off registered through a plain function): refused under CP (one
+    (``keeps_step_graphs``; here the DeltaNet scan registered through a plain function): refused under CP (one
     line, before anything runs), fine in one process."""
     from longstraw.distributed.cp_recurrent import ShardedRecurrentState
     from longstraw.models.deltanet import RecurrentState
@@ -536,8 +536,8 @@ SCENARIOS = {
     "v3_exact_kept": lambda p: grpo_two_groups(p, family="deepseek_v3", chunk=4, graph_budget=1 << 30),
     "dsa_exact_kept": lambda p: grpo_two_groups(p, family="glm_moe_dsa", graph_budget=1 << 30),
     "hybrid_kept_refused": lambda p: kept_refused(p),
-    # the DeltaNet hand-off with kept graphs (steps after the first: their prefill prefix carries the gradient
-    # links), whole steps and split ones, the frozen-bottom case, and the hybrid MoE (EP jobs)
+    # the DeltaNet state scan with kept graphs (every step, the first included: a kept step's initial state is a
+    # gradient leaf), whole steps and split ones, the frozen-bottom case, and the hybrid MoE (EP jobs)
     "hybrid_exact_kept": lambda p: grpo_two_groups(p, family="hybrid", graph_budget=1 << 30),
     "hybrid_kept_split": lambda p: grpo_two_groups(p, family="hybrid", chunk=2,
                                                    graph_budget=_split_budget(p, "hybrid")),

@@ -351,9 +351,9 @@ def test_expert_adapters_under_expert_parallelism_give_the_one_process_run_and_r
 def test_query_adapters_on_the_hybrid_moe_under_context_and_expert_parallelism_give_the_one_process_run(tmp_path):
     """LoRA on q_proj alone (the full-attention layer on top) of the built-in DeltaNet + MoE hybrid, 2 ranks with
     cp = 2 and ep = 2: the frozen DeltaNet and MoE layers below have no gradient to compute on the rank holding the
-    prompt's first piece, but the other rank's hand-off and the experts' exchanges need it in every backward (a
+    prompt's first piece, but the DeltaNet scan's gathers and the experts' exchanges need it in every backward (a
     regression: this run hung in the first update's reverse pass). Metrics and adapters equal one process's, also
-    when the updates prefill again keeping prompt-step graphs (the DeltaNet hand-off's kept steps under CP)."""
+    when the updates prefill again keeping prompt-step graphs (the DeltaNet scan's kept steps under CP)."""
     (tmp_path / "rw.py").write_text(REWARD)
     lora = ['model.builtin="tiny-moe"', "lora.rank=4", "lora.alpha=8", 'lora.target_modules=["q_proj"]']
     par = ["parallel.cp=2", "parallel.ep=2"]

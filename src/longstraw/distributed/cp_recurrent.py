@@ -1,32 +1,39 @@
-"""Gated DeltaNet layers under context parallelism: the recurrent state is handed across rank boundaries.
+"""Gated DeltaNet layers under context parallelism: every rank runs its piece at once, the state is composed by a scan.
 
-A DeltaNet layer's state after a position is ``(conv [1, C, K-1], S [1, Hv, Dk, Dv])``: O(1), but sequential. In
-prefill step ``k`` rank ``r``'s piece starts from the state after piece ``r - 1`` of the same step, so each
-DeltaNet layer runs its pieces one rank after the other (rank ``r`` waits for rank ``r - 1``, sends to ``r + 1``):
-a sequential hand-off, about ``R`` times the single-piece time per DeltaNet layer per step, while full-attention
-layers run in parallel. (A state scan, each rank computing the affine map ``S -> M S + R`` of its piece and a
-prefix scan over ranks, would parallelise it; the gated-delta-rule op does not expose ``M`` yet.) The state after
-each step is broadcast from the last rank, so every rank holds the state after the whole prompt (what the branches
-read: their DeltaNet work is redundant like the rest of the replay).
+A DeltaNet layer's state after a position is ``(conv [1, C, K-1], S [1, Hv, Dk, Dv])``: O(1), but sequential:
+rank ``r``'s piece of a prefill step starts from the state after the pieces of ranks ``< r``. The delta rule is
+affine in its initial state (``ops/deltanet.py``, "transfer"), so no rank waits for another: each runs its piece
+ONCE from an unknown state, as one call of the layer's rule with ``Dk`` extra value columns (zero values, identity
+initial state), which returns the piece's output and state from a zero state ``(o1, S1)`` and the maps from the
+initial state ``S0`` (``b_t``: ``o_t = o1_t + S0^T b_t``; ``M``: ``S_end = M S0 + S1``). One all-gather per layer
+and step (``[R, Hv, Dk, Dv + Dk]``) gives every rank every piece's ``(S1, M)``; rank ``r`` folds ranks ``< r`` onto
+the step's initial state (the state after the previous step, held by every rank) for its own ``S0`` and corrects
+its output, and every rank folds all ``R`` for the state after the step, identical everywhere (what the next step
+and the branches read: no broadcast). The conv window (the last ``K - 1`` conv inputs before the piece) comes the
+same way: every rank's last ``K - 1`` conv inputs, all-gathered before the conv, composed with the step's initial
+window (pieces shorter than ``K - 1`` take from the ones before them). Cost per DeltaNet layer and step: the rule
+on ``Dv + Dk`` value columns instead of ``Dv`` (the UT transform, ``Dk``-sized, is shared; about 1.5x the rule's
+FLOPs at ``Dk = Dv``) and ``R`` small ``Dk x Dk x Dv`` products, on every rank; the hand-off it replaced (before
+2026-12-05's sixth session) cost a lag instead: rank ``r`` started a mixer when rank ``r - 1`` had finished it, so
+each run of consecutive DeltaNet layers ended ``R - 1`` mixer times after the first rank
+(``benchmarks/deltanet_cp_scan.py`` weighs the two).
 
-Mechanism: the prefixes this state hands the DeltaNet mixer override the two typed hooks every recurrent prefix has
-(``RecurrentPrefix.enter`` / ``leave``, identities in one process), so the model is not changed. Prefill: rank
-``r > 0``'s ``enter`` receives the initial state from rank ``r - 1``; ``leave`` sends the piece's final state to
-``r + 1``.
+Mechanism: the prefixes this state hands the DeltaNet mixer override the hooks every recurrent prefix has
+(``RecurrentPrefix.window`` / ``recur`` / ``leave``, identities in one process), so the model is not changed.
 
-Exact reverse pass, step ``k``: rank ``r`` recomputes its piece from its stored initial state. The gradient of rank
-``r``'s final state is the gradient of rank ``r + 1``'s initial state, produced inside the same backward: on rank
-``r + 1`` ``enter`` threads the initial state (with the mixer's input) through :class:`_GradToPrev`, whose backward
-sends the gradient to ``r``; on rank ``r`` ``leave`` threads the mixer's outputs through :class:`_Handoff`, whose
-backward (reached right before the mixer's own backward) receives it and adds it to the final state's gradient
-(ranks ``< R - 1`` seed their final state with a zero root gradient, so that every rank runs the backward). Both are
-ordered by data dependencies, not by the autograd engine's scheduling. The chain runs from rank ``R - 1`` down to 0
-per DeltaNet layer. Rank 0's initial-state gradient is the gradient of the state after step ``k - 1``: it is
-broadcast at the next step and seeds rank ``R - 1``'s backward there; for the last step the seed is the branches'
-gradient of the final prompt state (identical on every rank).
+Gradients: autograd through the composition. The all-gathers' backward sends block ``j`` of every rank's gradient to
+rank ``j`` (all-to-all, summed there), so the gradients of every piece's ``(S1, M)`` and conv inputs reach their
+owners inside the step's backward; the step's initial state is a leaf on every rank whose gradients are summed
+(all-reduce) when the reverse pass moves to the step before, where they seed the state after that step (on the last
+rank; zero seeds elsewhere). Collective order in the backward is fixed by data dependencies on every rank: ``leave``
+threads the layer's output and the state after the step through :class:`_Tie`, so the state gather's backward waits
+for the layers above (``dy``; also where the state's seed arrives first); the conv gather's output passes through
+the state gather (:class:`_Gather`'s ``after``), so its backward comes after it. Where nothing of a piece needs a
+gradient (a frozen model's first DeltaNet layer on rank 0), the gathered tensors are made leaves, so that every rank
+runs the same collectives.
 
-Storage per rank: detached, the final state only; exact, also the state before each of its ``K`` pieces
-(``~1/R`` of the single-process chunk boundaries).
+Storage per rank: detached, the final state only; exact, also the state before each step (``K`` states, as one
+rank held before: ``~1/R`` of the single-process chunk boundaries).
 """
 
 from __future__ import annotations
@@ -35,201 +42,197 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_state import ShardLayout
 from longstraw.models.deltanet import RecurrentDecoder, RecurrentPrefix, RecurrentState
+from longstraw.ops.deltanet import compose_transfer, transfer_inputs, transfer_output
 from longstraw.ops.host_memory import offloads as offloads_state
 from longstraw.ops.host_memory import stage, to_host
 from longstraw.state import grad_dtype_for
 
-__all__ = ["ShardedRecurrentState"]
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+__all__ = ["ShardedRecurrentState", "rehearsal_prefix"]
 
 
 def _nbytes(*ts: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _send(ts: list[Tensor], dst: int, comm: Comm) -> None:
-    """Point-to-point send of a few tensors: a fixed-size header (dtype, rank, shape) then the data."""
-    head = []
-    for t in ts:
-        assert t.dim() <= 4
-        head += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *([0] * (4 - t.dim()))]
-    dist.send(torch.tensor(head, dtype=torch.int64, device=ts[0].device), group=comm.group, group_dst=dst)
-    for t in ts:
-        dist.send(t.contiguous(), group=comm.group, group_dst=dst)
-
-
-def _recv(n: int, src: int, comm: Comm, device: torch.device) -> list[Tensor]:
-    head = torch.empty(6 * n, dtype=torch.int64, device=device)
-    dist.recv(head, group=comm.group, group_src=src)
-    out = []
-    for i in range(n):
-        code, ndim, *shape = head[6 * i : 6 * i + 6].tolist()
-        t = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=device)
-        dist.recv(t, group=comm.group, group_src=src)
-        out.append(t)
-    return out
-
-
-class _Handoff(torch.autograd.Function):
-    """Identity on the mixer's outputs ``(y, conv, S)``; backward receives from rank ``r + 1`` the gradient of this
-    piece's final ``(conv, S)`` (which rank ``r + 1`` consumed) and adds it to theirs.
-
-    Threading ``y`` through it orders its backward after the layers above (``dy`` comes from them), so a rank never
-    waits here while the others wait for it in an upper layer's collective; when ``y`` is unused (the last layer in
-    prefill skips its output) the node runs first, which is then the right time too."""
+class _Gather(torch.autograd.Function):
+    """``t [...]`` from every rank -> ``[R, ...]`` in rank order; backward: block ``j`` of the gradient goes to rank
+    ``j`` (all-to-all), which sums what every rank sent it. ``after`` (or None) passes through unchanged, so that
+    whatever consumes it waits in the backward for this gather's collective (an order fixed on every rank)."""
 
     @staticmethod
-    def forward(ctx, y, conv, S, owner):
-        ctx.owner, ctx.dtypes = owner, (conv.dtype, S.dtype)
-        ctx.set_materialize_grads(False)  # an unused y stays without gradient, as on the rank without this node
+    def forward(ctx, t, comm: Comm, after):
+        ctx.comm = comm
+        return comm.all_gather(t), (after.view_as(after) if after is not None else None)
+
+    @staticmethod
+    def backward(ctx, g, d_after):
+        return ctx.comm.all_to_all(g).sum(0), None, d_after
+
+
+class _Tie(torch.autograd.Function):
+    """Identity on the layer's output ``y`` and the state after the step ``(conv, S)``; its backward, which passes
+    the state's gradient on to the fold and the gathers, runs only once ``dy`` has come from the layers above (or
+    is known to be None: an unused output). So the gathers' collectives run at the same point of every rank's
+    backward, and the fold's nodes never run at the start of a backward that seeds the state (which, under
+    ``checkpoint_layers``, would recompute every layer at once: the first saved tensor a checkpointed region unpacks
+    recomputes the region)."""
+
+    @staticmethod
+    def forward(ctx, y, conv, S):
+        ctx.set_materialize_grads(False)  # an unused y stays without gradient
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in (conv, S)]
         return y.view_as(y), conv.view_as(conv), S.view_as(S)
 
     @staticmethod
-    def backward(ctx, dy, dc, ds):
-        o = ctx.owner
-        gc, gs = _recv(2, o.rank + 1, o.comm, o.device)
-        gc, gs = gc.to(ctx.dtypes[0]), gs.to(ctx.dtypes[1])
-        return dy, gc if dc is None else dc + gc, gs if ds is None else ds + gs, None
+    def backward(ctx, dy, dc, dS):
+        dc, dS = [d if d is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                  for d, m in zip((dc, dS), ctx.meta)]
+        return dy, dc, dS
 
 
-class _GradToPrev(torch.autograd.Function):
-    """Identity on the mixer's input ``x`` and this piece's initial ``(conv, S)``; backward sends the gradient of
-    ``(conv, S)`` to rank ``r - 1``.
-
-    Threading ``x`` through it makes the send a prerequisite of everything below this layer in the backward (the
-    gradient of ``x`` passes here), so it happens before this rank enters a lower layer's collective."""
-
-    @staticmethod
-    def forward(ctx, x, conv, S, owner):
-        ctx.owner = owner
-        ctx.set_materialize_grads(False)
-        ctx.meta = [(conv.shape, conv.dtype), (S.shape, S.dtype)]
-        return x.view_as(x), conv.view_as(conv), S.view_as(S)
-
-    @staticmethod
-    def backward(ctx, dx, gc, gs):
-        o = ctx.owner
-        gc, gs = [g if g is not None else torch.zeros(shape, dtype=dt, device=o.device)
-                  for g, (shape, dt) in zip((gc, gs), ctx.meta)]
-        _send([gc, gs], o.rank - 1, o.comm)
-        return dx, gc, gs, None
+def _leaf_if_needed(t: Tensor) -> Tensor:
+    """``t`` itself, or under autograd a leaf copy that needs a gradient where ``t`` does not (nothing of this piece
+    is differentiated here, but another rank's is: the gather's collective backward must run on every rank)."""
+    if torch.is_grad_enabled() and not t.requires_grad:
+        return t.detach().requires_grad_()
+    return t
 
 
-@dataclass
-class _PrefillPrefix(RecurrentPrefix):
-    """Prefill, rank ``r``'s piece of a step: starts from ``(conv, S)`` (rank 0; None: zeros) or from the state rank
-    ``r - 1`` sends (``receive``); hands its final state to rank ``r + 1``. (A dataclass whose fields are all it
-    holds: FSDP2 rebuilds module inputs with ``dataclasses.replace``.)"""
+def _window(prev: Tensor | None, tails: Tensor, lengths: tuple[int, ...], upto: int, dtype: torch.dtype) -> Tensor:
+    """The conv window ``[1, C, w]`` after the pieces ``< upto`` of a step: the last ``w`` rows of the step's initial
+    window ``prev [1, C, w]`` (None: zeros) followed by each piece's conv inputs, of which ``tails [R, w, C]`` holds
+    the last ``min(length, w)`` (right-aligned)."""
+    w, c = tails.shape[1], tails.shape[2]
+    rows, need = [], w
+    for j in range(upto - 1, -1, -1):
+        if need == 0:
+            break
+        take = min(lengths[j], w, need)
+        rows.append(tails[j, w - take:])
+        need -= take
+    if need:
+        rows.append(prev[0, :, w - need:].T.to(dtype) if prev is not None else tails.new_zeros(need, c))
+    return torch.cat(rows[::-1]).T[None].contiguous()
 
-    owner: Any = None
-    receive: bool = False
 
-    def enter(self, x: Tensor):
-        if not self.receive:
-            return x, self.conv, self.S
-        o = self.owner
-        conv, S = _recv(2, o.rank - 1, o.comm, x.device)
-        o.device = x.device
-        if o.exact:
-            o.initial[o._step] = (conv, S)
-        return x, conv, S
-
-    def leave(self, y: Tensor, conv: Tensor, S: Tensor):
-        o = self.owner
-        if o.rank < o.comm.size - 1:
-            _send([conv.detach(), S.detach()], o.rank + 1, o.comm)
-        return y, conv, S
+def _fold(S: Tensor | None, gS: Tensor, upto: int) -> Tensor | None:
+    """The state ``[Hv, Dk, Dv]`` after the pieces ``< upto`` of a step from its initial state ``S [1, Hv, Dk, Dv]``
+    (None: zeros), given every piece's transfer state ``gS [R, Hv, Dk, Dv + Dk]``; None for a zero state."""
+    dv = gS.shape[-1] - gS.shape[-2]
+    s = S[0] if S is not None else None
+    for j in range(upto):
+        s = compose_transfer(gS[j], s, dv)
+    return s
 
 
 @dataclass
-class _ReversePrefix(RecurrentPrefix):
-    """Exact reverse pass, rank ``r``'s piece of a step: the initial-state leaves (None before position 0); rank
-    ``r > 0`` sends their gradient to ``r - 1`` (:class:`_GradToPrev`), rank ``r < R - 1`` receives its final state's
-    gradient from ``r + 1`` (:class:`_Handoff`)."""
+class _ScanPrefix(RecurrentPrefix):
+    """Rank ``r``'s piece of step ``step`` (prefill, a kept prefill step or the exact reverse pass): ``(conv, S)``
+    is the step's initial state (None before position 0; leaves that collect its gradient when differentiated).
+    The piece runs from an unknown state and is composed with the other ranks' pieces (module docstring). (A
+    dataclass whose fields are all it holds: FSDP2 rebuilds module inputs with ``dataclasses.replace``; what the
+    hooks pass each other during one call lives in plain attributes.)"""
 
     owner: Any = None
+    step: int = -1
 
     def enter(self, x: Tensor):
-        if self.S is not None and self.owner.rank > 0:
-            return _GradToPrev.apply(x, self.conv, self.S, self.owner)
-        return x, self.conv, self.S
+        return x, None, None  # the piece's own initial state is composed by window / recur
 
-    def leave(self, y: Tensor, conv: Tensor, S: Tensor):
-        return _receive_final_grad(self.owner, y, conv, S)
+    def window(self, mixed: Tensor, conv: Tensor | None, width: int):
+        o = self.owner
+        o.device = mixed.device
+        self._gC, self._dtype = None, mixed.dtype
+        if width == 0:
+            return None
+        n = min(mixed.shape[1], width)
+        tail = torch.cat([mixed.new_zeros(width - n, mixed.shape[2]), mixed[0, mixed.shape[1] - n:]])
+        self._gC = _Gather.apply(_leaf_if_needed(tail), o.comm, None)[0]  # [R, w, C]
+        return _window(self.conv, self._gC, o.layout.step_lengths(self.step), o.rank, mixed.dtype)
+
+    def recur(self, rule, q, k, v, g, beta, S):
+        o = self.owner
+        dv = v.shape[-1]
+        v2, init = transfer_inputs(v, q.shape[-1])
+        o_full, S_full = rule(q, k, v2, g, beta, init)  # [1, T, Hv, Dv + Dk], [1, Hv, Dk, Dv + Dk]
+        self._gS, self._gC = _Gather.apply(_leaf_if_needed(S_full[0]), o.comm, self._gC)
+        return transfer_output(o_full, _fold(self.S, self._gS, o.rank), dv), None
+
+    def leave(self, y: Tensor, conv: Tensor, S):
+        o = self.owner
+        gS, gC = self._gS, self._gC
+        self._gS = self._gC = None
+        S_end = _fold(self.S, gS, o.comm.size)[None]
+        if gC is not None:
+            conv = _window(self.conv, gC, o.layout.step_lengths(self.step), o.comm.size, self._dtype)
+        if torch.is_grad_enabled():
+            return _Tie.apply(y, conv, S_end)
+        return y, conv, S_end
 
 
-def _receive_final_grad(o, y: Tensor, conv: Tensor, S: Tensor):
-    """The mixer's outputs, on ranks ``r < R - 1`` under autograd through :class:`_Handoff` (its backward receives
-    the final state's gradient from ``r + 1``)."""
-    if o.rank < o.comm.size - 1 and torch.is_grad_enabled():
-        if not (y.requires_grad or conv.requires_grad or S.requires_grad):
-            # nothing of this piece needs a gradient here (a frozen model's first DeltaNet layers on the rank whose
-            # piece starts at position 0), but rank r + 1 sends its initial state's gradient all the same: the
-            # node must exist, and its zero-seeded state roots (backward_roots) run its receive
-            conv, S = conv.detach().requires_grad_(), S.detach().requires_grad_()
-        return _Handoff.apply(y, conv, S, o)
-    return y, conv, S
+class _RehearsalComm:
+    """A stand-in for a CP group of ``size`` ranks inside one process, as rank ``rank``: ``all_gather`` repeats this
+    rank's tensor ``size`` times and ``all_to_all`` returns a copy (the shapes, dtypes and allocations of the real
+    collectives; not their values)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        return t.contiguous()[None].repeat(self.size, *([1] * t.dim()))
+
+    def all_to_all(self, t: Tensor) -> Tensor:
+        return t.contiguous().clone()
+
+
+class _RehearsalLayout:
+    def __init__(self, piece: int, ranks: int):
+        self.lengths = (piece,) * ranks
+
+    def step_lengths(self, step: int) -> tuple[int, ...]:
+        return self.lengths
 
 
 @dataclass
-class _KeptPrefix(RecurrentPrefix):
-    """Prefill with the step's graph kept for the reverse pass (``GRPOConfig.graph_budget_bytes``), rank ``r``'s
-    piece: the prefill's hand-off (rank ``r > 0`` receives its initial state from ``r - 1``, rank 0 starts from the
-    state after the previous step; the final state goes to ``r + 1``) with the reverse pass's gradient links already
-    in the graph: the initial state is a leaf that collects its gradient (sent to ``r - 1`` by :class:`_GradToPrev`
-    on ranks ``r > 0``; rank 0's goes to rank ``R - 1`` at the previous step, as a recomputed step's does), and the
-    final state receives its gradient from ``r + 1`` (:class:`_Handoff`)."""
+class _RehearsalOwner:
+    comm: _RehearsalComm
+    layout: _RehearsalLayout
+    rank: int
+    device: torch.device = torch.device("cpu")
 
-    owner: Any = None
 
-    def enter(self, x: Tensor):
-        o = self.owner
-        o.device = x.device
-        if o.rank > 0:
-            conv, S = _recv(2, o.rank - 1, o.comm, x.device)
-        else:
-            init = o.final if o._step > 0 else None
-            if init is None:  # (step 0's graph is never kept: first_step_keepable)
-                return x, None, None
-            conv, S = init
-        if o.exact:
-            o.initial[o._step] = (conv, S)
-        leaves = tuple(t.detach().to(o.grad_dtype).requires_grad_() for t in (conv, S))
-        o._track(("init", o._step), leaves)
-        if o.rank > 0:
-            return _GradToPrev.apply(x, *leaves, o)
-        return x, *leaves
-
-    def leave(self, y: Tensor, conv: Tensor, S: Tensor):
-        o = self.owner
-        if o.rank < o.comm.size - 1:
-            _send([conv.detach(), S.detach()], o.rank + 1, o.comm)
-        return _receive_final_grad(o, y, conv, S)
+def rehearsal_prefix(prefix: RecurrentPrefix | None, ranks: int, piece: int) -> RecurrentPrefix:
+    """What the last rank of a CP group of ``ranks`` runs for a DeltaNet layer's prompt piece of ``piece`` tokens
+    (the rank that folds the most), in this process, from ``prefix``'s state (None: zeros): the widened rule, the
+    gathered transfers (repeats of this piece's), the fold and the output correction; forward and backward, with
+    the allocations of the real step and none of its communication. The memory planner's dry run takes it for the
+    prompt steps of a ``cp > 1`` plan; ``benchmarks/deltanet_cp_scan.py`` times it against the plain prefix."""
+    comm = _RehearsalComm(ranks, ranks - 1)
+    owner = _RehearsalOwner(comm, _RehearsalLayout(piece, ranks), ranks - 1)
+    conv, S = (prefix.conv, prefix.S) if prefix is not None else (None, None)
+    return _ScanPrefix(conv, S, owner=owner, step=0)
 
 
 class ShardedRecurrentState:
     """A DeltaNet layer's prompt state under CP (see module docstring).
 
     ``final``: ``(conv, S)`` after the ``length`` positions written so far, the same on every rank. ``initial[k]``
-    (exact mode): the state before this rank's piece of step ``k`` (None before position 0). Kept prompt-step
-    graphs (``keeps_step_graphs``): a step asked for with ``grad`` before it is written is a prefill step whose
-    graph is kept (:class:`_KeptPrefix`); the reverse pass then seeds it without recomputing it (``backward_roots``
-    hands the state gradient over as a recomputed step's ``step_prefix`` does). Step 0's graph is never kept
-    (``first_step_keepable``: the prefill measures step 0 with the plain prefix, which has no gradient links).
-    Host memory (``GRPOConfig.offload_state``), as a single process's :class:`RecurrentState`: after
-    :meth:`offload_history` each step moves the earlier steps' initial states to host memory, :meth:`offload` moves
-    them all; the reverse pass copies a step's back when it starts from it.
+    (exact mode): the state before step ``k`` (None for step 0), the same on every rank. Kept prompt-step graphs
+    (``keeps_step_graphs``): a step asked for with ``grad`` before it is written is a prefill step whose graph is
+    kept, its initial state a leaf; the reverse pass seeds it without recomputing it (``backward_roots`` hands the
+    state gradient over as a recomputed step's ``step_prefix`` does). Host memory (``GRPOConfig.offload_state``), as
+    a single process's :class:`RecurrentState`: after :meth:`offload_history` each step moves the earlier steps'
+    initial states to host memory, :meth:`offload` moves them all; the reverse pass copies a step's back when it
+    starts from it.
     """
 
     keeps_step_graphs = True
-    first_step_keepable = False
+    first_step_keepable = True
 
     def __init__(self, local: RecurrentState, layout: ShardLayout, comm: Comm):
         self.exact, self.layout, self.comm, self.rank = local.exact, layout, comm, comm.rank
@@ -239,7 +242,6 @@ class ShardedRecurrentState:
         self.initial: dict[int, tuple[Tensor, Tensor] | None] = {}
         self.grad_dtype: torch.dtype | None = None
         self._leaves: dict[Any, tuple[Tensor, Tensor]] = {}
-        self._step = -1
         self._root_grad: tuple[Tensor, Tensor] | None = None
         self._grad_peak = 0
         self.device = torch.device("cpu")
@@ -248,31 +250,29 @@ class ShardedRecurrentState:
 
     # ------------------------------------------------------------------ CP steps
     def step_prefix(self, step: int, grad: bool) -> RecurrentPrefix:
-        self._step = step
-        if not grad:  # prefill
+        if not grad or self.layout.steps[step][-1][1] > self.length:  # prefill (a kept step's if grad)
             if self.host_history:  # the earlier steps' initial states are read again only by the reverse pass
                 self._to_host(range(step))
-            if self.rank > 0:
-                return _PrefillPrefix(None, None, owner=self, receive=True)
             init = self.final if step > 0 else None
             if self.exact:
                 self.initial[step] = init
-            return _PrefillPrefix(*(init if init is not None else (None, None)), owner=self)
-        if self.layout.steps[step][-1][1] > self.length:  # not written yet: a prefill step whose graph is kept
-            if self.host_history:
-                self._to_host(range(step))
-            return _KeptPrefix(None, None, owner=self)
+            if grad and init is not None:  # its graph is kept: the initial state collects its gradient
+                init = self._leaves_for(step, init)
+            return _ScanPrefix(*(init if init is not None else (None, None)), owner=self, step=step)
         self._seed(step)
         if ("init", step) in self._leaves:  # its graph was kept from the prefill (and back-propagated already):
-            return _ReversePrefix(*self._leaves[("init", step)], owner=self)  # the recomputed layers below it
+            return _ScanPrefix(*self._leaves[("init", step)], owner=self, step=step)  # the layers below it
         init = self.initial.get(step)
         if init is None:
-            return _ReversePrefix(None, None, owner=self)
+            return _ScanPrefix(None, None, owner=self, step=step)
         if step in self._on_host:  # back to the device for this step
             init = tuple(stage(t, self.device) for t in init)
+        return _ScanPrefix(*self._leaves_for(step, init), owner=self, step=step)
+
+    def _leaves_for(self, step: int, init: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         leaves = tuple(t.detach().to(self.grad_dtype).requires_grad_() for t in init)
         self._track(("init", step), leaves)
-        return _ReversePrefix(*leaves, owner=self)  # rank 0's .grad goes to rank R-1 at the next (earlier) step
+        return leaves  # type: ignore[return-value]
 
     def _seed(self, step: int) -> None:
         """:meth:`_seed_last_rank` once per step of the reverse pass (a kept step's seeds ask for it, and the
@@ -282,42 +282,41 @@ class ShardedRecurrentState:
             self._seed_last_rank(step)
 
     def _seed_last_rank(self, step: int) -> None:
-        """Give rank R-1 the gradient of the state after step ``step`` (its piece's final state)."""
+        """Give rank R-1 the gradient of the state after step ``step``: for the last step the branches' (the same on
+        every rank), else the sum over ranks of what the step after it sent its initial-state leaves."""
         last = self.comm.size - 1
         if step == self.layout.num_steps - 1:
             leaves = self._leaves.get("final")
             g = [lf.grad for lf in leaves] if leaves is not None else [None, None]
-            self._root_grad = None if g[0] is None else (g[0], g[1])
+            self._root_grad = None if g[0] is None or self.rank != last else (g[0], g[1])
             return
-        leaves = self._leaves.pop(("init", step + 1), None)  # rank 0's, from the step just back-propagated
+        leaves = self._leaves.pop(("init", step + 1), None)
         conv, S = self.final
-        bufs = [torch.zeros(t.shape, dtype=self.grad_dtype, device=t.device) for t in (conv, S)]
-        if self.rank == 0 and leaves is not None:
-            for b, lf in zip(bufs, leaves):
+        flat = torch.zeros(conv.numel() + S.numel(), dtype=self.grad_dtype, device=S.device)
+        if leaves is not None:
+            for part, lf in zip(flat.split([conv.numel(), S.numel()]), leaves):
                 if lf.grad is not None:
-                    b.copy_(lf.grad)
-        for b in bufs:
-            self.comm.broadcast(b, src=0)
-        self._root_grad = (bufs[0], bufs[1]) if self.rank == last else None
+                    part.copy_(lf.grad.flatten())
+        self.comm.all_reduce(flat)
+        gc, gs = flat.split([conv.numel(), S.numel()])
+        self._root_grad = (gc.view(conv.shape), gs.view(S.shape)) if self.rank == last else None
 
     def write(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> None:
-        """Store the state after the step: rank R-1's piece end, broadcast to every rank."""
+        """Store the state after the step (every rank composed the same)."""
         conv, S = (t.detach().clone().contiguous() for t in piece)
-        self.comm.broadcast(conv, src=self.comm.size - 1)
-        self.comm.broadcast(S, src=self.comm.size - 1)
         self.final, self.device = (conv, S), conv.device
         self.length = self.layout.steps[self.layout.step_of(self.rank, start)][-1][1]
 
     def backward_roots(self, piece: tuple[Tensor, Tensor], start: int, end: int) -> list[tuple[Tensor, Tensor]]:
+        """The state after the step, seeded on rank R-1 with its gradient, with zeros on the others (so that every
+        rank runs the step's gathers' backward, also where the layer's output is unused)."""
         self._seed(self.layout.step_of(self.rank, start))  # (a kept step's: its step_prefix was the prefill's)
-        conv, S = piece
-        if self.rank < self.comm.size - 1:  # zero seeds: the real gradient arrives through the hand-off
-            return [(conv, torch.zeros_like(conv)), (S, torch.zeros_like(S))]
-        if self._root_grad is None:
-            return []
-        g = self._root_grad
-        self._root_grad = None
-        return [(conv, g[0].to(conv.dtype)), (S, g[1].to(S.dtype))]
+        g, self._root_grad = self._root_grad, None
+        roots = []
+        for i, t in enumerate(piece):
+            if t.requires_grad:
+                roots.append((t, g[i].to(t.dtype) if g is not None else torch.zeros_like(t)))
+        return roots
 
     # ------------------------------------------------------------------ replay / decoding / accounting
     def prefix(self, length: int, grad: bool) -> RecurrentPrefix | None:

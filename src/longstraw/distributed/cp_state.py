@@ -118,7 +118,7 @@ class ShardedLayerState(LayerState, Protocol):
     layer order. ``backward_roots`` must be non-empty on every rank when it is on any (zero seeds are fine). What a
     kind's prefixes do inside the mixers goes through the typed interfaces the models already read: a
     :class:`~longstraw.ops.partitioned.PartitionedSegment` (stored keys), or a recurrent prefix's ``enter`` /
-    ``leave`` (the DeltaNet state hand-off).
+    ``window`` / ``recur`` / ``leave`` (the DeltaNet state scan).
     """
 
     length: int

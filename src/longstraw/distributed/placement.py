@@ -100,7 +100,7 @@ class ContextParallel(Placement):
         plan alike (:meth:`agree_max`), and FSDP2 gathers a unit again for a kept graph's backward as for any.
         Under CP every layer's state kind must say it can (``keeps_step_graphs``: the kinds sharded by position or
         replicated, whose grad-mode prefixes are the same in the prefill and the reverse pass, and the DeltaNet
-        hand-off, whose kept prefill prefix carries the reverse pass's gradient links); a kind registered without it
+        scan, whose kept prefill prefix takes the step's initial state as a gradient leaf); a kind registered without it
         is refused."""
         if self.fsdp and self.ctx.dp_size > 1:
             raise ValueError(f"graph_budget_bytes={budget}: kept prompt-step graphs under FSDP need every rank on one "
