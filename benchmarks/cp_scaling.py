@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--graph-budget", default=None, help="exact mode: keep prompt-step graphs up to this size per "
                     "rank (GRPOConfig.graph_budget_bytes, e.g. 1G); default: none")
     ap.add_argument("--hybrid", action="store_true", help="the Qwen3.5 hybrid (3 Gated DeltaNet layers to 1 full "
-                    "attention; its CP hand-off: distributed/cp_recurrent.py) instead of the dense model")
+                    "attention; its CP state scan: distributed/cp_recurrent.py) instead of the dense model")
     ap.add_argument("--window", type=int, default=None, help="every layer slides with this window (a Mistral-like "
                     "model: the replicated tails and halo exchange of distributed/cp_window.py); default: full")
     ap.add_argument("--repeats", type=int, default=2)

@@ -31,7 +31,13 @@ a. Exactness on the device (``--a-s``, default 150 s). For every model family th
    Routers that transformers initialises to zero are drawn at random (every expert would tie, and CPU and CUDA
    ``topk`` break ties differently). Then LoRA (LORA_FAMILIES: a hybrid MoE, an MLA MoE and GPT-OSS, all-linear
    adapters and the routed experts' ``target_parameters``, B drawn non-zero): the same checks, the gradients being the
-   adapters'. ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only, float32 for all.
+   adapters'. ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only, float32 for all. Last, the
+   DeltaNet state scan of context parallelism on one device (``deltanet_scan``): a Qwen3.5-shaped mixer (heads of
+   128) over 256 tokens from a random state, through the scan prefix of a one-rank group
+   (``cp_recurrent.rehearsal_prefix``: the rule called with ``Dv + Dk`` value columns and an identity initial state,
+   then composed) against the plain prefix, without and with a graph (fla's forward in the first where it imports):
+   output and final state, ``||x - ref|| / ||ref||``, pass at SCAN_TOL (added 2026-12-05, not yet run on a GPU;
+   on the CPU ~1e-7 in float32).
 b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-s``, default 480 s): prefill tokens/s
    and MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
    seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches from
@@ -94,6 +100,7 @@ TOLERANCES = {"float32": {"logits": 1e-4, "grads": 1e-3, "grads_over": "every pa
                            "decode": DECODE_BF16}}
 PLAN_WAIT_S = 60.0  # b: how long the finished measurements wait for the planner's predictions (CPU workers)
 SMOKE_BF16 = ("llama", "qwen3_5_text", "glm_moe_dsa")  # --smoke: bfloat16 for one family per architecture only
+SCAN_TOL = {"float32": 1e-4, "bfloat16": 3e-2}  # a: the CP DeltaNet scan (one rank) against the plain mixer
 
 # ---------------------------------------------------------------------------------------------------- a. configs
 # The tiny configs of the suite's family tests (tests/models), as plain dicts (no transformers needed); each builds
@@ -351,9 +358,50 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
                 and "exact" in entry else f"error {entry.get('error')}"))
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    res["ok"] = bool(entries) and all(e.get("ok") for e in entries)
+    res["deltanet_scan"] = scan = _scan_check(dev, args.smoke)
+    say("  a deltanet_scan " + (", ".join(f"{k} out {v['out']:.1e} state {v['state']:.1e}"
+                                           for k, v in scan.items() if isinstance(v, dict))
+                                 or f"error {scan.get('error')}") + f" -> {'pass' if scan['ok'] else 'FAIL'}")
+    res["ok"] = bool(entries) and all(e.get("ok") for e in entries) and scan["ok"]
     res["passed"] = sum(bool(e.get("ok")) for e in entries)
     res["total"] = len(entries)
+
+
+def _scan_check(dev, smoke: bool) -> dict:
+    """The DeltaNet CP scan's rule call on the device: a one-rank group's scan prefix against the plain prefix (see
+    the module docstring, section a); per dtype and pass ("prefill": no graph, "grad": with one) the relative errors
+    of the output and the final state."""
+    import torch
+
+    from longstraw.distributed.cp_recurrent import rehearsal_prefix
+    from longstraw.models.deltanet import GatedDeltaNet, RecurrentPrefix
+
+    out: dict = {}
+    try:
+        d, t = (16, 24) if smoke else (128, 256)
+        for dtype_name in ("float32", "bfloat16"):
+            dt = getattr(torch, dtype_name)
+            torch.manual_seed(0)
+            m = GatedDeltaNet(4 * d, 2, 4, d, d)
+            with torch.no_grad():  # slow decays (A in [0.01, 0.2], not [0.01, 16]): the initial state matters
+                m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 0.2).log())
+            m = m.to(device=dev, dtype=dt)
+            x = torch.randn(1, t, 4 * d, device=dev, dtype=dt)
+            plain = RecurrentPrefix(torch.randn(1, m.conv_dim, 3, device=dev, dtype=dt),
+                                    torch.randn(1, 4, d, d, device=dev) * 0.1)
+            for name, grad in (("prefill", False), ("grad", True)):
+                with torch.set_grad_enabled(grad):
+                    xi = x.detach().requires_grad_(grad)
+                    y0, (_, s0) = m(xi, None, plain)
+                    y1, (_, s1) = m(xi, None, rehearsal_prefix(plain, 1, t))
+                err = {"out": _rel(y1.detach().float(), y0.detach().float())[0],
+                       "state": _rel(s1.detach().float(), s0.detach().float())[0]}
+                out[f"{dtype_name} {name}"] = {**err, "ok": max(err.values()) <= SCAN_TOL[dtype_name]}
+        out["ok"] = all(v["ok"] for v in out.values())
+    except Exception as e:
+        out.update(_error(e))
+        out["ok"] = False
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- b
