@@ -121,3 +121,28 @@ def test_seeded_states_do_not_recompute_checkpointed_layers_early():
     roots = [h] + [t for piece in pieces for t in piece]
     torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     assert events == [("run", 2), ("grad", 2), ("run", 1), ("grad", 1), ("run", 0), ("grad", 0)], events
+
+
+def test_one_layer_and_step_costs_two_gathers_forward_and_two_exchanges_backward():
+    """Per DeltaNet layer and step a rank joins two all-gathers (conv tails ``[R, K-1, C]``, transfers ``[R, Hv, Dk,
+    Dv + Dk]``) and, in the backward, their two all-to-alls, in that order: the traffic docs/DISTRIBUTED.md states."""
+    m = _mixer()
+    calls = []
+
+    class Counting(cp_recurrent._RehearsalComm):
+        def all_gather(self, t):
+            calls.append(("all_gather", tuple(t.shape)))
+            return super().all_gather(t)
+
+        def all_to_all(self, t):
+            calls.append(("all_to_all", tuple(t.shape)))
+            return super().all_to_all(t)
+
+    prefix = cp_recurrent.rehearsal_prefix(None, 3, 5)
+    prefix.owner.comm = Counting(3, 2)
+    x = torch.randn(1, 5, H, dtype=D64, requires_grad=True)
+    y, (c, s) = m(x, None, prefix)
+    torch.autograd.backward([y, c, s], [torch.ones_like(y), torch.ones_like(c), torch.ones_like(s)])
+    C = m.conv_dim
+    assert calls == [("all_gather", (3, C)), ("all_gather", (4, 8, 14)),
+                     ("all_to_all", (3, 4, 8, 14)), ("all_to_all", (3, 3, C))], calls
