@@ -1069,6 +1069,11 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
             "CUDA bf16/fp16 run with fla installed runs fla's Triton kernel instead, whose saved tensors and "
             "backward transients differ (not modelled; except where fla's backward refuses the GPU, Hopper with "
             "Triton 3.4-3.7.0 and no tilelang: passes that need a gradient run the torch rule)")
+        if cp > 1:
+            assumptions["deltanet_cp"] = (
+                f"state scan over cp={cp} ranks (distributed/cp_recurrent.py): each prompt step's DeltaNet layers run "
+                f"as the group's last rank does, rehearsed in the dry run: the rule on Dv + Dk value columns, the "
+                f"{cp} ranks' gathered transfers and their fold")
     assumptions["checkpoint_layers"] = bool(cfg.checkpoint_layers)
 
     mla_step = _mla_cp_step(model, dt, cfg, cp, prompt_len, assumptions)

@@ -936,3 +936,21 @@ def test_cp_mla_step_prices_a_ranks_piece_not_a_whole_chunk():
     assert want < whole
     long = plan(MLA, prompt_len=4097, **kw)
     assert "for a step of 2 x 1,024 tokens" in long.settings["assumptions"]["mla_attention"]
+
+
+def test_cp_plans_of_deltanet_models_rehearse_the_state_scan(monkeypatch):
+    """Under cp > 1 the dry run runs the DeltaNet layers' prompt steps as a CP rank does (``_ScanRehearsal``): the
+    widened rule and the gathered transfers make the reverse-pass chunk term larger than the single-process code's,
+    and the assumptions say so; cp = 1 plans are untouched."""
+    import longstraw.planner as planner
+    from longstraw.models.qwen_hybrid import tiny_config
+    from longstraw.state import LOCAL
+
+    cfg = tiny_config(model_type="qwen3_5_text", hidden_size=64, vocab_size=128, max_position_embeddings=4096)
+    kw = dict(prompt_len=1024, response_len=16, group=2, gpus=4, cp=4, cfg=GRPOConfig(prefill_chunk=128))
+    scan = plan(cfg, **kw)
+    assert "state scan over cp=4" in scan.settings["assumptions"]["deltanet_cp"]
+    monkeypatch.setattr(planner, "_ScanRehearsal", lambda cp: LOCAL)
+    plain = plan(cfg, **kw)
+    assert scan.breakdown["prefill_chunk"] > plain.breakdown["prefill_chunk"]
+    assert "deltanet_cp" not in plan(cfg, **{**kw, "gpus": 1, "cp": 1}).settings["assumptions"]
