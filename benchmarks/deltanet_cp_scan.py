@@ -40,22 +40,33 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--key-heads", type=int, default=16)
     ap.add_argument("--value-heads", type=int, default=48)
-    ap.add_argument("--head-dim", type=int, default=128, help="Dk = Dv")
+    ap.add_argument("--head-dim", type=int, default=128, help="Dk (and Dv unless --value-head-dim)")
+    ap.add_argument("--value-head-dim", type=int, default=None)
     ap.add_argument("--piece", type=int, default=512, help="tokens of one rank's piece of a step")
     ap.add_argument("--ranks", type=int, default=8, help="the rehearsed group (the fold's length; small cost)")
     ap.add_argument("--run", type=int, default=3, help="consecutive DeltaNet layers between full-attention layers")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads while it runs (default: as set)")
+    ap.add_argument("--device", default="cpu", help="e.g. cuda (gpu_check's section b runs it there)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    dt = getattr(torch, args.dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(args.threads or threads)
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)  # (gpu_check calls this in its own process)
+
+
+def _run(args) -> dict:
+    dev, dt = torch.device(args.device), getattr(torch, args.dtype)
+    dk, dv = args.head_dim, args.value_head_dim or args.head_dim
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    m = GatedDeltaNet(args.hidden, args.key_heads, args.value_heads, args.head_dim, args.head_dim).to(dt)
-    x = torch.randn(1, args.piece, args.hidden, dtype=dt) * 0.5
-    sdt = torch.float32
-    state = RecurrentPrefix(torch.randn(1, m.conv_dim, m.conv_kernel - 1, dtype=dt),
-                            torch.randn(1, args.value_heads, args.head_dim, args.head_dim, dtype=sdt) * 0.1)
+    m = GatedDeltaNet(args.hidden, args.key_heads, args.value_heads, dk, dv).to(device=dev, dtype=dt)
+    x = torch.randn(1, args.piece, args.hidden, device=dev, dtype=dt) * 0.5
+    state = RecurrentPrefix(torch.randn(1, m.conv_dim, m.conv_kernel - 1, device=dev, dtype=dt),
+                            torch.randn(1, args.value_heads, dk, dv, device=dev) * 0.1)
     prefixes = {"plain": lambda: state,
                 "scan": lambda: rehearsal_prefix(state, args.ranks, args.piece)}
 
@@ -77,13 +88,16 @@ def main(argv: list[str] | None = None) -> dict:
         best = {"plain": float("inf"), "scan": float("inf")}
         for _ in range(args.repeats):  # alternate, so that load changes hit both alike
             for kind in ("plain", "scan"):
+                sync()
                 t0 = time.perf_counter()
                 fn(kind)
+                sync()
                 best[kind] = min(best[kind], time.perf_counter() - t0)
         times[phase] = best
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"deltanet_cp_scan  {now}  {platform.machine()}  torch {torch.__version__}  {args.threads} thread(s)")
-    print(f"layer: hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of {args.head_dim}, "
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
+    print(f"deltanet_cp_scan  {now}  {platform.machine()}  torch {torch.__version__}  {where}")
+    print(f"layer: hidden {args.hidden}, {args.key_heads} key / {args.value_heads} value heads of {dk} / {dv}, "
           f"{args.dtype}; piece {args.piece} tokens; scan rehearsed as the last of {args.ranks} ranks; "
           f"best of {args.repeats}")
     print(f"{'phase':<18}{'t_mix s':>10}{'t_scan s':>10}{'scan/mix':>10}")

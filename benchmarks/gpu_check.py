@@ -47,7 +47,8 @@ b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-
    LongStraw detached; the longest prompt reached per mode in ``--longest-s`` (default 120 s) each; one exact step
    with ``checkpoint_layers``; the torch chunked delta rule alone (fwd + bwd of one prefill chunk of this model's
    DeltaNet shape) at three ``block_tokens``, and with plain autograd beside the recomputing backward at the default
-   block (its GPU time is launches: data for choosing a GPU default); the
+   block (its GPU time is launches: data for choosing a GPU default); one DeltaNet mixer with the plain prefix and
+   with the CP state scan's (``deltanet_cp_scan.py``, added 2026-12-05: the widening's cost on the device); the
    memory planner's peak beside every measured step (``--no-planner`` turns it off:
    computed in CPU worker processes while the GPU measures, waited for at most PLAN_WAIT_S at the end; on the H200
    run of 2026-12-04, planned after the fact for the same steps, it was within 0.04% of every measured peak).
@@ -865,10 +866,30 @@ def _section_b(args, dev, res: dict, deadline: float, say, flush, plans: _Plans)
             del xs, once
             free()
 
+    def do_scan_cost():
+        """One DeltaNet mixer of this model, forward and forward + backward over one prefill chunk, with the plain
+        prefix and with the CP state scan's (``benchmarks/deltanet_cp_scan.py``: the widened rule, rehearsed as the
+        last of 8 ranks): what the scan costs per layer on the device, and what it saves against the hand-off."""
+        import deltanet_cp_scan
+
+        out = deltanet_cp_scan.main([
+            "--device", str(dev), "--dtype", str(dtype).removeprefix("torch."), "--hidden", str(cfg["hidden_size"]),
+            "--key-heads", str(cfg["linear_num_key_heads"]), "--value-heads", str(cfg["linear_num_value_heads"]),
+            "--head-dim", str(cfg["linear_key_head_dim"]), "--value-head-dim", str(cfg["linear_value_head_dim"]),
+            "--piece", str(chunk), "--ranks", "8", "--repeats", "3"])
+        res.setdefault("scan_cost", {}).update(
+            {"piece": chunk, "ranks": 8, "times": out["times"],
+             "saved_in_mixer_times": {str(r): v for r, v in out["saved"].items()}})
+        t = out["times"]
+        say("  b CP DeltaNet scan / plain mixer, one chunk: forward "
+            f"{t['forward']['scan'] / t['forward']['plain']:.2f}x, forward+backward "
+            f"{t['forward+backward']['scan'] / t['forward+backward']['plain']:.2f}x")
+
     part("prefill", do_prefill)
     part("rollout", do_rollout)
     part("steps", do_steps)
     part("rule_blocks", do_rule_blocks)
+    part("scan_cost", do_scan_cost)
     part("compare", do_compare)
     part("longest", do_longest)
     part("planner", do_planner)
