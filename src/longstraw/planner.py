@@ -1028,7 +1028,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         from longstraw.models.lora import add_adapters
 
         adapted = add_adapters(model, lora_settings)  # on meta: the run's targets, shapes and frozen parameters
-    if cp > 1 and any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers):
+    deltanet = any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers)
+    if cp > 1 and deltanet:
         model.placement = _ScanRehearsal(cp)  # the DeltaNet layers' prompt steps as a CP rank runs them
     if gpus > 1 and fsdp is not False:  # as apply_fsdp: the first layer's input needs a gradient (a frozen model's
         from longstraw.distributed.fsdp import input_needs_grad  # layers all compute their input gradients)
@@ -1062,7 +1063,7 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     assumptions["dry_run"] = (f"{sum(len(x) for x in samples[0])} layer runs ({len(samples[0])} dry runs of "
                               f"{'/'.join(str(len(x)) for x in samples[0])} layers) combined for "
                               f"{len(model.layers)} layers" if samples else f"all {len(model.layers)} layers")
-    if any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers):
+    if deltanet:
         assumptions["delta_rule_kernel"] = (
             "torch (the chunked torch path, what a CPU run or a run without fla uses: a call that records a graph "
             "keeps its inputs and one state per block, and its backward recomputes one block's graph at a time); a "

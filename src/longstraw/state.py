@@ -348,14 +348,6 @@ class PromptState:
     def length(self) -> int:
         return int(self.token_ids.shape[0])
 
-    @property
-    def first_step_keepable(self) -> bool:
-        """Whether the graph of prefill step 0 (the kept graphs' measurement run, with a plain prefix) may be kept
-        for the reverse pass; a layer's state says no with ``first_step_keepable = False`` (a kind whose kept steps
-        need the gradient links of a grad-mode prefix: the DeltaNet hand-off under context parallelism did, until
-        the state scan replaced it on 2026-12-05)."""
-        return all(getattr(ls, "first_step_keepable", True) for ls in self.layers)
-
     # ------------------------------------------------------------------ schedule (prefill and the reverse pass)
     def steps(self) -> list[tuple[int, int]]:
         """The pieces of the prompt this process computes, in prefill order: global ``(start, end)`` positions.

@@ -232,7 +232,6 @@ class ShardedRecurrentState:
     """
 
     keeps_step_graphs = True
-    first_step_keepable = True
 
     def __init__(self, local: RecurrentState, layout: ShardLayout, comm: Comm):
         self.exact, self.layout, self.comm, self.rank = local.exact, layout, comm, comm.rank

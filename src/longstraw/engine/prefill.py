@@ -116,8 +116,8 @@ def _measure_first_step(model: CausalLM, state: PromptState, ids: Tensor, kept: 
     kept.layer_bytes_per_token, lengths = agreed[:n], [int(x) for x in agreed[n:-1]]
     kept.budget = int(-agreed[-1])
     plan = plan_splits(lengths, kept.layer_bytes_per_token, kept.boundary_bytes_per_token, kept.budget)
-    if 0 in plan and (plan[0][0] != 0 or not state.first_step_keepable):
-        del plan[0]  # step 0 is kept whole or not at all (its graph is the measurement run's), if its state allows
+    if 0 in plan and plan[0][0] != 0:
+        del plan[0]  # step 0 is kept whole or not at all (its graph is the measurement run's)
     kept.planned = plan
     if 0 in plan:
         kept.steps[0] = KeptStep(0, 0, list(pieces), None, plan[0][1])

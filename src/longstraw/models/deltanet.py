@@ -373,7 +373,10 @@ class GatedDeltaNet(nn.Module):
         beta = beta_logit.sigmoid()
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias)
-        with _autocast_off(x.device.type):  # (a prefix's recur may compose states: float32 / float64 too)
+        # Autocast off for the rule and whatever a prefix's recur adds (composing states): the op computes in
+        # float32 itself, and the recurrent state must stay float32 (autocast would run its matmuls, and so the
+        # state, in bf16)
+        with _autocast_off(x.device.type):
             if prefix is None:
                 o, s1 = self._rule(q, k, v, g, beta, s0)
             else:
@@ -387,22 +390,20 @@ class GatedDeltaNet(nn.Module):
     def _rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               s0: Tensor | None) -> tuple[Tensor, Tensor]:
         """The delta rule on ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv, Dv]`` (any ``Dv``: a context-parallel prefix
-        widens it), ``g, beta [B, T, Hv]`` from ``s0`` (None: zeros): the kernel chosen and counted here."""
+        widens it), ``g, beta [B, T, Hv]`` from ``s0`` (None: zeros): the kernel chosen and counted here. Called
+        inside :meth:`forward`'s autocast-off block."""
         t = q.shape[1]
-        # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk.
-        # Autocast off: the op computes in float32 itself, and the recurrent state must stay float32 (autocast would
-        # run its matmuls, and so the state, in bf16)
+        # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk
         grad = needs_grad(q, k, v, g, beta, s0)
         # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
         # rule gated_delta_rule's "auto" picks (fla or torch)
         kernel = "recurrent" if t == 1 and not grad else delta_rule_kernel(q.device, q.dtype, grad)
         self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
-        with _autocast_off(q.device.type):
-            if kernel == "recurrent":
-                return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                                  use_qk_l2norm=True)
-            return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                    use_qk_l2norm=True, chunk_size=64 if q.is_cuda else max(1, min(64, t)))
+        if kernel == "recurrent":
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                              use_qk_l2norm=True)
+        return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                use_qk_l2norm=True, chunk_size=64 if q.is_cuda else max(1, min(64, t)))
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""
