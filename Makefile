@@ -6,13 +6,16 @@
 
 PYTHON ?= python3
 VENV ?= .venv
+# fla's Triton kernels under Triton's CPU interpreter get a venv of their own: with fla and triton importable,
+# transformers (in .venv, the parity tests' reference) would pick fla's kernels for its own CPU forward and crash
+VENV_FLA ?= .venv-fla
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 ARGS ?=
 PIP_FLAGS ?=
 PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIP_FLAGS)
 
-.PHONY: demo test test-slow bench clean-venv
+.PHONY: demo test test-slow test-fla bench clean-venv
 
 $(BIN)/python:
 	@echo "==> creating $(VENV) with $(PYTHON) and upgrading pip"
@@ -43,5 +46,19 @@ test: $(VENV)/.test
 test-slow: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m slow --timeout 1800 $(ARGS)
 
+# fla's forward and backward kernels (the GPU path of the DeltaNet layers) run under Triton's CPU interpreter against
+# the torch rule and a float64 GRPO step (tests/fla_interpret.py says how and what it cannot show); CI runs it too
+$(VENV_FLA)/.ready: pyproject.toml
+	@echo "==> creating $(VENV_FLA) with $(TORCH_SPEC), fla-core and triton (fla's kernels under Triton's CPU interpreter)"
+	$(PYTHON) -m venv $(VENV_FLA)
+	@$(VENV_FLA)/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
+	$(VENV_FLA)/bin/python -m pip install --disable-pip-version-check $(PIP_FLAGS) "$(TORCH_SPEC)"
+	$(VENV_FLA)/bin/python -m pip install --disable-pip-version-check $(PIP_FLAGS) -q -e ".[fla-cpu]"
+	@touch $@
+
+test-fla: $(VENV_FLA)/.ready
+	TRITON_INTERPRET=1 $(VENV_FLA)/bin/python -m pytest -q -m fla --timeout 900 tests/ops/test_fla_rule.py \
+		tests/engine/test_fla_grpo.py $(ARGS)
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_FLA)

@@ -4,49 +4,13 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
+from deltanet_inputs import D64, assert_all_close, grads, make_inputs, run
 
 from longstraw.ops import deltanet
 from longstraw.ops.deltanet import chunk_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
 
-D64 = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-12)
 GTOL = dict(rtol=1e-10, atol=1e-11)
-
-
-def make_inputs(B=2, T=37, Hk=2, H=2, Dk=8, Dv=6, *, dtype=D64, l2norm=True, h0=True, decay=2.0, seed=0):
-    """Random inputs in the regime of the real model; with l2norm off, k is pre-normalised (|k| < 1 keeps the
-    delta rule contractive, as the in-kernel l2norm does)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, Hk, Dk, generator=gen, dtype=D64)
-    k = torch.randn(B, T, Hk, Dk, generator=gen, dtype=D64)
-    if not l2norm:
-        q = q / Dk**0.5
-        k = 0.9 * F.normalize(k, dim=-1)
-    v = torch.randn(B, T, H, Dv, generator=gen, dtype=D64)
-    g = -decay * torch.rand(B, T, H, generator=gen, dtype=D64)
-    beta = torch.rand(B, T, H, generator=gen, dtype=D64)
-    s0 = torch.randn(B, H, Dk, Dv, generator=gen, dtype=D64) if h0 else None
-    xs = [q, k, v, g, beta] + ([s0] if h0 else [])
-    return [x.to(dtype).requires_grad_() for x in xs]
-
-
-def run(fn, inputs, **kw):
-    q, k, v, g, beta, *s0 = inputs
-    return fn(q, k, v, g, beta, initial_state=s0[0] if s0 else None, **kw)
-
-
-def grads(o, s, inputs, seed=1):
-    """Gradients of a random linear functional of (output, final state) with respect to every input."""
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
-    ds = torch.randn(s.shape, generator=gen, dtype=s.dtype)
-    return torch.autograd.grad((o * do).sum() + (s * ds).sum(), inputs)
-
-
-def assert_all_close(got, want, **tol):
-    for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"tensor {i}: {m}")
 
 
 @pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 130, 200])

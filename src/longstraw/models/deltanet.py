@@ -393,7 +393,6 @@ class GatedDeltaNet(nn.Module):
         widens it), ``g, beta [B, T, Hv]`` from ``s0`` (None: zeros): the kernel chosen and counted here. Called
         inside :meth:`forward`'s autocast-off block."""
         t = q.shape[1]
-        # chunks of 64 (the fla kernel's); on CPU fewer new tokens (decoding, short branches) form one smaller chunk
         grad = needs_grad(q, k, v, g, beta, s0)
         # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
         # rule gated_delta_rule's "auto" picks (fla or torch)
@@ -402,8 +401,11 @@ class GatedDeltaNet(nn.Module):
         if kernel == "recurrent":
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                               use_qk_l2norm=True)
-        return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                use_qk_l2norm=True, chunk_size=64 if q.is_cuda else max(1, min(64, t)))
+        # chunks of 64 (the fla kernel's, on any device); on CPU fewer new tokens (short branches) form one
+        # smaller chunk
+        chunk = 64 if q.is_cuda or kernel == "fla" else max(1, min(64, t))
+        return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True,
+                                chunk_size=chunk)
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""

@@ -518,6 +518,17 @@ def gated_delta_rule(
     _check(q, k, v, g, beta, initial_state)
     if chunk_size != 64:
         warnings.warn(f"fla uses chunks of 64; chunk_size={chunk_size} is ignored", stacklevel=2)
+    return _fla_call(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+
+
+def _fla_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None,
+              initial_state: Tensor | None, output_final_state: bool,
+              use_qk_l2norm: bool) -> tuple[Tensor, Tensor | None]:
+    """fla's ``chunk_gated_delta_rule`` on our layout (the dispatcher's fla branch, after its checks): q/k heads
+    repeated to the value heads, k/v/beta in q's dtype, g and the ``[B, Hv, Dk, Dv]`` state in float32 (fla's
+    ``state_v_first=False`` layout is ours). Device-agnostic: the dispatcher sends CUDA tensors only; the fla tests
+    send CPU tensors under Triton's interpreter (tests/fla_interpret.py)."""
     rep = v.shape[2] // q.shape[2]
     if rep != 1:  # older fla versions need equal heads; repeating is cheap next to the kernel
         q = q.repeat_interleave(rep, dim=2)
