@@ -7,9 +7,11 @@ import torch.nn.functional as F
 D64 = torch.float64
 
 
-def make_inputs(B=2, T=37, Hk=2, H=2, Dk=8, Dv=6, *, dtype=D64, l2norm=True, h0=True, decay=2.0, seed=0):
+def make_inputs(B=2, T=37, Hk=2, H=2, Dk=8, Dv=6, *, dtype=D64, l2norm=True, h0=True, decay=2.0, seed=0,
+                channels=False):
     """Random inputs in the regime of the real model; with l2norm off, k is pre-normalised (|k| < 1 keeps the
-    delta rule contractive, as the in-kernel l2norm does)."""
+    delta rule contractive, as the in-kernel l2norm does). ``channels``: a log decay per key channel (KDA's
+    ``g [B, T, H, Dk]``) instead of one per head."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, Hk, Dk, generator=gen, dtype=D64)
     k = torch.randn(B, T, Hk, Dk, generator=gen, dtype=D64)
@@ -17,7 +19,7 @@ def make_inputs(B=2, T=37, Hk=2, H=2, Dk=8, Dv=6, *, dtype=D64, l2norm=True, h0=
         q = q / Dk**0.5
         k = 0.9 * F.normalize(k, dim=-1)
     v = torch.randn(B, T, H, Dv, generator=gen, dtype=D64)
-    g = -decay * torch.rand(B, T, H, generator=gen, dtype=D64)
+    g = -decay * torch.rand(B, T, H, *((Dk,) if channels else ()), generator=gen, dtype=D64)
     beta = torch.rand(B, T, H, generator=gen, dtype=D64)
     s0 = torch.randn(B, H, Dk, Dv, generator=gen, dtype=D64) if h0 else None
     xs = [q, k, v, g, beta] + ([s0] if h0 else [])

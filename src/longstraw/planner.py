@@ -1028,7 +1028,9 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
         from longstraw.models.lora import add_adapters
 
         adapted = add_adapters(model, lora_settings)  # on meta: the run's targets, shapes and frozen parameters
-    deltanet = any(type(layer.mixer).__name__ == "GatedDeltaNet" for layer in model.layers)
+    from longstraw.models.deltanet import DeltaRuleMixer
+
+    deltanet = any(isinstance(layer.mixer, DeltaRuleMixer) for layer in model.layers)
     if cp > 1 and deltanet:
         model.placement = _ScanRehearsal(cp)  # the DeltaNet layers' prompt steps as a CP rank runs them
     if gpus > 1 and fsdp is not False:  # as apply_fsdp: the first layer's input needs a gradient (a frozen model's

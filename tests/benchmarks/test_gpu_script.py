@@ -100,7 +100,7 @@ def test_naive_baseline_takes_transformers_torch_rule_where_fla_refuses(monkeypa
     model = hf.Qwen3_5ForCausalLM(cfg)
     wrapped = hf.torch_chunk_gated_delta_rule
     cuda = SimpleNamespace(type="cuda")
-    monkeypatch.setattr(ops_dn, "fla_available", lambda: True)
+    monkeypatch.setattr(ops_dn, "fla_available", lambda channels=False: True)
     monkeypatch.setattr(ops_dn, "fla_backward_refusal", lambda: "fla refuses (test)")
     with gpu_check._hf_delta_rule(model, cuda) as what:
         assert hf.torch_chunk_gated_delta_rule is inspect.unwrap(wrapped) is not wrapped

@@ -1,4 +1,5 @@
-"""Gated delta rule: chunked form vs the token-by-token reference vs transformers' Qwen3-Next, values and gradients."""
+"""Gated delta rule: chunked form vs the token-by-token reference vs transformers' Qwen3-Next (per-head gates) and
+Kimi-Linear (per-channel gates, KDA), values and gradients."""
 
 import types
 
@@ -164,7 +165,7 @@ def test_fp32_state_with_float64_inputs_is_promoted():
 
 
 def test_dispatcher_on_cpu_never_touches_fla(monkeypatch):
-    def boom():
+    def boom(*_):
         raise AssertionError("fla must not be imported for CPU tensors")
 
     monkeypatch.setattr(deltanet, "_load_fla", boom)
@@ -189,6 +190,115 @@ def test_bad_shapes_raise():
         chunk_gated_delta_rule(q, k, torch.randn(2, 10, 3, 6, dtype=D64), g, beta)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=0)
+
+
+# --- per-channel gates (Kimi Delta Attention) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 65, 130])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("h0", [False, True])
+def test_per_channel_chunked_matches_recurrent(T, chunk_size, h0):
+    inputs = make_inputs(T=T, h0=h0, seed=T, channels=True)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=chunk_size)
+    ro, rs = run(recurrent_gated_delta_rule, inputs)
+    assert o.shape == ro.shape == inputs[2].shape and s.shape == (2, 2, 8, 6)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ro, rs, inputs), **GTOL)
+
+
+def test_per_channel_gate_equal_across_channels_is_the_per_head_rule():
+    """A per-channel gate that is the same on every key channel is the per-head rule: outputs, state, gradients
+    (g's summed over the channels)."""
+    inputs = make_inputs(T=70, Hk=1, H=2, seed=8)
+    q, k, v, g, beta, s0 = inputs
+    gc = g.detach()[..., None].expand(*g.shape, q.shape[-1]).contiguous().requires_grad_()
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    oc, sc = chunk_gated_delta_rule(q, k, v, gc, beta, initial_state=s0, chunk_size=16)
+    torch.testing.assert_close(oc, o, **TOL)
+    torch.testing.assert_close(sc, s, **TOL)
+    want = grads(o, s, inputs)
+    got = grads(oc, sc, [q, k, v, gc, beta, s0])
+    assert_all_close([*got[:3], got[3].sum(-1), *got[4:]], want, **GTOL)
+
+
+@pytest.mark.parametrize("chunk_size,block_tokens", [(1, None), (7, None), (8, 16), (16, 1)])
+def test_per_channel_odd_chunk_and_block_sizes_and_grouped_heads(chunk_size, block_tokens):
+    inputs = make_inputs(T=45, Hk=1, H=3, seed=3, channels=True)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=chunk_size, block_tokens=block_tokens, scale=0.3)
+    ro, rs = run(recurrent_gated_delta_rule, inputs, scale=0.3)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ro, rs, inputs), **GTOL)
+
+
+def test_per_channel_strong_decay_is_finite():
+    """Per-channel decays as low as -60 per token: the pairwise decays underflow instead of overflowing."""
+    inputs = make_inputs(T=100, decay=60.0, seed=5, channels=True)
+    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=64)
+    ro, rs = run(recurrent_gated_delta_rule, inputs)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o, ro, **TOL)
+    gs = grads(o, s, inputs)
+    assert all(torch.isfinite(x).all() for x in gs)
+    assert_all_close(gs, grads(ro, rs, inputs), **GTOL)
+
+
+@pytest.mark.parametrize("pieces", [[1, 36], [5, 17, 15]])
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_per_channel_transfer_form_and_pieces(pieces, fn):
+    """Pieces carried final_state -> initial_state, and pieces run from unknown states in transfer form and composed,
+    equal one call with per-channel gates: outputs, final state and every gradient."""
+    inputs = make_inputs(T=37, Hk=1, H=2, seed=12, channels=True)
+    q, k, v, g, beta, s0 = inputs
+    dk, dv = q.shape[-1], v.shape[-1]
+    kw = dict(chunk_size=8) if fn is chunk_gated_delta_rule else {}
+    o, s = fn(q, k, v, g, beta, initial_state=s0, **kw)
+    carried, composed, state, state2, t0 = [], [], s0, s0, 0
+    for n in pieces:
+        sl = slice(t0, t0 + n)
+        oi, state = fn(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=state, **kw)
+        carried.append(oi)
+        v2, init = deltanet.transfer_inputs(v[:, sl], dk)
+        o_full, S_full = fn(q[:, sl], k[:, sl], v2, g[:, sl], beta[:, sl], initial_state=init, **kw)
+        oi2, state2 = deltanet.apply_initial(o_full, S_full, state2, dv)
+        composed.append(oi2)
+        t0 += n
+    want = grads(o, s, inputs)
+    for outs, final in ((carried, state), (composed, state2)):
+        po = torch.cat(outs, dim=1)
+        torch.testing.assert_close(po, o, **TOL)
+        torch.testing.assert_close(final, s, **TOL)
+        assert_all_close(grads(po, final, inputs), want, **GTOL)
+
+
+@pytest.mark.parametrize("T,chunk_size,block_tokens", [(37, 8, 16), (130, 16, 32)])
+def test_per_channel_recomputed_backward_equals_plain_autograd(T, chunk_size, block_tokens):
+    inputs = make_inputs(T=T, Hk=1, H=2, seed=T, channels=True)
+    kw = dict(chunk_size=chunk_size, block_tokens=block_tokens)
+    o, s = run(chunk_gated_delta_rule, inputs, recompute=False, **kw)
+    o2, s2 = run(chunk_gated_delta_rule, inputs, **kw)
+    assert type(o2.grad_fn).__name__ == "_RecomputedBlocksBackward"
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    for a, b in zip(grads(o, s, inputs), grads(o2, s2, inputs)):
+        assert torch.equal(a, b)
+
+
+def test_per_channel_bad_gate_shape_raises():
+    q, k, v, g, beta, s0 = make_inputs(T=10, channels=True)
+    with pytest.raises(ValueError, match=r"g must be \[B, T, H\].*\[B, T, H, Dk\]"):
+        chunk_gated_delta_rule(q, k, v, g[..., :3], beta)
+
+
+def test_per_channel_bf16_gives_fp32_state():
+    fp = make_inputs(T=70, dtype=torch.float32, seed=7, channels=True)
+    bf = [x.detach().to(torch.bfloat16) if i != 3 else x.detach() for i, x in enumerate(fp[:5])]
+    o, s = chunk_gated_delta_rule(*bf, initial_state=fp[5].detach(), chunk_size=16)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    ro, rs = recurrent_gated_delta_rule(*[x.float() for x in bf], initial_state=fp[5].detach())
+    torch.testing.assert_close(o.float(), ro, rtol=0, atol=5e-2)
+    torch.testing.assert_close(s, rs, rtol=1e-4, atol=1e-4)
 
 
 # --- parity with transformers' Qwen3-Next ------------------------------------------------------------------------
@@ -406,7 +516,7 @@ def _fake_fla(monkeypatch, hopper: bool, triton_version: str, tilelang: bool | N
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
     ops_dn.fla_backward_refusal.cache_clear()
-    monkeypatch.setattr(ops_dn, "fla_available", lambda: True)
+    monkeypatch.setattr(ops_dn, "fla_available", lambda channels=False: True)
     return ops_dn
 
 
@@ -469,3 +579,30 @@ def test_backend_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match=r"LONGSTRAW_DELTA_RULE='triton' is not a delta-rule backend; allowed: "
                                          r"auto, torch, fla"):
         ops_dn.default_backend()
+
+
+# --- parity with transformers' Kimi-Linear (per-channel gates) ------------------------------------------------------
+
+kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+KIMI_CHUNK = _hf_float64(kimi.chunk_kimi_delta_attention)
+KIMI_RECURRENT = _hf_float64(kimi.recurrent_kimi_delta_attention)
+
+
+@pytest.mark.parametrize("T", [1, 63, 130])
+@pytest.mark.parametrize("h0", [False, True])
+def test_per_channel_matches_transformers_kimi_float64(T, h0):
+    """transformers' Kimi Delta Attention (its torch chunked and recurrent forms, run in float64) equals ours with
+    per-channel gates: outputs, final state, gradients."""
+    from hf_reference import true_float64  # its chunked form also casts with Tensor.float()
+
+    inputs = make_inputs(T=T, Hk=2, H=2, h0=h0, seed=30 + T, channels=True)
+    o, s = run(chunk_gated_delta_rule, inputs)
+    with true_float64():
+        ho, hs = _hf_run(KIMI_CHUNK, inputs, True)
+    assert ho.dtype == hs.dtype == D64
+    torch.testing.assert_close(o, ho, **TOL)
+    torch.testing.assert_close(s, hs, **TOL)
+    ro, rs = _hf_run(KIMI_RECURRENT, inputs, True)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+    assert_all_close(grads(o, s, inputs), grads(ho, hs, inputs), **GTOL)

@@ -1,7 +1,8 @@
 """fla's ``chunk_gated_delta_rule`` (forward and backward) as LongStraw calls it, run under Triton's interpreter on the
 CPU (tests/fla_interpret.py; ``make test-fla``), against the float64 torch rule: the call's layout and head
 repetition, initial and final states and their gradients, widths that are not powers of two, K > 64 (several state
-tiles), and the context-parallel scan's transfer call (Dv + Dk value columns from an identity state).
+tiles), and the context-parallel scan's transfer call (Dv + Dk value columns from an identity state); the same for
+per-channel gates (Kimi Delta Attention), where the branch takes fla's ``chunk_kda``.
 
 Tolerances are relative errors ``||x - ref|| / ||ref||`` against the rule in float64, for every output and every
 input gradient: float32 within 1e-5 (measured 6e-8 .. 1.0e-6, the torch rule's float32 1e-7 .. 7e-7), float16
@@ -71,6 +72,37 @@ def check(inputs64, dtype):
 ])
 def test_fla_matches_the_float64_rule(shape, h0, dtype):
     check(make_inputs(**shape, h0=h0, decay=0.5, seed=shape["T"]), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [
+    dict(B=2, T=70, Hk=2, H=2, Dk=16, Dv=16),   # two chunks, the second partial
+    dict(B=1, T=5, Hk=1, H=1, Dk=32, Dv=32),    # a short branch: one partial chunk
+    dict(B=1, T=100, Hk=2, H=2, Dk=128, Dv=128),  # Kimi-Linear's head size
+])
+def test_fla_kda_matches_the_float64_rule(shape, dtype):
+    """Per-channel gates (Kimi Delta Attention): the dispatcher's fla branch takes fla's ``chunk_kda``."""
+    check(make_inputs(**shape, decay=0.5, seed=shape["T"] + 1, channels=True), dtype)
+
+
+def test_fla_kda_runs_the_scans_transfer_call():
+    """The CP scan's transfer call with per-channel gates through ``chunk_kda`` (Dv + Dk value columns from the
+    identity), composed over two pieces, equals the float64 rule from the true state."""
+    inputs64 = make_inputs(B=1, T=90, Hk=2, H=2, Dk=16, Dv=16, decay=0.5, seed=6, channels=True)
+    ref = run(chunk_gated_delta_rule, inputs64)
+    ref_grads = grads(*ref, inputs64)
+    q, k, v, g, beta, s0 = [x.detach().float().requires_grad_() for x in inputs64]
+    dk, dv = q.shape[-1], v.shape[-1]
+    outs, state = [], s0
+    for sl in (slice(0, 50), slice(50, 90)):
+        v2, init = deltanet.transfer_inputs(v[:, sl], dk)
+        o_full, s_full = fla(q[:, sl], k[:, sl], v2, g[:, sl], beta[:, sl], initial_state=init)
+        o, state = deltanet.apply_initial(o_full, s_full, state, dv)
+        outs.append(o)
+    o = torch.cat(outs, dim=1)
+    got = [rel(o, ref[0]), rel(state, ref[1])] + [rel(a, b) for a, b in
+                                                  zip(grads(o, state, [q, k, v, g, beta, s0]), ref_grads)]
+    assert max(got) < BOUND[torch.float32], got
 
 
 def test_fla_without_final_state():

@@ -106,30 +106,43 @@ class SigmoidGroupedRouter(nn.Module):
                                      self.routed_scaling_factor)
 
 
-def _moe_block(hidden: int, r: ConfigReader, act: str) -> SparseMoeBlock:
+@dataclass(frozen=True)
+class MoeKeys:
+    """The config keys (and defaults where a key may be absent) of the sigmoid-routed MoE block: DeepSeek's names
+    by default; Kimi-Linear's configs spell them otherwise (``models/kimi.py``)."""
+
+    experts: str = "n_routed_experts"
+    top_k: str = "num_experts_per_tok"
+    n_group: str = "n_group"
+    shared: str = "n_shared_experts"
+    renormalize: str = "norm_topk_prob"
+    scaling_default: float = 1.0
+
+
+def _moe_block(hidden: int, r: ConfigReader, act: str, keys: MoeKeys = MoeKeys()) -> SparseMoeBlock:
     for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):  # DeepSeek's own config keys
         if r.cfg.get(key) not in (None, allowed):
             raise ValueError(f"{r.where}: {key}={r.cfg[key]!r} is not supported for {r.cfg['model_type']}; "
                              f"supported: {allowed!r}")
-    e = r.positive("n_routed_experts")
-    k = r.positive("num_experts_per_tok")
-    n_group = r.positive("n_group", 1)
+    e = r.positive(keys.experts)
+    k = r.positive(keys.top_k)
+    n_group = r.positive(keys.n_group, 1)
     topk_group = r.positive("topk_group", 1)
     if k > e:
-        raise ValueError(f"{r.where}: num_experts_per_tok={k} must be <= n_routed_experts={e}")
+        raise ValueError(f"{r.where}: {keys.top_k}={k} must be <= {keys.experts}={e}")
     if e % n_group:
-        raise ValueError(f"{r.where}: n_group={n_group} must divide n_routed_experts={e}")
+        raise ValueError(f"{r.where}: {keys.n_group}={n_group} must divide {keys.experts}={e}")
     if topk_group > n_group:
-        raise ValueError(f"{r.where}: topk_group={topk_group} must be <= n_group={n_group}")
+        raise ValueError(f"{r.where}: topk_group={topk_group} must be <= {keys.n_group}={n_group}")
     if k > topk_group * (e // n_group):
-        raise ValueError(f"{r.where}: num_experts_per_tok={k} exceeds the {topk_group * (e // n_group)} experts of "
+        raise ValueError(f"{r.where}: {keys.top_k}={k} exceeds the {topk_group * (e // n_group)} experts of "
                          f"topk_group={topk_group} groups of {e // n_group}")
     inter = r.positive("moe_intermediate_size")
-    shared = r.opt("n_shared_experts", 1, int)
+    shared = r.opt(keys.shared, 1, int)
     if shared < 0:
-        raise ValueError(f"{r.where}: n_shared_experts={shared} must be >= 0")
-    router = SigmoidGroupedRouter(hidden, e, k, n_group, topk_group, r.opt("norm_topk_prob", True, bool),
-                                  r.opt("routed_scaling_factor", 1.0, float))
+        raise ValueError(f"{r.where}: {keys.shared}={shared} must be >= 0")
+    router = SigmoidGroupedRouter(hidden, e, k, n_group, topk_group, r.opt(keys.renormalize, True, bool),
+                                  r.opt("routed_scaling_factor", keys.scaling_default, float))
     return SparseMoeBlock(router, Experts(hidden, e, inter, act), GatedMLP(hidden, inter * shared, act),
                           shared_name="shared_experts")
 

@@ -280,7 +280,7 @@ def delta_rule_calls(model: nn.Module) -> dict[str, int]:
     running count, read before and after a stretch of work (:func:`kernels_since`)."""
     calls: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, GatedDeltaNet):
+        if isinstance(m, DeltaRuleMixer):
             for k, n in m.kernel_calls.items():
                 calls[k] = calls.get(k, 0) + n
     return calls
@@ -294,10 +294,116 @@ def kernels_since(model: nn.Module, before: dict[str, int]) -> str:
     return "+".join(sorted(k for k, n in now.items() if n > before.get(k, 0)))
 
 
-class GatedDeltaNet(nn.Module):
-    """The Gated DeltaNet token mixer (see module docstring). Parameter names follow the HF checkpoints."""
+class DeltaRuleMixer(nn.Module):
+    """What every delta-rule token mixer shares (Gated DeltaNet here, Kimi Delta Attention in
+    :mod:`longstraw.models.kda`): project, short conv over ``[q | k | v]`` with its window carried in the state, the
+    delta rule from the prefix's recurrent state (the prefix's hooks around both), gated output norm and projection.
+    A subclass defines the projections and the gate: :meth:`_project`, :meth:`_decay`, :meth:`_output`, and sets
+    ``num_k_heads, num_v_heads, head_k_dim, head_v_dim, key_dim, value_dim, conv_dim, conv_kernel``, ``conv1d``
+    (``[C, 1, K]``, no bias) and ``per_channel`` (the decay per key channel, KDA, or per head)."""
 
     state_type = RecurrentState
+    per_channel = False
+
+    def __init__(self):
+        super().__init__()
+        # forwards per delta-rule kernel ("fla" / "torch"), a running count: a diagnostic the engine and the trainer
+        # read before and after their work (delta_rule_calls / kernels_since) and report, not state
+        self.kernel_calls: dict[str, int] = {}
+
+    def new_state(self, capacity: int, exact: bool = False) -> RecurrentState:
+        return RecurrentState(capacity, exact)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x ``[B, T, hidden]`` -> conv input ``[B, T, C]`` (channels q|k|v), the output gate ``[B, T, Hv, Dv]``,
+        beta's logits ``[B, T, Hv]`` and the decay's input (what :meth:`_decay` takes)."""
+        raise NotImplementedError
+
+    def _decay(self, gate_in: Tensor, cdt: torch.dtype) -> Tensor:
+        """The log decay ``g`` (``<= 0``, in ``cdt``): ``[B, T, Hv]``, or ``[B, T, Hv, Dk]`` when ``per_channel``."""
+        raise NotImplementedError
+
+    def _output(self, o: Tensor, z: Tensor) -> Tensor:
+        """The rule's output ``o [B, T, Hv, Dv]`` and the gate ``z`` -> the layer's output ``[B, T, hidden]``."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, ctx, prefix: RecurrentPrefix | None):
+        conv0 = s0 = None
+        if prefix is not None:
+            x, conv0, s0 = prefix.enter(x)
+        b, t, _ = x.shape
+        mixed, z, beta_logit, gate_in = self._project(x)
+        if s0 is not None:
+            if conv0.shape[0] != b:
+                assert conv0.shape[0] == 1, f"prefix batch {conv0.shape[0]} must be 1 or the batch {b}"
+                conv0, s0 = conv0.expand(b, -1, -1), s0.expand(b, -1, -1, -1)
+            s0 = s0.contiguous()  # one [B, Hv, Dk, Dv] copy if expanded (kernels want a dense initial state)
+        if prefix is not None:
+            conv0 = prefix.window(mixed, conv0, self.conv_kernel - 1)
+        mixed, conv1 = causal_conv1d(mixed, self.conv1d.weight, None, initial_state=conv0, activation="silu")
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = beta_logit.sigmoid()
+        g = self._decay(gate_in, torch.float64 if x.dtype == torch.float64 else torch.float32)
+        # Autocast off for the rule and whatever a prefix's recur adds (composing states): the op computes in
+        # float32 itself, and the recurrent state must stay float32 (autocast would run its matmuls, and so the
+        # state, in bf16)
+        with _autocast_off(x.device.type):
+            if prefix is None:
+                o, s1 = self._rule(q, k, v, g, beta, s0)
+            else:
+                o, s1 = prefix.recur(self._rule, q, k, v, g, beta, s0)
+        y = self._output(o, z)
+        if prefix is not None:
+            y, conv1, s1 = prefix.leave(y, conv1, s1)
+        return y, (conv1, s1)
+
+    def _rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              s0: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The delta rule on ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv, Dv]`` (any ``Dv``: a context-parallel prefix
+        widens it), ``g [B, T, Hv]`` (or ``[B, T, Hv, Dk]``), ``beta [B, T, Hv]`` from ``s0`` (None: zeros): the
+        kernel chosen and counted here. Called inside :meth:`forward`'s autocast-off block."""
+        t = q.shape[1]
+        grad = needs_grad(q, k, v, g, beta, s0)
+        # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
+        # rule gated_delta_rule's "auto" picks (fla or torch)
+        kernel = ("recurrent" if t == 1 and not grad
+                  else delta_rule_kernel(q.device, q.dtype, grad, channels=self.per_channel))
+        self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
+        if kernel == "recurrent":
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                              use_qk_l2norm=True)
+        # chunks of 64 (the fla kernel's, on any device); on CPU fewer new tokens (short branches) form one
+        # smaller chunk
+        chunk = 64 if q.is_cuda or kernel == "fla" else max(1, min(64, t))
+        return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True,
+                                chunk_size=chunk)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""
+        sdt = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * torch.empty(0, dtype=sdt).element_size()
+
+    def _rule_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the chunked rule (chunk 64) and the conv."""
+        dk, dv, c = self.head_k_dim, self.head_v_dim, 64
+        # q.k and k.k per pair of a chunk; per-channel gates also form each pair's decay per channel (3x)
+        pairs = 2 * c * dk * (3 if self.per_channel else 1)
+        return 2.0 * self.conv_dim * self.conv_kernel + self.num_v_heads * 2.0 * (
+            pairs + c * dv + 3 * dk * dv + dk * dk)
+
+
+def check_conv_activation(activation: str) -> None:
+    """The short conv's activation is SiLU in every supported family: ValueError naming ``hidden_act`` otherwise."""
+    if activation not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={activation!r} is not supported for the DeltaNet conv; supported: 'silu'")
+
+
+class GatedDeltaNet(DeltaRuleMixer):
+    """The Gated DeltaNet token mixer (see module docstring). Parameter names follow the HF checkpoints."""
 
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, *,
                  conv_kernel: int = 4, norm_eps: float = 1e-6, activation: str = "silu", layout: str = "qwen3_5"):
@@ -307,8 +413,7 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of "
                              f"linear_num_key_heads={num_k_heads}")
-        if activation not in ("silu", "swish"):
-            raise ValueError(f"hidden_act={activation!r} is not supported for the DeltaNet conv; supported: 'silu'")
+        check_conv_activation(activation)
         self.layout = layout
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
@@ -329,12 +434,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(a if a.is_meta else a.uniform_(0.01, 16).log())  # import torch._dynamo)
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        # forwards per delta-rule kernel ("fla" / "torch"), a running count: a diagnostic the engine and the trainer
-        # read before and after their work (delta_rule_calls / kernels_since) and report, not state
-        self.kernel_calls: dict[str, int] = {}
-
-    def new_state(self, capacity: int, exact: bool = False) -> RecurrentState:
-        return RecurrentState(capacity, exact)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x ``[B, T, hidden]`` -> conv input ``[B, T, C]`` (channels q|k|v), z ``[B, T, Hv, Dv]``,
@@ -352,72 +451,16 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(b, t, self.num_v_heads, dv), bb.reshape(b, t, self.num_v_heads),
                 a.reshape(b, t, self.num_v_heads))
 
-    def forward(self, x: Tensor, ctx, prefix: RecurrentPrefix | None):
-        conv0 = s0 = None
-        if prefix is not None:
-            x, conv0, s0 = prefix.enter(x)
-        b, t, _ = x.shape
-        mixed, z, beta_logit, a = self._project(x)
-        if s0 is not None:
-            if conv0.shape[0] != b:
-                assert conv0.shape[0] == 1, f"prefix batch {conv0.shape[0]} must be 1 or the batch {b}"
-                conv0, s0 = conv0.expand(b, -1, -1), s0.expand(b, -1, -1, -1)
-            s0 = s0.contiguous()  # one [B, Hv, Dk, Dv] copy if expanded (kernels want a dense initial state)
-        if prefix is not None:
-            conv0 = prefix.window(mixed, conv0, self.conv_kernel - 1)
-        mixed, conv1 = causal_conv1d(mixed, self.conv1d.weight, None, initial_state=conv0, activation="silu")
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = beta_logit.sigmoid()
-        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias)
-        # Autocast off for the rule and whatever a prefix's recur adds (composing states): the op computes in
-        # float32 itself, and the recurrent state must stay float32 (autocast would run its matmuls, and so the
-        # state, in bf16)
-        with _autocast_off(x.device.type):
-            if prefix is None:
-                o, s1 = self._rule(q, k, v, g, beta, s0)
-            else:
-                o, s1 = prefix.recur(self._rule, q, k, v, g, beta, s0)
-        o = self.norm(o, z)  # [B, T, Hv, Dv]
-        y = self.out_proj(o.reshape(b, t, self.value_dim))
-        if prefix is not None:
-            y, conv1, s1 = prefix.leave(y, conv1, s1)
-        return y, (conv1, s1)
+    def _decay(self, a: Tensor, cdt: torch.dtype) -> Tensor:
+        """``g = -exp(A_log) * softplus(a + dt_bias)`` ``[B, T, Hv]`` in ``cdt``."""
+        return -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias)
 
-    def _rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-              s0: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The delta rule on ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv, Dv]`` (any ``Dv``: a context-parallel prefix
-        widens it), ``g, beta [B, T, Hv]`` from ``s0`` (None: zeros): the kernel chosen and counted here. Called
-        inside :meth:`forward`'s autocast-off block."""
-        t = q.shape[1]
-        grad = needs_grad(q, k, v, g, beta, s0)
-        # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
-        # rule gated_delta_rule's "auto" picks (fla or torch)
-        kernel = "recurrent" if t == 1 and not grad else delta_rule_kernel(q.device, q.dtype, grad)
-        self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
-        if kernel == "recurrent":
-            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                              use_qk_l2norm=True)
-        # chunks of 64 (the fla kernel's, on any device); on CPU fewer new tokens (short branches) form one
-        # smaller chunk
-        chunk = 64 if q.is_cuda or kernel == "fla" else max(1, min(64, t))
-        return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True,
-                                chunk_size=chunk)
-
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one stored state for activations in ``dtype``: conv window + fp32 (fp64) recurrent matrix."""
-        sdt = torch.float64 if dtype == torch.float64 else torch.float32
-        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
-        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * torch.empty(0, dtype=sdt).element_size()
+    def _output(self, o: Tensor, z: Tensor) -> Tensor:
+        b, t = o.shape[:2]
+        return self.out_proj(self.norm(o, z).reshape(b, t, self.value_dim))
 
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs per token: projections, conv, and the chunked delta rule (chunk 64); independent of context."""
         hidden = self.out_proj.out_features
         proj = 2.0 * hidden * (self.conv_dim + 2 * self.value_dim + 2 * self.num_v_heads)
-        conv = 2.0 * self.conv_dim * self.conv_kernel
-        dk, dv, c = self.head_k_dim, self.head_v_dim, 64
-        rule = self.num_v_heads * 2.0 * (2 * c * dk + c * dv + 3 * dk * dv + dk * dk)
-        return proj + conv + rule
+        return proj + self._rule_flops_per_token()

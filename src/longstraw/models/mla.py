@@ -9,7 +9,8 @@ Per token ``t`` (``r = kv_lora_rank``, ``dr = qk_rope_head_dim``, ``dn = qk_nope
 
 RoPE is interleaved (pairs ``(x0, x1), ...``) and returned de-interleaved (``rope_interleave``, always on for
 DeepSeek-V3.2 / GLM-5); ``scale = qk_head_dim^-0.5 * mscale^2`` with ``mscale = 0.1 mscale_all_dim ln(factor) + 1``
-when the RoPE type is not ``default`` and ``mscale_all_dim`` is set (yarn checkpoints). The projection norms
+when the RoPE type is not ``default`` and ``mscale_all_dim`` is set (yarn checkpoints). ``rope=False`` (Kimi-Linear's
+NoPE MLA) rotates nothing: ``kpe`` and ``q_pe`` are used as projected, and the layer reads no positions. The projection norms
 (``q_a_layernorm``, ``kv_a_layernorm``) use eps 1e-6 whatever ``rms_norm_eps`` says, as transformers does.
 
 The prompt state (:class:`LatentState`) keeps ``lat_s = [c_s | kpe_s]`` per position: ``r + dr`` values, never the
@@ -381,7 +382,7 @@ class MLAttention(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float,
-                 bias: bool = False, rope_interleave: bool = True, mode: str = DEFAULT_MODE):
+                 bias: bool = False, rope_interleave: bool = True, mode: str = DEFAULT_MODE, rope: bool = True):
         super().__init__()
         for name, v in (("num_attention_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                         ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
@@ -395,7 +396,7 @@ class MLAttention(nn.Module):
             raise ValueError(f"q_lora_rank={q_lora_rank!r} must be an integer >= 1 or null")
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.scale, self.rope_interleave = scale, rope_interleave
+        self.scale, self.rope_interleave, self.rope = scale, rope_interleave, rope
         self.set_mode(mode)
         self.decompress_chunk: int | None = None  # positions expanded at once (None: ~16M K/V elements)
         qk = qk_nope_head_dim + qk_rope_head_dim
@@ -423,10 +424,13 @@ class MLAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, dn={self.dn}, dr={self.dr}, "
-                f"dv={self.dv}, mode={self.mode}")
+                f"dv={self.dv}, mode={self.mode}" + ("" if self.rope else ", rope=False"))
 
     # ------------------------------------------------------------------ pieces
-    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _rope(self, x: Tensor, ctx: CallContext) -> Tensor:
+        if not self.rope:  # NoPE (Kimi-Linear): the "rope" channels as projected
+            return x
+        cos, sin = ctx.rope
         return apply_rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
 
     def project(self, x: Tensor, ctx: CallContext) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -434,7 +438,6 @@ class MLAttention(nn.Module):
         ``lat [B, 1, T, r + dr]`` and the normalised low-rank query ``q_resid [B, T, q_lora_rank]`` (the DSA
         indexer's input; None without q_lora)."""
         b, t, _ = x.shape
-        cos, sin = ctx.rope
         q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -446,8 +449,8 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         c, kpe = ckv.split([self.kv_lora_rank, self.dr], dim=-1)
         c = self.kv_a_layernorm(c)
-        kpe = self._rope(kpe[:, None], cos, sin)  # [B, 1, T, dr]
-        q_pe = self._rope(q_pe, cos, sin)
+        kpe = self._rope(kpe[:, None], ctx)  # [B, 1, T, dr]
+        q_pe = self._rope(q_pe, ctx)
         # the norm's float32 weight promotes c under autocast: the latents take the projections' (compute) dtype
         lat = torch.cat((c[:, None].to(kpe.dtype), kpe), dim=-1)
         return q_nope, q_pe, lat, q_resid

@@ -7,7 +7,9 @@
 * ``RMSNorm(zero_centered=True)`` (Qwen3-Next / Qwen3.5): normalise in float32, multiply by ``1 + weight`` in
   float32 (weight initialised to zeros), then cast back.
 * ``GatedRMSNorm`` (the Gated DeltaNet output norm): ``weight * norm(x)`` then ``* silu(gate)`` in float32; plain
-  ``weight`` (init ones) even in the zero-centred families.
+  ``weight`` (init ones) even in the zero-centred families. ``GatedRMSNorm(activation="sigmoid",
+  weight_in_float32=True)`` (Kimi Delta Attention's ``o_norm``): the weight applied in float32 too, then
+  ``* sigmoid(gate)``.
 """
 
 from __future__ import annotations
@@ -36,16 +38,24 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"
 
 
+_GATES = {"silu": nn.functional.silu, "sigmoid": torch.sigmoid}
+
+
 class GatedRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, *, activation: str = "silu", weight_in_float32: bool = False):
         super().__init__()
-        self.eps = eps
+        if activation not in _GATES:
+            raise ValueError(f"gate activation {activation!r} is not supported; allowed: {', '.join(_GATES)}")
+        self.eps, self.activation, self.weight_in_float32 = eps, activation, weight_in_float32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.to(torch.float32) if dtype != torch.float64 else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
+        if self.weight_in_float32:
+            h = (self.weight if self.weight.dtype == torch.float64 else self.weight.float()) * h
+        else:
+            h = self.weight * h.to(dtype)
         g = gate.to(torch.float32) if gate.dtype != torch.float64 else gate
-        return (h * nn.functional.silu(g)).to(dtype)
+        return (h * _GATES[self.activation](g)).to(dtype)

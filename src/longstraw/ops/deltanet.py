@@ -2,8 +2,12 @@
 
 Recurrence (per batch row and value head; ``S`` is ``[Dk, Dv]``)::
 
-    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T,    D_t = exp(g_t)
     o_t = S_t^T q_t
+
+The gate ``g_t`` is either one log decay per head (Gated DeltaNet: ``D_t = exp(g_t) I``) or one per key channel
+(Kimi Delta Attention, KDA, of Kimi-Linear: ``D_t = diag(exp(g_t))``, ``g: [B, T, H, Dk]``); every function here
+takes either, told apart by ``g``'s rank.
 
 equivalently: decay ``S <- exp(g_t) S``, read the old answer ``S^T k_t``, write the correction
 ``w_t = beta_t (v_t - S^T k_t)`` as ``S <- S + k_t w_t^T``, then read ``o_t = S^T q_t`` (the read sees the token's
@@ -12,7 +16,8 @@ the write strength already in ``(0, 1)`` (Qwen3-Next: ``sigmoid(b)``). With ``us
 uses) q and k are L2-normalised inside the op, ``x * rsqrt(sum(x^2) + 1e-6)`` as in fla / transformers; then q is
 multiplied by ``scale`` (default ``Dk ** -0.5``). Normalisation and scale happen in the compute dtype.
 
-Shapes: ``q, k: [B, T, Hk, Dk]``, ``v: [B, T, H, Dv]``, ``g, beta: [B, T, H]``, state ``[B, H, Dk, Dv]``
+Shapes: ``q, k: [B, T, Hk, Dk]``, ``v: [B, T, H, Dv]``, ``beta: [B, T, H]``, ``g: [B, T, H]`` or (per channel)
+``[B, T, H, Dk]``, state ``[B, H, Dk, Dv]``
 (key dim first: ``o_t = S^T q_t``, the layout of fla and transformers' cache), output ``[B, T, H, Dv]`` in q's
 dtype. ``Hk`` may divide ``H`` (grouped value heads, Qwen3-Next's ``linear_num_key_heads <
 linear_num_value_heads``): q/k head ``i`` serves value heads ``i*r .. i*r+r-1`` (``repeat_interleave``, as HF).
@@ -32,6 +37,12 @@ a unit lower-triangular system ``(I + A) W = beta*V - (beta*e^G*K) S0`` with ``A
     O      = e^G*Q S0 + P W            = (e^G*Q - P Wk) S0 + P U
     S_next = e^{G_C} S0 + Kd^T W       = (e^{G_C} I - Kd^T Wk) S0 + Kd^T U  =: M S0 + R
 
+With per-channel gates ``G`` is ``[C, Dk]`` and every ``e^{G}`` factor acts per key channel: ``A_tj = beta_t
+sum_d k_td k_jd e^{G_td - G_jd}``, ``P_tj = sum_d q_td k_jd e^{G_td - G_jd}``, ``e^G*K``, ``e^G*Q`` and ``Kd`` channel
+by channel, and ``e^{G_C} I`` becomes ``diag(e^{G_C})``. The pairwise decays are then a ``[C, C, Dk]`` tensor per
+chunk (exp of non-positive differences, as below: exact and overflow-free for any decay; the blocks are sized
+for it).
+
 Everything except the chunk-to-chunk product ``S <- M S + R`` is independent across chunks and computed batched
 over a block of chunks; the only Python loop is over chunks (one ``baddbmm`` each), then the states at chunk starts
 are stacked and ``O = Qp S0 + P U`` is one batched matmul. All decay factors are ``exp`` of non-positive
@@ -46,8 +57,8 @@ a time with a graph (``_RecomputedBlocks``): what a call holds for its backward 
 ``T / block`` states instead of every block's intermediates (plain autograd: ``recompute=False``).
 
 ``recurrent_gated_delta_rule`` is the token-by-token reference (slow, obviously correct). ``gated_delta_rule``
-dispatches: fla's Triton ``chunk_gated_delta_rule`` for CUDA bf16/fp16 inputs when fla imports, else the torch
-chunked form. The fla import is attempted only for CUDA tensors (a CPU machine with triton installed must never
+dispatches: fla's Triton ``chunk_gated_delta_rule`` (per-channel gates: ``chunk_kda``) for CUDA bf16/fp16 inputs
+when fla imports, else the torch chunked form. The fla import is attempted only for CUDA tensors (a CPU machine with triton installed must never
 reach fla: it has no CPU path). Deliberately left out: variable-length packing (``cu_seqlens``), in-kernel gate
 computation, fp32/fp64 on fla (older fla asserts against fp32).
 """
@@ -67,7 +78,7 @@ from longstraw.ops import meta
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
            "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV",
-           "needs_grad", "transfer_inputs", "apply_initial", "compose_transfer",
+           "needs_grad", "per_channel", "transfer_inputs", "apply_initial", "compose_transfer",
            "transfer_output"]
 
 _L2NORM_EPS = 1e-6
@@ -104,17 +115,24 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
     H, Dv = v.shape[2], v.shape[3]
     if H % Hk != 0:
         raise ValueError(f"value heads ({H}) must be a multiple of query/key heads ({Hk})")
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (B, T, H):
-            raise ValueError(f"{name} must be [B, T, H] = {(B, T, H)}; got {tuple(t.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got {tuple(beta.shape)}")
+    if g.shape not in ((B, T, H), (B, T, H, Dk)):
+        raise ValueError(f"g must be [B, T, H] = {(B, T, H)} (a decay per head) or [B, T, H, Dk] = {(B, T, H, Dk)} "
+                         f"(a decay per key channel); got {tuple(g.shape)}")
     if initial_state is not None and initial_state.shape != (B, H, Dk, Dv):
         raise ValueError(f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, Dv)}; got {tuple(initial_state.shape)}")
+
+
+def per_channel(g: Tensor, q: Tensor) -> bool:
+    """Whether ``g`` holds a decay per key channel (``[B, T, H, Dk]``, KDA) rather than per head (``[B, T, H]``)."""
+    return g.dim() == q.dim()
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, cdt):
     """Cast to the compute dtype, repeat q/k heads to value heads, l2norm, scale, move heads before time.
 
-    Returns q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, g, beta ``[B, H, T]``.
+    Returns q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]``, beta ``[B, H, T]``, g ``[B, H, T]`` or ``[B, H, T, Dk]``.
     """
     rep = v.shape[2] // q.shape[2]
     if rep != 1:
@@ -154,7 +172,8 @@ def recurrent_gated_delta_rule(
         S = initial_state.to(cdt)
     outs = []
     for t in range(T):
-        S = S * g[:, :, t].exp()[..., None, None]  # decay
+        decay = g[:, :, t].exp()  # [B, H] or per key channel [B, H, Dk]
+        S = S * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
         k_t = k[:, :, t]
         old = torch.einsum("bhkv,bhk->bhv", S, k_t)  # what the state answers for k_t
         w = beta[:, :, t, None] * (v[:, :, t] - old)  # the correction to write
@@ -165,31 +184,46 @@ def recurrent_gated_delta_rule(
 
 
 def _chunk_block(q, k, v, g, beta, S, C):
-    """One block of whole chunks. q, k ``[B,H,N,C,Dk]``, v ``[B,H,N,C,Dv]``, g, beta ``[B,H,N,C]``, S ``[B,H,Dk,Dv]``.
+    """One block of whole chunks. q, k ``[B,H,N,C,Dk]``, v ``[B,H,N,C,Dv]``, beta ``[B,H,N,C]``, g ``[B,H,N,C]``
+    (per head) or ``[B,H,N,C,Dk]`` (per key channel), S ``[B,H,Dk,Dv]``.
 
     Returns the block output ``[B,H,N,C,Dv]`` and the state after the block.
     """
     B, H, N, _, Dk = q.shape
     Dv = v.shape[-1]
-    G = g.cumsum(dim=-1)  # [B,H,N,C] log decay from the chunk start through t (inclusive)
+    channels = g.dim() == q.dim()
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # e^{G_t - G_j} for j <= t, 0 above the diagonal (masked in log space: the raw difference may be large > 0)
-    decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B,H,N,C,C]
-    eG = G.exp()
     kb = k * beta[..., None]
-    # strictly lower part of A; the solve treats the diagonal as ones (unitriangular)
-    A = (kb @ k.transpose(-1, -2)) * decay.tril(-1)
-    rhs = torch.cat([v * beta[..., None], kb * eG[..., None]], dim=-1)  # [B,H,N,C,Dv+Dk]
+    if channels:
+        G = g.cumsum(dim=-2)  # [B,H,N,C,Dk] log decay per key channel from the chunk start through t (inclusive)
+        # e^{G_td - G_jd} for j <= t, 0 above the diagonal (masked in log space): [B,H,N,C,C,Dk]
+        decay = torch.where(causal[..., None], G[..., :, None, :] - G[..., None, :, :], float("-inf")).exp()
+        kd = k[..., None, :, :] * decay  # [B,H,N,C(t),C(j),Dk]: k_j e^{G_t - G_j}
+        A = (kb[..., :, None, :] * kd).sum(-1).tril(-1)  # strictly lower; the solve takes the diagonal as ones
+        P = (q[..., :, None, :] * kd).sum(-1)  # [B,H,N,C,C], inclusive lower
+        del kd, decay
+        eG = G.exp()  # [B,H,N,C,Dk]
+        G_last = G[..., -1:, :]  # [B,H,N,1,Dk]
+        Kd = k * (G_last - G).exp()  # [B,H,N,C,Dk]
+        last = torch.diag_embed(G_last[..., 0, :].exp())  # [B,H,N,Dk,Dk]
+    else:
+        G = g.cumsum(dim=-1)  # [B,H,N,C] log decay from the chunk start through t (inclusive)
+        # e^{G_t - G_j} for j <= t, 0 above the diagonal (masked in log space: the raw difference may be large > 0)
+        decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B,H,N,C,C]
+        # strictly lower part of A; the solve treats the diagonal as ones (unitriangular)
+        A = (kb @ k.transpose(-1, -2)) * decay.tril(-1)
+        P = (q @ k.transpose(-1, -2)) * decay  # [B,H,N,C,C], inclusive lower
+        eG = G.exp()[..., None]  # [B,H,N,C,1]
+        G_last = G[..., -1:]  # [B,H,N,1]
+        Kd = k * (G_last - G).exp()[..., None]  # [B,H,N,C,Dk]
+        last = G_last.exp()[..., None] * torch.eye(Dk, dtype=q.dtype, device=q.device)  # [B,H,N,Dk,Dk]
+    rhs = torch.cat([v * beta[..., None], kb * eG], dim=-1)  # [B,H,N,C,Dv+Dk]
     X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
     U, Wk = X[..., :Dv], X[..., Dv:]
-    P = (q @ k.transpose(-1, -2)) * decay  # [B,H,N,C,C], inclusive lower
-    Qp = q * eG[..., None] - P @ Wk  # [B,H,N,C,Dk]
+    Qp = q * eG - P @ Wk  # [B,H,N,C,Dk]
     Oi = P @ U  # [B,H,N,C,Dv]
-    G_last = G[..., -1:]  # [B,H,N,1]
-    Kd = k * (G_last - G).exp()[..., None]  # [B,H,N,C,Dk]
     KdT = Kd.transpose(-1, -2)
-    eye = torch.eye(Dk, dtype=q.dtype, device=q.device)
-    M = G_last.exp()[..., None] * eye - KdT @ Wk  # [B,H,N,Dk,Dk]
+    M = last - KdT @ Wk  # [B,H,N,Dk,Dk]
     R = KdT @ U  # [B,H,N,Dk,Dv]
     # sequential scan over chunks: S_{n+1} = M_n S_n + R_n, keeping S_n (the state entering chunk n)
     M = M.reshape(B * H, N, Dk, Dk)
@@ -218,13 +252,14 @@ def _block(q, k, v, g, beta, S, t0, t1, scale, use_qk_l2norm, C, out_dtype, cdt)
     pad = (-n) % C
     if pad:  # zero k, v, g, beta: the padded tokens leave the state untouched
         qb, kb, vb = (F.pad(x, (0, 0, 0, pad)) for x in (qb, kb, vb))
-        gb, bb = (F.pad(x, (0, pad)) for x in (gb, bb))
+        gb = F.pad(gb, (0, 0, 0, pad) if gb.dim() == 4 else (0, pad))
+        bb = F.pad(bb, (0, pad))
     N = (n + pad) // C
     ob, S = _chunk_block(
         qb.reshape(B, H, N, C, Dk),
         kb.reshape(B, H, N, C, Dk),
         vb.reshape(B, H, N, C, Dv),
-        gb.reshape(B, H, N, C),
+        gb.reshape(B, H, N, C, *gb.shape[3:]),
         bb.reshape(B, H, N, C),
         S,
         C,
@@ -344,8 +379,8 @@ def chunk_gated_delta_rule(
     cdt = _compute_dtype(q.dtype)
     scale = Dk**-0.5 if scale is None else scale
     C = chunk_size
-    if block_tokens is None:
-        per_chunk = B * H * C * (C + Dk + Dv)
+    if block_tokens is None:  # per-channel gates hold [C, C, Dk] pairwise decays per chunk
+        per_chunk = B * H * C * (C * (Dk if per_channel(g, q) else 1) + Dk + Dv)
         chunks_per_block = max(4, (1 << 21) // per_chunk)
     else:
         if block_tokens < 1:
@@ -367,19 +402,24 @@ def chunk_gated_delta_rule(
     return o, (S if output_final_state else None)
 
 
-@functools.lru_cache(maxsize=1)
-def _load_fla():
-    """fla's chunk_gated_delta_rule, or None. Only ever called for CUDA inputs."""
+@functools.lru_cache(maxsize=2)
+def _load_fla(channels: bool = False):
+    """fla's ``chunk_gated_delta_rule`` (``channels``: its per-channel-gate ``chunk_kda``), or None. Only ever
+    called for CUDA inputs (and by the tests under Triton's interpreter)."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        if channels:
+            from fla.ops.kda import chunk_kda as fla_chunk
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except ImportError:
         return None
     return fla_chunk
 
 
-def fla_available() -> bool:
-    """Whether fla's kernel can be imported. Imports fla: call it only where CUDA is meant to be used."""
-    return _load_fla() is not None
+def fla_available(channels: bool = False) -> bool:
+    """Whether fla's kernel (``channels``: the per-channel-gate one) can be imported. Imports fla: call it only where
+    CUDA is meant to be used."""
+    return _load_fla(channels) is not None
 
 
 def choose_kernel(backend: str, device_type: str, dtype: torch.dtype, fla_importable: bool) -> str:
@@ -426,26 +466,29 @@ def fla_backward_refusal() -> str | None:
             "Triton >= 3.7.1, or tilelang, needed)")
 
 
-def _dispatch(backend: str, device_type: str, dtype: torch.dtype, needs_grad: bool) -> tuple[str, str | None]:
+def _dispatch(backend: str, device_type: str, dtype: torch.dtype, needs_grad: bool,
+              channels: bool = False) -> tuple[str, str | None]:
     """``(kernel, refusal)``: the kernel ``backend`` takes (:func:`choose_kernel`, imports fla only for CUDA half
-    inputs), and for a call that records a graph where fla's backward refuses (:func:`fla_backward_refusal`) the
-    reason, "auto" then taking "torch" and "fla" raising RuntimeError."""
+    inputs; ``channels``: per-channel gates, fla's ``chunk_kda``), and for a call that records a graph where fla's
+    backward refuses (:func:`fla_backward_refusal`, the per-head rule's guard: ``chunk_kda``'s backward has no
+    such guard in fla-core 0.6) the reason, "auto" then taking "torch" and "fla" raising RuntimeError."""
     fla_ok = (backend in ("auto", "fla") and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-              and fla_available())
+              and fla_available(channels))
     kernel = choose_kernel(backend, device_type, dtype, fla_ok)
-    refusal = fla_backward_refusal() if kernel == "fla" and needs_grad else None
+    refusal = fla_backward_refusal() if kernel == "fla" and needs_grad and not channels else None
     if refusal is not None and backend == "fla":
         raise RuntimeError(f"backend='fla' cannot take a pass that needs a gradient here: {refusal}")
     return ("torch" if refusal is not None else kernel), refusal
 
 
 def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad: bool = False,
-                      backend: str | None = None) -> str:
+                      backend: str | None = None, channels: bool = False) -> str:
     """The kernel ``backend`` (default :func:`default_backend`) takes for inputs on ``device`` in ``dtype``
-    (imports fla only for a CUDA device); "auto" with ``needs_grad`` (the call's output takes part in a backward):
-    "torch" where fla's backward refuses (:func:`fla_backward_refusal`; "fla" raises there)."""
+    (imports fla only for a CUDA device; ``channels``: per-channel gates); "auto" with ``needs_grad`` (the call's
+    output takes part in a backward): "torch" where fla's backward refuses (:func:`fla_backward_refusal`; "fla"
+    raises there)."""
     backend = default_backend() if backend is None else backend
-    return _dispatch(backend, torch.device(device).type, dtype, needs_grad)[0]
+    return _dispatch(backend, torch.device(device).type, dtype, needs_grad, channels)[0]
 
 
 _log = logging.getLogger(__name__)
@@ -490,7 +533,9 @@ def gated_delta_rule(
     fla always uses chunks of 64; a different ``chunk_size`` is ignored there (with a warning).
     """
     backend = default_backend() if backend is None else backend
-    kernel, refusal = _dispatch(backend, q.device.type, q.dtype, needs_grad(q, k, v, g, beta, initial_state))
+    _check(q, k, v, g, beta, initial_state)
+    kernel, refusal = _dispatch(backend, q.device.type, q.dtype, needs_grad(q, k, v, g, beta, initial_state),
+                                per_channel(g, q))
     if q.device.type != "meta":
         _log_kernel(kernel, q.device.type, q.dtype)
     if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
@@ -515,7 +560,6 @@ def gated_delta_rule(
             use_qk_l2norm=use_qk_l2norm,
             chunk_size=chunk_size,
         )
-    _check(q, k, v, g, beta, initial_state)
     if chunk_size != 64:
         warnings.warn(f"fla uses chunks of 64; chunk_size={chunk_size} is ignored", stacklevel=2)
     return _fla_call(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -525,9 +569,10 @@ def gated_delta_rule(
 def _fla_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None,
               initial_state: Tensor | None, output_final_state: bool,
               use_qk_l2norm: bool) -> tuple[Tensor, Tensor | None]:
-    """fla's ``chunk_gated_delta_rule`` on our layout (the dispatcher's fla branch, after its checks): q/k heads
-    repeated to the value heads, k/v/beta in q's dtype, g and the ``[B, Hv, Dk, Dv]`` state in float32 (fla's
-    ``state_v_first=False`` layout is ours). Device-agnostic: the dispatcher sends CUDA tensors only; the fla tests
+    """fla's ``chunk_gated_delta_rule`` (per-channel ``g [B, T, Hv, Dk]``: ``chunk_kda``, the same arguments) on our
+    layout (the dispatcher's fla branch, after its checks): q/k heads repeated to the value heads, k/v/beta in q's
+    dtype, g and the ``[B, Hv, Dk, Dv]`` state in float32 (fla's ``state_v_first=False`` layout is ours; its gates in
+    log space, computed outside the kernel). Device-agnostic: the dispatcher sends CUDA tensors only; the fla tests
     send CPU tensors under Triton's interpreter (tests/fla_interpret.py)."""
     rep = v.shape[2] // q.shape[2]
     if rep != 1:  # older fla versions need equal heads; repeating is cheap next to the kernel
@@ -537,7 +582,7 @@ def _fla_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     v = v.to(q.dtype)
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32)
-    o, final = _load_fla()(
+    o, final = _load_fla(per_channel(g, q))(
         q,
         k,
         v,
@@ -553,7 +598,8 @@ def _fla_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
 
 # ---------------------------------------------------------------------------------------------------------- transfer
 # The rule is affine in its initial state: over a piece of tokens, S_end = M S0 + S1 and o_t = o1_t + S0^T b_t with
-# M = prod_t exp(g_t)(I - beta_t k_t k_t^T) ([Dk, Dk] per head), S1 / o1 the piece from a zero state and b_t =
+# M = prod_t (I - beta_t k_t k_t^T) D_t ([Dk, Dk] per head; D_t the decay, per head or per key channel: the same
+# holds for both), S1 / o1 the piece from a zero state and b_t =
 # M_{<=t}^T q_t ([Dk] per token and head). Value columns never mix, so ONE call of any rule (the torch form or
 # fla's kernel) with Dk extra value columns, their values zero and their initial state the identity, returns all
 # four: the first Dv columns of its output and final state are (o1, S1), the last Dk are (b, M). Context

@@ -1,0 +1,105 @@
+"""Kimi Delta Attention (KDA): the linear-attention token mixer of Kimi-Linear.
+
+Gated DeltaNet with a decay per key channel instead of per head (Kimi-Linear tech report, 2025; transformers'
+``KimiLinearDeltaAttention``). Per token (HF names; ``H`` heads, ``D`` = ``linear_attn_config.head_dim`` for keys
+and values alike, ``HD = H * D``)::
+
+    q, k, v  = q_proj(x), k_proj(x), v_proj(x)          [HD] each
+    q, k, v  = silu(causal_conv1d([q|k|v]))             depthwise, kernel K, over the concatenated channels
+    beta     = sigmoid(b_proj(x))                        [H]
+    g        = -exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)    [H, D]: log decay per key channel
+    o, S     = gated_delta_rule(q, k, v, g, beta, S)     per-channel gates, q/k L2-normalised in the op
+    y        = o_proj(o_norm(o, g_b_proj(g_a_proj(x))))  per head: w * rmsnorm(o) * sigmoid(gate), in float32
+
+``f_a_proj`` / ``g_a_proj`` are rank-``D`` bottlenecks (``hidden -> D -> HD``). The forget gate's four tensors sit
+under ``forget_gate.`` as in transformers' in-memory model (``forget_gate.f_a_proj``, ``forget_gate.f_b_proj``,
+``forget_gate.dt_bias [HD]``, ``forget_gate.A_log [1, 1, H, 1]``); released checkpoints keep them directly under
+``self_attn.`` and store the conv as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` (``[HD, 1, K]`` each): the weight
+map (:mod:`longstraw.models.kimi`) renames and concatenates them.
+
+Everything else (the prompt state, the conv window, the prefix hooks context parallelism overrides, the kernel
+choice) is :class:`~longstraw.models.deltanet.DeltaRuleMixer`'s, shared with Gated DeltaNet; the rule is
+``ops.deltanet``'s with ``g [B, T, H, D]`` (fla's ``chunk_kda`` on a GPU). Left out: the bounded "safe gate"
+(``lower_bound * sigmoid(...)``) of later KDA models, which Kimi-Linear does not use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longstraw.models.deltanet import DeltaRuleMixer, check_conv_activation
+from longstraw.models.norms import GatedRMSNorm
+
+
+class ForgetGate(nn.Module):
+    """KDA's per-channel log decay: ``-exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)``."""
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(num_heads * head_dim))
+        a = torch.empty(1, 1, num_heads, 1)  # HF's init: A in [1, 16] (nothing to draw on meta)
+        self.A_log = nn.Parameter(a if a.is_meta else a.uniform_(1.0, 16.0).log())
+
+    def forward(self, pre: Tensor, cdt: torch.dtype) -> Tensor:
+        """``pre = f_b_proj(f_a_proj(x)) [B, T, HD]`` -> ``g [B, T, H, D]`` in ``cdt``."""
+        b, t, _ = pre.shape
+        u = (pre.to(cdt) + self.dt_bias.to(cdt)).view(b, t, self.num_heads, self.head_dim)
+        return -self.A_log.to(cdt).exp() * F.softplus(u)
+
+
+class KimiDeltaAttention(DeltaRuleMixer):
+    """The KDA token mixer (module docstring); parameter names are transformers' in-memory ones."""
+
+    per_channel = True
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, *, conv_kernel: int = 4, norm_eps: float = 1e-6,
+                 activation: str = "silu"):
+        super().__init__()
+        for name, v in (("linear_attn_config.num_heads", num_heads), ("linear_attn_config.head_dim", head_dim),
+                        ("linear_attn_config.short_conv_kernel_size", conv_kernel)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        check_conv_activation(activation)
+        self.num_k_heads = self.num_v_heads = num_heads
+        self.head_k_dim = self.head_v_dim = head_dim
+        self.key_dim = self.value_dim = num_heads * head_dim
+        self.conv_dim = 3 * self.key_dim
+        self.conv_kernel = conv_kernel
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.forget_gate = ForgetGate(hidden, num_heads, head_dim)
+        self.b_proj = nn.Linear(hidden, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, self.value_dim, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, norm_eps, activation="sigmoid", weight_in_float32=True)
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x ``[B, T, hidden]`` -> conv input ``[B, T, 3 HD]``, output gate ``[B, T, H, D]``, beta's logits
+        ``[B, T, H]``, the forget gate's pre-activation ``[B, T, HD]``."""
+        b, t, _ = x.shape
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        z = self.g_b_proj(self.g_a_proj(x)).view(b, t, self.num_v_heads, self.head_v_dim)
+        fg = self.forget_gate
+        return mixed, z, self.b_proj(x), fg.f_b_proj(fg.f_a_proj(x))
+
+    def _decay(self, pre: Tensor, cdt: torch.dtype) -> Tensor:
+        return self.forget_gate(pre, cdt)
+
+    def _output(self, o: Tensor, z: Tensor) -> Tensor:
+        b, t = o.shape[:2]
+        return self.o_proj(self.o_norm(o, z).reshape(b, t, self.value_dim))
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Forward FLOPs per token: projections (q, k, v, the two rank-D bottlenecks, beta, output), conv, and the
+        chunked rule with per-channel gates (chunk 64); independent of context."""
+        hidden, hd, d = self.o_proj.out_features, self.value_dim, self.head_v_dim
+        proj = 2.0 * hidden * (4 * hd + 2 * d + self.num_v_heads) + 2.0 * 2 * d * hd
+        return proj + self._rule_flops_per_token()
