@@ -4,7 +4,9 @@ inputs and one state per block kept, one block's graph re-run at a time), measur
 Two measurements, each method in a fresh process (so the CPU's resident set is the method's own):
 
 ``op``   the op alone, forward + backward, at one prefill chunk of a DeltaNet layer's shape (default: the ~1.2B
-         Qwen3.5-style hybrid of ``gpu_check.py``, 32 value / 16 key heads of 128, at 4,096 tokens): peak memory above
+         Qwen3.5-style hybrid of ``gpu_check.py``, 32 value / 16 key heads of 128, at 4,096 tokens; ``--gate
+         channel``: a decay per key channel, Kimi Delta Attention, e.g. Kimi-Linear's 32 heads of 128 with
+         ``--key-heads 32``): peak memory above
          the inputs (CPU: resident set with ``MALLOC_MMAP_THRESHOLD_=65536``; CUDA: ``max_memory_allocated``), the
          bytes the call holds for its backward (every storage saved for the backward, counted once), and time.
 ``step`` one exact-mode GRPO step of a small hybrid (4 layers, 3 of them Gated DeltaNet) on a long prompt: peak
@@ -46,7 +48,8 @@ def _op_inputs(args, torch, dev, dtype, seed=0):
 
     t, hk, hv = args.tokens, args.key_heads, args.heads
     xs = [rand(1, t, hk, args.dk), rand(1, t, hk, args.dk), rand(1, t, hv, args.dv),
-          (-0.1 * torch.rand(1, t, hv, generator=g)).to(dev, torch.float32),  # g: log decay, fp32 as the models
+          (-0.1 * torch.rand(1, t, hv, *((args.dk,) if args.gate == "channel" else ()), generator=g)).to(
+              dev, torch.float32),  # g: log decay (per head or per key channel), fp32 as the models
           torch.rand(1, t, hv, generator=g).to(dev, dtype),  # beta
           torch.randn(1, hv, args.dk, args.dv, generator=g).to(dev, torch.float32)]  # the state entering the chunk
     return [x.requires_grad_() for x in xs]
@@ -175,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--key-heads", type=int, default=16, help="op: query/key heads")
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--gate", choices=("head", "channel"), default="head",
+                    help="op: a log decay per head (Gated DeltaNet) or per key channel (Kimi Delta Attention)")
     ap.add_argument("--prompt-len", type=int, default=16384, help="step: prompt tokens")
     ap.add_argument("--prefill-chunk", type=int, default=4096, help="step: prefill / reverse-pass chunk")
     ap.add_argument("--response-len", type=int, default=64)
@@ -223,7 +228,7 @@ def main(argv=None) -> int:
         results[part] = {"rounds": rounds, "best": best}
         if part == "op":
             print(f"op: {args.tokens:,} tokens, {args.heads} value / {args.key_heads} key heads, Dk {args.dk}, "
-                  f"Dv {args.dv}, {args.dtype}, forward + backward")
+                  f"Dv {args.dv}, {args.dtype}, a decay per {args.gate}, forward + backward")
         else:
             r0 = best["plain"]
             print(f"step: exact GRPO step, hybrid {r0.get('params', 0):,} parameters {r0.get('layers')}, P "

@@ -159,6 +159,15 @@ FAMILY_CONFIGS = {
               "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64, "rope_theta": 5e5},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}},
+    # added 2026-12-06 (not yet run on a GPU): Kimi Delta Attention (per-channel decays: fla's chunk_kda on CUDA bf16,
+    # head size 32 as the hybrids' for Triton's tl.dot), NoPE MLA, sigmoid-routed MoE after a dense first layer
+    "kimi_linear": {"vocab_size": 61, "hidden_size": 48, "intermediate_size": 48, "moe_intermediate_size": 16,
+                    "num_hidden_layers": 3, "num_attention_heads": 4, "kv_lora_rank": 12, "q_lora_rank": None,
+                    "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5, "model_max_length": 512,
+                    "linear_attn_config": {"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4,
+                                           "kda_layers": [1, 3], "full_attn_layers": [2]},
+                    "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+                    "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
 }
 
 

@@ -35,3 +35,16 @@ def test_script_runs_both_parts_and_recompute_holds_less(tmp_path):
 def test_bad_parts_are_refused():
     run = subprocess.run([sys.executable, str(SCRIPT), "--parts", "op,steps"], capture_output=True, text=True)
     assert run.returncode == 2 and "--parts takes op and/or step (got ['steps'])" in run.stderr
+
+
+@pytest.mark.slow
+def test_script_runs_the_per_channel_gate(tmp_path):
+    """``--gate channel`` (Kimi Delta Attention's decay per key channel): the op part, both methods, the same
+    gradients."""
+    out = tmp_path / "kda.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--parts", "op", "--gate", "channel", "--json-out",
+                          str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "a decay per channel" in run.stdout and "max |plain - recompute| = 0" in run.stdout
+    op = json.loads(out.read_text())["op"]["best"]
+    assert op["recompute"]["held_bytes"] < op["plain"]["held_bytes"] / 4

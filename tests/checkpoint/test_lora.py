@@ -26,13 +26,14 @@ from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config,
-                          MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2MoeConfig, Qwen3Config,
-                          Qwen3MoeConfig, Qwen3NextConfig)
+                          GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig, LlamaConfig, MiniMaxM2Config,
+                          Ministral3Config, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
+from longstraw.models.kimi import tiny_config as kimi_tiny_config
 from longstraw.models.lora import LoRALinear, adapted_modules
 from longstraw.models.mla import set_mla_mode
 from longstraw.rl.optim import make_optimizer
@@ -138,6 +139,12 @@ FAMILIES = {
                                                              "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                              "llama_4_scaling_beta": 0.1}),
                    ATTN + MLP, None),
+    # Kimi Delta Attention (its low-rank forget and output gates, which the released layout keeps directly under
+    # self_attn) + NoPE MLA with one q_proj + DeepSeek-style MoE with a shared expert and a dense first layer
+    "kimi_linear": (lambda: KimiLinearConfig(**{k: v for k, v in kimi_tiny_config(vocab_size=V).items()
+                                                if k not in ("model_type", "architectures")}),
+                    ATTN + ["f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "kv_a_proj_with_mqa",
+                            "kv_b_proj"] + MLP, "absorbed"),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
             "glm4_moe_lite", "minimax_m2", "olmoe"}
@@ -337,10 +344,41 @@ def test_peft_saved_adapter_loads_and_merges(name, tmp_path):
     if FAMILIES[name][2] is not None:
         set_mla_mode(merged, FAMILIES[name][2], decompress_chunk=4)
     assert max_err(our_logits(merged, x), want) <= 1e-10
-    if name in ("llama", "glm_moe_dsa"):
+    if name in ("llama", "glm_moe_dsa", "kimi_linear"):  # kimi_linear: merged through the released layout's renames
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64,
                                                   experts_implementation="eager")
         assert max_err(hf_logits(hf.eval(), x), want) <= 1e-10
+
+
+def test_released_layout_adapter_loads_as_in_stock_peft(tmp_path):
+    """Kimi-Linear: an adapter keyed in the released checkpoint layout (what PEFT on the checkpoint's own modelling
+    code writes: the forget gate's projections directly under self_attn, the MoE block as block_sparse_moe) loads
+    here as stock PEFT loads it (transformers' renames apply to the adapter keys), with the same logits."""
+    name = "kimi_linear"
+    model = ours(name)
+    longstraw.save_adapter(model, tmp_path / "a")
+    released = {"self_attn.forget_gate.": "self_attn.", ".mlp.shared_experts.": ".block_sparse_moe.shared_experts."}
+
+    def to_released(sd):
+        for k in list(sd):
+            new = k
+            for a, b in released.items():
+                new = new.replace(a, b)
+            sd[new] = sd.pop(k)
+
+    _edit_tensors(tmp_path / "a", to_released)
+    keys = set(load_file(tmp_path / "a" / "adapter_model.safetensors"))
+    assert any(".self_attn.f_a_proj.lora_A." in k for k in keys) and not any(".forget_gate." in k for k in keys)
+    assert any(".block_sparse_moe.shared_experts." in k for k in keys)
+    pm = peft_load(name, tmp_path / "a")
+    assert peft_adapted(pm) == set(adapted_modules(model))
+    x = tokens(9)
+    want = hf_logits(pm, x)
+    assert max_err(our_logits(model, x), want) <= 1e-10
+    again = longstraw.load_adapter(load(name), tmp_path / "a")
+    assert max_err(our_logits(again, x), want) <= 1e-10
+    mine = dict(model.named_parameters())
+    assert all(torch.equal(mine[n], p) for n, p in again.named_parameters() if ".lora_" in n)
 
 
 def test_load_model_with_lora_equals_add_lora(tmp_path):

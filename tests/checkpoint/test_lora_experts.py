@@ -32,7 +32,7 @@ BOTH = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # family: the module targets beside the experts (none of PEFT's re-targeted MLP names)
 OTHER = {"qwen3_next": ["q_proj", "in_proj_qkvz", "shared_expert_gate"], "qwen3_5_moe": ["q_proj", "out_proj"],
          "deepseek_v3": ["q_a_proj", "kv_b_proj"], "mixtral": ["q_proj", "o_proj"],
-         "minimax_m2": ["k_proj"], "gpt_oss": ["q_proj", "o_proj"]}
+         "minimax_m2": ["k_proj"], "gpt_oss": ["q_proj", "o_proj"], "kimi_linear": ["q_proj", "f_a_proj", "kv_b_proj"]}
 FAMS = sorted(OTHER)
 
 
@@ -115,7 +115,7 @@ def test_round_trip_and_merge(name, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- gradients
 @pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
-@pytest.mark.parametrize("name", ["qwen3_next", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_next", "deepseek_v3", "gpt_oss", "kimi_linear"])
 def test_grads_equal_peft_reference(name, prompt_grad, tmp_path):
     """grpo_backward's gradients of every expert's lora_A / lora_B (lora_grads, PEFT's keys) equal the naive
     full-graph GRPO loss's on stock PEFT's model (its adapters folded into the fused weights by parametrisation)."""

@@ -13,6 +13,7 @@ import torch
 
 from longstraw import GRPOConfig
 from longstraw.cli import main
+from longstraw.models.kimi import tiny_config as kimi_config
 from longstraw.planner import BREAKDOWN_KEYS, naive_step_bytes, plan
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -59,6 +60,14 @@ MOE_PROBE = {"qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 128, "inter
              "mixtral": {"model_type": "mixtral", "hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
                          "num_attention_heads": 4, "num_key_value_heads": 4, "num_local_experts": 8,
                          "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 20000}}
+# Kimi-Linear: KDA (per-channel decays: the torch rule's pairwise [C, C, Dk] per chunk), NoPE MLA, sigmoid MoE
+# (planned 0.973x measured exact, 0.987x detached, 2026-12-06)
+MOE_PROBE["kimi_linear"] = kimi_config(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_token=2,
+        vocab_size=512, model_max_length=20000,
+        linear_attn_config={"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4],
+                            "full_attn_layers": [3]})
 
 
 # prompts long enough that the state dominates the few MiB of resident-set noise of a CPU process
@@ -66,7 +75,8 @@ MOE_PROBE = {"qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 128, "inter
 @pytest.mark.parametrize("mode,p,g,chunk,lora,model", [
     ("detached", 16384, 2, 2048, None, "dense"), ("exact", 16384, 4, 2048, None, "dense"),
     ("exact", 12000, 2, 1024, None, "dense"), ("exact", 12000, 2, 1024, LORA, "dense"),
-    ("exact", 12000, 2, 1024, None, "qwen3_moe"), ("detached", 16384, 2, 2048, None, "mixtral")])
+    ("exact", 12000, 2, 1024, None, "qwen3_moe"), ("detached", 16384, 2, 2048, None, "mixtral"),
+    ("exact", 12000, 2, 1024, None, "kimi_linear")])
 def test_prediction_within_ten_percent_of_measured(mode, p, g, chunk, lora, model):
     cfg = MOE_PROBE.get(model, DENSE)
     pl = plan(cfg, prompt_len=p, response_len=48, group=g, cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=chunk),
@@ -730,6 +740,11 @@ MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 48, 
            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 6, "num_experts_per_tok": 2,
            "vocab_size": 300, "max_position_embeddings": 8192}
 MINIMAX = {**MIXTRAL, "model_type": "minimax_m2", "head_dim": 16, "rotary_dim": 8}
+# Kimi-Linear's released layer pattern at 40 layers (deep enough that sampling saves runs): 3 KDA, 1 MLA, ...,
+# the last layer MLA; the first dense
+KIMI = kimi_config(num_hidden_layers=40, linear_attn_config={
+    "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": list(range(4, 41, 4)),
+    "kda_layers": [i for i in range(1, 41) if i % 4]})
 
 
 def _deep_hybrid(n=32):
@@ -743,7 +758,8 @@ def _deep_hybrid(n=32):
                                             ("hybrid", "detached", True), ("hybrid", "exact", True),
                                             ("mla_moe", "exact", False), ("dense", "exact", False),
                                             ("dense", "detached", True), ("qwen3_moe", "exact", False),
-                                            ("mixtral", "detached", True), ("minimax_m2", "exact", True)])
+                                            ("mixtral", "detached", True), ("minimax_m2", "exact", True),
+                                            ("kimi", "exact", False), ("kimi", "detached", True)])
 def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     """The planner dry-runs a few layers (the first and the last, the prefix and suffix around a repeating period
     of layer kinds, and 2 or 3 of its periods) and combines the runs for the whole depth, each role's peak apart:
@@ -754,7 +770,7 @@ def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     import longstraw.planner as planner
 
     cfg = {"hybrid": _deep_hybrid(), "mla_moe": MLA_MOE, "dense": {**DENSE, "num_hidden_layers": 16},
-           "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "minimax_m2": MINIMAX}[name]
+           "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "minimax_m2": MINIMAX, "kimi": KIMI}[name]
     kw = dict(prompt_len=1500, response_len=16, group=2, dtype="float32",
               cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=512, checkpoint_layers=ckpt))
     assert planner.layer_samples(_meta_model(cfg, torch.float32)) is not None
@@ -954,3 +970,24 @@ def test_cp_plans_of_deltanet_models_rehearse_the_state_scan(monkeypatch):
     plain = plan(cfg, **kw)
     assert scan.breakdown["prefill_chunk"] > plain.breakdown["prefill_chunk"]
     assert "deltanet_cp" not in plan(cfg, **{**kw, "gpus": 1, "cp": 1}).settings["assumptions"]
+
+
+def test_released_kimi_linear_config_plans_on_meta():
+    """Kimi-Linear-48B-A3B's published config.json (tests/planner/configs/, config only): 49.1B parameters, its
+    20 KDA and 7 NoPE MLA layers where linear_attn_config puts them; the 1M-token LoRA step with experts split over
+    8 H100s fits (the state scan rehearsed for the KDA layers), and the plan names the per-channel rule."""
+    from longstraw.models.kda import KimiDeltaAttention
+    from longstraw.planner import _meta_model
+
+    cfg = json.loads((Path(__file__).parent / "configs" / "kimi-linear-48b-a3b.json").read_text())
+    model = _meta_model(cfg, torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == 49_122_675_072
+    kda = [i + 1 for i, layer in enumerate(model.layers) if isinstance(layer.mixer, KimiDeltaAttention)]
+    assert kda == cfg["linear_attn_config"]["kda_layers"]
+    pl = plan(cfg, prompt_len=1 << 20, response_len=1024, group=8, gpus=8, cp=8, ep=8, gpu_mem=80 << 30,
+              max_positions=4 << 20, lora=dict(rank=16, alpha=32, target_modules="all-linear"),
+              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=4096, checkpoint_layers=True))
+    assert pl.fits and pl.peak_bytes < 24 << 30
+    assert "state scan over cp=8" in pl.settings["assumptions"]["deltanet_cp"]
+    assert pl.settings["assumptions"]["layers"] == ("1 x KimiDeltaAttention + GatedMLP, 19 x KimiDeltaAttention + "
+                                                    "SparseMoeBlock, 7 x MLAttention + SparseMoeBlock")

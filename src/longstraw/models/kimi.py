@@ -137,6 +137,13 @@ def sparse_layers(cfg: dict, r: ConfigReader, n: int) -> list[bool]:
     return [t == "sparse" for t in types]
 
 
+def _max_positions(r: ConfigReader) -> int:
+    """``model_max_length``; ``max_position_embeddings`` (transformers' name for it) wins where both are set: it is
+    what ``longstraw plan --max-positions`` sets (NoPE and KDA read no positions, so nothing else depends on it)."""
+    return r.positive("max_position_embeddings" if r.cfg.get("max_position_embeddings") is not None
+                      else "model_max_length")
+
+
 def _refuse_unsupported(cfg: dict, r: ConfigReader) -> None:
     for key, allowed in (("mla_use_nope", True), ("moe_router_activation_func", "sigmoid"), ("moe_layer_freq", 1),
                          ("tie_word_embeddings", False)):  # transformers' KimiLinearForCausalLM ties nothing
@@ -174,7 +181,7 @@ def build(cfg: dict) -> CausalLM:
     hidden = r.positive("hidden_size")
     spec = ModelSpec(
         model_type="kimi_linear", vocab_size=r.positive("vocab_size"), hidden_size=hidden, num_layers=n,
-        max_position_embeddings=r.positive(_key(r.cfg, "model_max_length")),
+        max_position_embeddings=_max_positions(r),
         tie_word_embeddings=False, eos_token_id=cfg.get("eos_token_id"),
         bos_token_id=cfg.get("bos_token_id"), pad_token_id=cfg.get("pad_token_id"),
     )
@@ -212,7 +219,9 @@ _LOAD = [(r"\.block_sparse_moe\.", ".mlp."),
          (r"(\.mlp\.experts\.\d+)\.w1\.weight$", r"\1.gate_proj.weight"),
          (r"(\.mlp\.experts\.\d+)\.w3\.weight$", r"\1.up_proj.weight"),
          (r"(\.mlp\.experts\.\d+)\.w2\.weight$", r"\1.down_proj.weight"),
-         (r"\.self_attn\.(f_a_proj|f_b_proj)\.weight$", r".self_attn.forget_gate.\1.weight"),
+         # the module part, as transformers renames it: a PEFT adapter's keys in the released layout
+         # (``...self_attn.f_a_proj.lora_A.weight``, which stock PEFT loads) too
+         (r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1."),
          (r"\.self_attn\.(dt_bias|A_log)$", r".self_attn.forget_gate.\1")]
 # saving maps back only parameters' own names: a PEFT adapter's keys (``...forget_gate.f_a_proj.lora_A.weight``,
 # ``...mlp.shared_experts.up_proj.lora_B.weight``) are transformers' in-memory names and stay as they are
