@@ -354,3 +354,29 @@ def test_state_offload_trains_alike(tmp_path):
         {k: v for k, v in r.items() if k not in drop} for r in b]
     for (n, p), q in zip(plain.model.named_parameters(), moved.model.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_builtin_kimi_trains_resumes_exactly_and_exports_for_transformers(tmp_path):
+    """model.builtin = "tiny-kimi" (Kimi Delta Attention + NoPE MLA + MoE), exact mode: the run's metrics and
+    weights repeat bit for bit when resumed from step 1, and the checkpoint's model loads in transformers
+    (KimiLinearForCausalLM) with our logits."""
+    from transformers import AutoModelForCausalLM
+
+    import longstraw
+
+    args = ['model.builtin="tiny-kimi"', "train.steps=2", "train.save_every=1", "algorithm.prompt_grad=\"exact\""]
+    Trainer(_cfg(tmp_path / "a", *args), resume=False, echo=lambda *_: None).train()
+    b = tmp_path / "b"
+    Trainer(_cfg(b, *args[:1], "train.steps=1", *args[2:]), resume=False, echo=lambda *_: None).train()
+    Trainer(_cfg(b, *args), resume=True, echo=lambda *_: None).train()
+    assert _stable(read_metrics(tmp_path / "a")) == _stable(read_metrics(b))
+    assert read_metrics(b)[0]["delta_rule_kernel"]
+    model_dir = checkpoint_dirs(tmp_path / "a")[-1] / "model"
+    ours = longstraw.load_model(model_dir, dtype="float32")
+    assert type(ours.layers[0].mixer).__name__ == "KimiDeltaAttention"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    ids = torch.randint(0, ours.spec.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max() <= 1e-4
+    again = longstraw.load_model(checkpoint_dirs(b)[-1] / "model", dtype="float32")
+    assert all(torch.equal(p, q) for (_, p), (_, q) in zip(ours.named_weights(), again.named_weights()))

@@ -25,6 +25,8 @@ choice) is :class:`~longstraw.models.deltanet.DeltaRuleMixer`'s, shared with Gat
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -41,8 +43,14 @@ class ForgetGate(nn.Module):
         self.num_heads, self.head_dim = num_heads, head_dim
         self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
         self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.zeros(num_heads * head_dim))
-        a = torch.empty(1, 1, num_heads, 1)  # HF's init: A in [1, 16] (nothing to draw on meta)
+        # transformers' init (fla's): A in [1, 16]; dt_bias the inverse softplus of dt in [1e-3, 0.1] (log-uniform),
+        # so a fresh layer decays by exp(-A dt) per token, within [0.2, 1); nothing to draw on meta
+        dt = torch.empty(num_heads * head_dim)
+        if not dt.is_meta:
+            dt = dt.uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            dt = dt + torch.log(-torch.expm1(-dt))
+        self.dt_bias = nn.Parameter(dt)
+        a = torch.empty(1, 1, num_heads, 1)
         self.A_log = nn.Parameter(a if a.is_meta else a.uniform_(1.0, 16.0).log())
 
     def forward(self, pre: Tensor, cdt: torch.dtype) -> Tensor:

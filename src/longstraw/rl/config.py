@@ -81,7 +81,7 @@ class _Section:
                 raise ValueError(f"{name}.{f.name}={value!r} must be a {typ.__name__}")
 
 
-BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense", "tiny-moe")
+BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense", "tiny-moe", "tiny-kimi")
 MODEL_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
@@ -93,7 +93,9 @@ class ModelSection(_Section):
                          "built-in random model named by model.builtin")
     builtin: str = _key("tiny-hybrid", "the built-in random model used when model.path is empty: tiny-hybrid "
                                        "(Gated DeltaNet + attention, Qwen3.5-style), tiny-dense (Llama-style) or tiny-moe (the hybrid with 8 "
-                                       "routed experts, top-2, and a shared expert in every layer: Qwen3.5-MoE-style)")
+                                       "routed experts, top-2, and a shared expert in every layer: Qwen3.5-MoE-style) "
+                                       "or tiny-kimi (Kimi-Linear-style: Kimi Delta Attention, NoPE MLA, "
+                                       "sigmoid-routed MoE)")
     dtype: str = _key("float32", "the model's dtype (its compute dtype; the checkpoint is read into it): float32, "
                                  "float64, bfloat16 or float16 (bfloat16/float16: see model.master_weights)")
     compute_dtype: str | None = _key(None, "autocast compute dtype over float32 parameters: bfloat16 or float16 "

@@ -150,7 +150,17 @@ def builtin_model_config(name: str, vocab_size: int, max_positions: int) -> dict
         return tiny_config(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
                            vocab_size=vocab_size, max_position_embeddings=max_positions, num_experts=8,
                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    raise ValueError(f"unknown built-in model {name!r}; allowed: 'tiny-hybrid', 'tiny-dense', 'tiny-moe'")
+    if name == "tiny-kimi":  # Kimi Delta Attention (a decay per key channel), NoPE MLA, sigmoid-routed MoE
+        from longstraw.models.kimi import tiny_config as kimi_config
+
+        return kimi_config(vocab_size=vocab_size, model_max_length=max_positions, hidden_size=64,
+                           intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_attention_heads=4,
+                           num_key_value_heads=4,  # transformers' MLA attention wants as many as query heads
+                           kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                           linear_attn_config={"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+                                               "kda_layers": [1, 2, 4], "full_attn_layers": [3]})
+    raise ValueError(f"unknown built-in model {name!r}; allowed: 'tiny-hybrid', 'tiny-dense', 'tiny-moe', "
+                     "'tiny-kimi'")
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
