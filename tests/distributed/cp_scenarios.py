@@ -163,15 +163,20 @@ def generate(paths, *, family="llama", fsdp=False, mla_mode=None):
 
 
 def state_bytes(paths, *, family="llama"):
-    """Per-rank prompt-state bytes of a longer prompt, as PromptState.nbytes() reports them."""
+    """Per-rank prompt-state bytes of a longer prompt, as PromptState.nbytes() reports them; per layer, its bytes and
+    whether it keeps a recurrent state (DeltaNet, KDA: the O(1) state after the prompt, on every rank under CP)."""
+    from longstraw.distributed.cp_recurrent import ShardedRecurrentState
     from longstraw.engine.prefill import prefill
+    from longstraw.models.deltanet import RecurrentState
 
     model = longstraw.load_model(paths[family])
     prompt, _, _ = group(10, 98, [1])
     st = prefill(model, prompt[:-1], 8)
-    first = getattr(st.layers[0], "local", st.layers[0])
+    recurrent = [isinstance(ls, (RecurrentState, ShardedRecurrentState)) for ls in st.layers]
+    first = next(getattr(ls, "local", ls) for ls, rec in zip(st.layers, recurrent) if not rec)
     buf = first.k if hasattr(first, "k") else first.lat  # K/V or MLA latents [1, H, positions, D]
-    return {"nbytes": st.nbytes(), "positions": buf.shape[2]}
+    return {"nbytes": st.nbytes(), "positions": buf.shape[2],
+            "layers": [(ls.nbytes(), rec) for ls, rec in zip(st.layers, recurrent)]}
 
 
 def window_state_bytes(paths, *, family="gemma3_w5", exact=False):
@@ -565,6 +570,19 @@ SCENARIOS = {
     "lite_exact": lambda p: grpo_two_groups(p, family="glm4_moe_lite", mla_mode="absorbed"),
     "lite_detached": lambda p: grpo_two_groups(p, family="glm4_moe_lite", prompt_grad="detached",
                                                mla_mode="decompressed"),
+    # Kimi-Linear (kimi_linear): KDA layers (the delta rule with a decay per key channel, on the DeltaNet state
+    # scan), NoPE MLA (latents sharded), sigmoid-routed MoE; both MLA forms
+    "kimi_exact": lambda p: grpo_two_groups(p, family="kimi_linear", mla_mode="absorbed"),
+    "kimi_detached": lambda p: grpo_two_groups(p, family="kimi_linear", prompt_grad="detached", chunk=4,
+                                               branch_batch=2, mla_mode="decompressed"),
+    "kimi_generate": lambda p: generate(p, family="kimi_linear"),
+    "kimi_state_bytes": lambda p: state_bytes(p, family="kimi_linear"),
+    "kimi_exact_kept": lambda p: grpo_two_groups(p, family="kimi_linear", graph_budget=1 << 30),
+    # frozen but the top attention's queries, as next_exact_q_only: the MLA layer's (layer 2 of KDA, KDA, MLA, KDA;
+    # "q_proj" alone would train every KDA layer's queries too): the KDA layers below have nothing to differentiate,
+    # the frozen KDA layer above scans its state's gradient back to the prompt's MLA outputs
+    "kimi_exact_q_only": lambda p: grpo_two_groups(p, family="kimi_linear",
+                                                   train_only="layers.2.self_attn.q_proj"),
 }
 
 

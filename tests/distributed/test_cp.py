@@ -13,8 +13,9 @@ scenarios per launch (cp_scenarios.py) to keep start-up cost low:
   calls);
 * 2 and 4 ranks, the MoE families: DeepSeek-V3 (MLA latents, the form "auto" picks),
   GLM-5 (MLA + DSA sparse indexer with a shared indexer layer, its top-k over the sharded prompt), DeepSeek-V3.2
-  (2 ranks), GLM-4.5 (GQA + MoE) and Qwen3-Next (DeltaNet + MoE): exact and detached, FSDP2 on 2 ranks (MLA; DSA
-  with checkpointed layers and batched branches), generate, score, per-rank state bytes;
+  (2 ranks), GLM-4.5 (GQA + MoE), Qwen3-Next (DeltaNet + MoE) and Kimi-Linear (KDA + NoPE MLA + MoE): exact and
+  detached, FSDP2 on 2 ranks (MLA; DSA with checkpointed layers and batched branches), generate, score, per-rank
+  state bytes;
 * 2 and 4 ranks, sliding windows the groups reach past (the replicated tails and halo exchange of
   ``distributed/cp_window.py``): Gemma 3 with a window of 5 and GPT-OSS (attention sinks, windows of 4): exact and
   detached, checkpointed layers, offloads, FSDP2, score, generate, the tails each rank keeps.
@@ -31,13 +32,14 @@ from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
 from transformers import (DeepseekV3Config, DeepseekV32Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, GptOssConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig,
-                          Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+                          GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig,
+                          OlmoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
 from longstraw import distributed
+from longstraw.models.kimi import tiny_config as kimi_tiny_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,10 +60,11 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "dsa_ring_exact", "dsa_ring_score", "dsa_ring_generate", "v32_exact", "glm4_moe_exact", "glm4_moe_detached",
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
         "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact",
-        "olmoe_detached", "gemma3_exact", "v3_exact_kept", "dsa_exact_kept", "next_exact_q_only"]
+        "olmoe_detached", "gemma3_exact", "v3_exact_kept", "dsa_exact_kept", "next_exact_q_only", "kimi_exact",
+        "kimi_detached", "kimi_generate", "kimi_state_bytes", "kimi_exact_kept"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
-        "next_detached"]
+        "next_detached", "kimi_exact", "kimi_detached"]
 # MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
 # whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2,
 # checkpointed layers with batched branches, score, generate (decoding over the generated tokens' latents), the
@@ -80,18 +83,20 @@ FSDP_CP1_W4 = ["exact", "hybrid_exact", "v3_detached", "fp32_exact", "dp_sum_fsd
                "v3_dp_sum_fsdp"]
 # kept prompt-step graphs under FSDP: every rank on one prompt (cp = the world size)
 FSDP_CP2_W2 = ["kept_exact", "kept_split", "exact", "hybrid_exact", "v3_exact", "hybrid_fp32_exact",
-               "hybrid_exact_kept", "registered_shards"]
+               "hybrid_exact_kept", "registered_shards", "kimi_exact", "kimi_exact_kept"]
 FSDP_CP4_W4 = ["exact", "hybrid_exact", "v3_exact", "fp32_exact", "kept_exact", "hybrid_exact_kept"]
 HSDP = ["exact", "dp_sum_fsdp", "hybrid_exact"]
 # expert parallelism (init_distributed(cp, fsdp=True, ep=E)): the MoE gradient scenarios against one process, the
 # routed-expert bytes and values per rank, save_model of the split experts, the one-line init errors
 EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_save", "ep_init", "gpt_oss_exact",
-       "gpt_oss_detached", "gpt_oss_ep_experts", "gpt_oss_ep_save"]
+       "gpt_oss_detached", "gpt_oss_ep_experts", "gpt_oss_ep_save", "kimi_exact"]
 EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
            "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt",
-           "q3moe_exact", "mixtral_detached", "minimax_exact", "gpt_oss_exact", "gpt_oss_detached",
+           "q3moe_exact", "mixtral_detached", "minimax_exact", "gpt_oss_exact", "gpt_oss_detached", "kimi_exact",
+           "kimi_detached",
            # frozen models but for the top attention: a MoE layer has work to differentiate on one CP rank only
-           "next_exact_q_only", "q35moe_exact_q_only", "v3_exact_kept_top_only", "next_exact_kept"]
+           "next_exact_q_only", "q35moe_exact_q_only", "v3_exact_kept_top_only", "next_exact_kept",
+           "kimi_exact_q_only"]
 EP4 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "ep_init", "gpt_oss_exact",
        "gpt_oss_ep_experts"]
 EP2_CP2_W4 = ["v3_exact", "v3_detached", "next_exact", "v3_dp_sum_fsdp", "ep_experts", "ep_save", "ep_init",
@@ -192,7 +197,10 @@ def paths():
                                    num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
                                    swiglu_limit=1.5, pad_token_id=None, eos_token_id=None, bos_token_id=None),
            "glm4_moe_lite": Glm4MoeLiteConfig(**{k: v for k, v in _MOE.items() if k != "first_k_dense_replace"},
-                                              **_MLA)}
+                                              **_MLA),
+           # KDA, KDA, NoPE MLA, KDA; sigmoid-routed MoE but for the first layer
+           "kimi_linear": KimiLinearConfig(**{k: v for k, v in kimi_tiny_config(vocab_size=V).items()
+                                              if k not in ("model_type", "architectures")})}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
            "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
            "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}
@@ -290,16 +298,28 @@ def check_score(ranks, single, name="score"):
 
 
 def check_state_bytes(ranks, single, job, name="state_bytes"):
-    """Each rank holds ~1/R of the single-process prompt state (PromptState.nbytes()); nothing twice."""
+    """Each rank holds ~1/R of the single-process K/V and latents (PromptState.nbytes()); nothing twice. A recurrent
+    layer's O(1) state (DeltaNet, KDA; detached: the state after the prompt) is whole on every rank, as in one
+    process."""
     world = JOBS[job][1]
     want = single(name)
     got = _result(ranks, name)
-    nbytes = [g["nbytes"] for g in got]
-    assert sum(nbytes) == want["nbytes"]
+    recurrent = [i for i, (_, rec) in enumerate(want["layers"]) if rec]
+    for r, g in enumerate(got):
+        assert [rec for _, rec in g["layers"]] == [rec for _, rec in want["layers"]], (r, g["layers"])
+        assert sum(b for b, _ in g["layers"]) == g["nbytes"], (r, g["layers"], g["nbytes"])
+        for i in recurrent:
+            assert g["layers"][i][0] == want["layers"][i][0], (r, i, g["layers"][i], want["layers"][i])
+
+    def sharded(res):
+        return res["nbytes"] - sum(res["layers"][i][0] for i in recurrent)
+
+    nbytes, total = [sharded(g) for g in got], sharded(want)
+    assert sum(nbytes) == total
     for r, b in enumerate(nbytes):
-        assert abs(b - want["nbytes"] / world) <= 0.05 * want["nbytes"] / world, (r, b, want["nbytes"])
-    print(f"\n{job} {name}: single-process prompt state {want['nbytes']} B; per rank {nbytes} "
-          f"(positions {[g['positions'] for g in got]} of {want['positions']})")
+        assert abs(b - total / world) <= 0.05 * total / world, (r, b, total)
+    print(f"\n{job} {name}: single-process prompt state {want['nbytes']} B; per rank {[g['nbytes'] for g in got]} "
+          f"(positions {[g['positions'] for g in got]} of {want['positions']}; recurrent layers {recurrent})")
 
 
 def check_window_state_bytes(ranks, single, job, name):
