@@ -37,7 +37,8 @@ a. Exactness on the device (``--a-s``, default 150 s). For every model family th
    (``cp_recurrent.rehearsal_prefix``: the rule called with ``Dv + Dk`` value columns and an identity initial state,
    then composed) against the plain prefix, without and with a graph (fla's forward in the first where it imports):
    output and final state, ``||x - ref|| / ||ref||``, pass at SCAN_TOL (added 2026-12-05, not yet run on a GPU;
-   on the CPU ~1e-7 in float32).
+   on the CPU ~1e-7 in float32); the same for a Kimi Delta Attention mixer (4 heads of 128, per-channel decays:
+   fla's ``chunk_kda``; added 2026-12-06).
 b. The engine's figures on a ~1.1B Qwen3.5-style hybrid (the rest of ``--budget-s``, default 480 s): prefill tokens/s
    and MFU; one GRPO step per mode (detached, exact) and G in ``--groups``: peak memory above the post-load baseline,
    seconds per phase, REPLAY tokens/s (``G x R / replay seconds``); rollout decoding of G=max(groups) branches from
@@ -385,28 +386,33 @@ def _scan_check(dev, smoke: bool) -> dict:
 
     from longstraw.distributed.cp_recurrent import rehearsal_prefix
     from longstraw.models.deltanet import GatedDeltaNet, RecurrentPrefix
+    from longstraw.models.kda import KimiDeltaAttention
 
     out: dict = {}
     try:
         d, t = (16, 24) if smoke else (128, 256)
-        for dtype_name in ("float32", "bfloat16"):
-            dt = getattr(torch, dtype_name)
-            torch.manual_seed(0)
-            m = GatedDeltaNet(4 * d, 2, 4, d, d)
-            with torch.no_grad():  # slow decays (A in [0.01, 0.2], not [0.01, 16]): the initial state matters
-                m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 0.2).log())
-            m = m.to(device=dev, dtype=dt)
-            x = torch.randn(1, t, 4 * d, device=dev, dtype=dt)
-            plain = RecurrentPrefix(torch.randn(1, m.conv_dim, 3, device=dev, dtype=dt),
-                                    torch.randn(1, 4, d, d, device=dev) * 0.1)
-            for name, grad in (("prefill", False), ("grad", True)):
-                with torch.set_grad_enabled(grad):
-                    xi = x.detach().requires_grad_(grad)
-                    y0, (_, s0) = m(xi, None, plain)
-                    y1, (_, s1) = m(xi, None, rehearsal_prefix(plain, 1, t))
-                err = {"out": _rel(y1.detach().float(), y0.detach().float())[0],
-                       "state": _rel(s1.detach().float(), s0.detach().float())[0]}
-                out[f"{dtype_name} {name}"] = {**err, "ok": max(err.values()) <= SCAN_TOL[dtype_name]}
+        # Gated DeltaNet (a decay per head) and, added 2026-12-06, Kimi Delta Attention (per key channel: chunk_kda)
+        for kind, make in (("", lambda: GatedDeltaNet(4 * d, 2, 4, d, d)),
+                           ("kda ", lambda: KimiDeltaAttention(4 * d, 4, d))):
+            for dtype_name in ("float32", "bfloat16"):
+                dt = getattr(torch, dtype_name)
+                torch.manual_seed(0)
+                m = make()
+                a_log = m.forget_gate.A_log if kind else m.A_log
+                with torch.no_grad():  # slow decays (A in [0.01, 0.2], not up to 16): the initial state matters
+                    a_log.copy_(torch.empty_like(a_log).uniform_(0.01, 0.2).log())
+                m = m.to(device=dev, dtype=dt)
+                x = torch.randn(1, t, 4 * d, device=dev, dtype=dt)
+                plain = RecurrentPrefix(torch.randn(1, m.conv_dim, 3, device=dev, dtype=dt),
+                                        torch.randn(1, 4, d, d, device=dev) * 0.1)
+                for name, grad in (("prefill", False), ("grad", True)):
+                    with torch.set_grad_enabled(grad):
+                        xi = x.detach().requires_grad_(grad)
+                        y0, (_, s0) = m(xi, None, plain)
+                        y1, (_, s1) = m(xi, None, rehearsal_prefix(plain, 1, t))
+                    err = {"out": _rel(y1.detach().float(), y0.detach().float())[0],
+                           "state": _rel(s1.detach().float(), s0.detach().float())[0]}
+                    out[f"{kind}{dtype_name} {name}"] = {**err, "ok": max(err.values()) <= SCAN_TOL[dtype_name]}
         out["ok"] = all(v["ok"] for v in out.values())
     except Exception as e:
         out.update(_error(e))

@@ -86,4 +86,5 @@ def force_fla(monkeypatch: pytest.MonkeyPatch) -> None:
     from longstraw.ops import deltanet
 
     monkeypatch.setattr(deltanet, "_dispatch",
-                        lambda backend, device_type, dtype, needs_grad: ("torch" if backend == "torch" else "fla", None))
+                        lambda backend, device_type, dtype, needs_grad, channels=False:
+                        ("torch" if backend == "torch" else "fla", None))

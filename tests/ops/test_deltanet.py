@@ -52,9 +52,11 @@ def test_grouped_value_heads_and_explicit_scale():
     torch.testing.assert_close(o, eo, **TOL)
 
 
-def test_strong_decay_is_finite():
-    """g as low as -60 per token: the chunk-internal decay products underflow instead of overflowing."""
-    inputs = make_inputs(T=100, decay=60.0, seed=5)
+@pytest.mark.parametrize("channels", [False, True])
+def test_strong_decay_is_finite(channels):
+    """g as low as -60 per token (per head, or per key channel: the pairwise decays): the chunk-internal decay
+    products underflow instead of overflowing."""
+    inputs = make_inputs(T=100, decay=60.0, seed=5, channels=channels)
     o, s = run(chunk_gated_delta_rule, inputs, chunk_size=64)
     ro, rs = run(recurrent_gated_delta_rule, inputs)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -231,18 +233,6 @@ def test_per_channel_odd_chunk_and_block_sizes_and_grouped_heads(chunk_size, blo
     torch.testing.assert_close(o, ro, **TOL)
     torch.testing.assert_close(s, rs, **TOL)
     assert_all_close(grads(o, s, inputs), grads(ro, rs, inputs), **GTOL)
-
-
-def test_per_channel_strong_decay_is_finite():
-    """Per-channel decays as low as -60 per token: the pairwise decays underflow instead of overflowing."""
-    inputs = make_inputs(T=100, decay=60.0, seed=5, channels=True)
-    o, s = run(chunk_gated_delta_rule, inputs, chunk_size=64)
-    ro, rs = run(recurrent_gated_delta_rule, inputs)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    torch.testing.assert_close(o, ro, **TOL)
-    gs = grads(o, s, inputs)
-    assert all(torch.isfinite(x).all() for x in gs)
-    assert_all_close(gs, grads(ro, rs, inputs), **GTOL)
 
 
 @pytest.mark.parametrize("pieces", [[1, 36], [5, 17, 15]])

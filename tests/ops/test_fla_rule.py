@@ -85,26 +85,6 @@ def test_fla_kda_matches_the_float64_rule(shape, dtype):
     check(make_inputs(**shape, decay=0.5, seed=shape["T"] + 1, channels=True), dtype)
 
 
-def test_fla_kda_runs_the_scans_transfer_call():
-    """The CP scan's transfer call with per-channel gates through ``chunk_kda`` (Dv + Dk value columns from the
-    identity), composed over two pieces, equals the float64 rule from the true state."""
-    inputs64 = make_inputs(B=1, T=90, Hk=2, H=2, Dk=16, Dv=16, decay=0.5, seed=6, channels=True)
-    ref = run(chunk_gated_delta_rule, inputs64)
-    ref_grads = grads(*ref, inputs64)
-    q, k, v, g, beta, s0 = [x.detach().float().requires_grad_() for x in inputs64]
-    dk, dv = q.shape[-1], v.shape[-1]
-    outs, state = [], s0
-    for sl in (slice(0, 50), slice(50, 90)):
-        v2, init = deltanet.transfer_inputs(v[:, sl], dk)
-        o_full, s_full = fla(q[:, sl], k[:, sl], v2, g[:, sl], beta[:, sl], initial_state=init)
-        o, state = deltanet.apply_initial(o_full, s_full, state, dv)
-        outs.append(o)
-    o = torch.cat(outs, dim=1)
-    got = [rel(o, ref[0]), rel(state, ref[1])] + [rel(a, b) for a, b in
-                                                  zip(grads(o, state, [q, k, v, g, beta, s0]), ref_grads)]
-    assert max(got) < BOUND[torch.float32], got
-
-
 def test_fla_without_final_state():
     q, k, v, g, beta = [x.detach().float() for x in make_inputs(T=40, Dk=16, Dv=16, h0=False)]
     o, s = fla(q, k, v, g, beta, output_final_state=False)
@@ -113,11 +93,12 @@ def test_fla_without_final_state():
     assert rel(o, ro) < BOUND[torch.float32]
 
 
-def test_fla_runs_the_scans_transfer_call():
-    """The CP scan's call (distributed/cp_recurrent.py) through fla: two pieces each run once from the identity with
-    Dk extra zero columns, composed with ``apply_initial``, equal fla and the float64 rule run from the true state:
-    outputs, final state and every gradient (s0's included)."""
-    inputs64 = make_inputs(B=1, T=90, Hk=2, H=2, Dk=16, Dv=16, decay=0.5, seed=5)
+@pytest.mark.parametrize("channels", [False, True])
+def test_fla_runs_the_scans_transfer_call(channels):
+    """The CP scan's call (distributed/cp_recurrent.py) through fla (per-channel gates: ``chunk_kda``): two pieces
+    each run once from the identity with Dk extra zero columns, composed with ``apply_initial``, equal fla and the
+    float64 rule run from the true state: outputs, final state and every gradient (s0's included)."""
+    inputs64 = make_inputs(B=1, T=90, Hk=2, H=2, Dk=16, Dv=16, decay=0.5, seed=5 + channels, channels=channels)
     ref = run(chunk_gated_delta_rule, inputs64)
     ref_grads = grads(*ref, inputs64)
     q, k, v, g, beta, s0 = [x.detach().float().requires_grad_() for x in inputs64]

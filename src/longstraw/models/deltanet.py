@@ -1,5 +1,8 @@
 """Gated DeltaNet (the linear-attention token mixer of Qwen3-Next / Qwen3.5) and its prompt state.
 
+:class:`DeltaRuleMixer` holds what every delta-rule mixer shares (the forward below, the state, the kernel choice);
+:class:`GatedDeltaNet` and Kimi Delta Attention (:mod:`longstraw.models.kda`, a decay per key channel) derive from it.
+
 Per token (HF names; ``Hk`` key heads of dim ``Dk``, ``Hv`` value heads of dim ``Dv``, ``r = Hv / Hk``)::
 
     q, k, v  = in_proj(x)                     q, k: [Hk, Dk], v: [Hv, Dv]   (also z: [Hv, Dv], b, a: [Hv])
@@ -48,7 +51,8 @@ from torch import Tensor, nn
 
 from longstraw.models.norms import GatedRMSNorm
 from longstraw.ops.conv import causal_conv1d
-from longstraw.ops.deltanet import delta_rule_kernel, gated_delta_rule, needs_grad, recurrent_gated_delta_rule
+from longstraw.ops.deltanet import (delta_rule_kernel, gated_delta_rule, needs_grad, recurrent_gated_delta_rule,
+                                    torch_chunk_size)
 from longstraw.ops.host_memory import offloads as offloads_state
 from longstraw.ops.host_memory import stage, to_host
 from longstraw.state import grad_dtype_for
@@ -375,9 +379,10 @@ class DeltaRuleMixer(nn.Module):
         if kernel == "recurrent":
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                               use_qk_l2norm=True)
-        # chunks of 64 (the fla kernel's, on any device); on CPU fewer new tokens (short branches) form one
-        # smaller chunk
-        chunk = 64 if q.is_cuda or kernel == "fla" else max(1, min(64, t))
+        # fla: its chunks of 64; the torch form: its default chunk (64, or 16 for per-channel decays), on CPU one
+        # smaller chunk for fewer new tokens (short branches)
+        base = 64 if kernel == "fla" else torch_chunk_size(self.per_channel)
+        chunk = base if q.is_cuda or kernel == "fla" else max(1, min(base, t))
         return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True,
                                 chunk_size=chunk)
 

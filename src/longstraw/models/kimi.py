@@ -18,8 +18,9 @@ after the first is full attention. The MoE keys are Kimi's (``num_experts``, ``n
 transformers accepts (``num_local_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``n_group``,
 ``norm_topk_prob``); ``model_max_length`` is the context length. Refused in one line, because transformers'
 model would silently compute something else: ``mla_use_nope: false``, ``moe_router_activation_func`` other than
-``sigmoid``, ``moe_layer_freq`` other than 1, ``tie_word_embeddings: true`` (transformers' model never ties), and the later KDA variants' ``linear_attn_config`` settings
-(``gate_lower_bound``, ``use_full_rank_gate``, 0-indexed ``kda_layer_index_base``).
+``sigmoid``, ``moe_layer_freq`` other than 1, ``tie_word_embeddings: true`` (transformers' model never ties), and
+the later KDA variants' ``linear_attn_config`` settings (``gate_lower_bound``, ``use_full_rank_gate``, 0-indexed
+``kda_layer_index_base``).
 
 Weights: our parameter names are transformers' in-memory ones. The released checkpoints name the MoE block
 ``block_sparse_moe`` with per-expert ``w1`` (gate) / ``w3`` (up) / ``w2`` (down), keep the forget gate's tensors
@@ -226,7 +227,8 @@ _LOAD = [(r"\.block_sparse_moe\.", ".mlp."),
 # saving maps back only parameters' own names: a PEFT adapter's keys (``...forget_gate.f_a_proj.lora_A.weight``,
 # ``...mlp.shared_experts.up_proj.lora_B.weight``) are transformers' in-memory names and stay as they are
 _SAVE = [(r"\.mlp\.(gate\.weight|gate\.e_score_correction_bias)$", r".block_sparse_moe.\1"),
-         (r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$", r".block_sparse_moe.shared_experts.\1.weight"),
+         (r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$",
+          r".block_sparse_moe.shared_experts.\1.weight"),
          (r"\.mlp\.experts\.(\d+)\.gate_proj\.weight$", r".block_sparse_moe.experts.\1.w1.weight"),
          (r"\.mlp\.experts\.(\d+)\.up_proj\.weight$", r".block_sparse_moe.experts.\1.w3.weight"),
          (r"\.mlp\.experts\.(\d+)\.down_proj\.weight$", r".block_sparse_moe.experts.\1.w2.weight"),

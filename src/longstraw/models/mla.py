@@ -9,9 +9,10 @@ Per token ``t`` (``r = kv_lora_rank``, ``dr = qk_rope_head_dim``, ``dn = qk_nope
 
 RoPE is interleaved (pairs ``(x0, x1), ...``) and returned de-interleaved (``rope_interleave``, always on for
 DeepSeek-V3.2 / GLM-5); ``scale = qk_head_dim^-0.5 * mscale^2`` with ``mscale = 0.1 mscale_all_dim ln(factor) + 1``
-when the RoPE type is not ``default`` and ``mscale_all_dim`` is set (yarn checkpoints). ``rope=False`` (Kimi-Linear's
-NoPE MLA) rotates nothing: ``kpe`` and ``q_pe`` are used as projected, and the layer reads no positions. The projection norms
-(``q_a_layernorm``, ``kv_a_layernorm``) use eps 1e-6 whatever ``rms_norm_eps`` says, as transformers does.
+when the RoPE type is not ``default`` and ``mscale_all_dim`` is set (yarn checkpoints). ``rope=False``
+(Kimi-Linear's NoPE MLA) rotates nothing: ``kpe`` and ``q_pe`` are used as projected, and the layer reads no
+positions. The projection norms (``q_a_layernorm``, ``kv_a_layernorm``) use eps 1e-6 whatever ``rms_norm_eps`` says,
+as transformers does.
 
 The prompt state (:class:`LatentState`) keeps ``lat_s = [c_s | kpe_s]`` per position: ``r + dr`` values, never the
 decompressed ``H (dn + dr + dv)`` (DeepSeek-V3: 576 vs 40,960 values per position and layer). New tokens attend to
