@@ -15,7 +15,7 @@ ARGS ?=
 PIP_FLAGS ?=
 PIP := $(BIN)/python -m pip install --disable-pip-version-check $(PIP_FLAGS)
 
-.PHONY: demo test test-slow test-fla bench clean-venv
+.PHONY: demo test test-slow test-fla bench clean-venv gpu-wheels
 
 $(BIN)/python:
 	@echo "==> creating $(VENV) with $(PYTHON) and upgrading pip"
@@ -59,6 +59,14 @@ $(VENV_FLA)/.ready: pyproject.toml
 test-fla: $(VENV_FLA)/.ready
 	TRITON_INTERPRET=1 $(VENV_FLA)/bin/python -m pytest -q -m fla --timeout 900 tests/ops/test_fla_rule.py \
 		tests/engine/test_fla_grpo.py $(ARGS)
+
+# the packages a lent GPU machine lacks (it has torch and Triton, no registry), as wheels for its Python 3.12 in
+# .whl/ (ignored by git), which the device tool carries: benchmarks/gpu_session.sh installs and runs them
+GPU_WHEELS ?= fla-core==0.6.0 transformers==5.23.0
+gpu-wheels:
+	$(PYTHON) -m pip download --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean-venv:
 	rm -rf $(VENV) $(VENV_FLA)

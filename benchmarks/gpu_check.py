@@ -31,7 +31,10 @@ a. Exactness on the device (``--a-s``, default 150 s). For every model family th
    Routers that transformers initialises to zero are drawn at random (every expert would tie, and CPU and CUDA
    ``topk`` break ties differently). Then LoRA (LORA_FAMILIES: a hybrid MoE, an MLA MoE and GPT-OSS, all-linear
    adapters and the routed experts' ``target_parameters``, B drawn non-zero): the same checks, the gradients being the
-   adapters'. ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only, float32 for all. Last, the
+   adapters'. Order (``section_a_order``): the families not yet run on a GPU, then the LoRA entries, then those
+   that passed on the H200 (RAN_ON_GPU), so that a budget cut short drops re-checks, not first runs (each entry
+   skipped for time is reported as such). ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only,
+   float32 for all. Last, the
    DeltaNet state scan of context parallelism on one device (``deltanet_scan``): a Qwen3.5-shaped mixer (heads of
    128) over 256 tokens from a random state, through the scan prefix of a one-rank group
    (``cp_recurrent.rehearsal_prefix``: the rule called with ``Dv + Dk`` value columns and an identity initial state,
@@ -181,6 +184,17 @@ def family_config(model_type: str) -> dict:
 # logits; the gradients checked are the adapters' (the base is frozen). Rank 8: 16-byte rows in bf16.
 # gpt_oss (added 2026-12-05, last): adapters on transposed [E, in, out] experts with biases (grouped_mm + LoRA)
 LORA_FAMILIES = ("qwen3_5_moe_text", "deepseek_v3", "gpt_oss")
+# a: the families that passed on a GPU (H200, 2026-12-04). Section a runs the others first, then the LoRA entries,
+# then these, so that a budget cut short by a tight GPU session drops re-checks rather than first runs
+RAN_ON_GPU = ("llama", "qwen2", "qwen3", "mistral", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3",
+              "glm4_moe", "deepseek_v32", "glm_moe_dsa")
+
+
+def section_a_order() -> list[tuple[str, bool]]:
+    """(family, with LoRA) in the order section a runs them: families not yet run on a GPU, the LoRA entries, then
+    the families that ran (RAN_ON_GPU); the config order within each."""
+    fresh = [(f, False) for f in FAMILY_CONFIGS if f not in RAN_ON_GPU]
+    return fresh + [(f, True) for f in LORA_FAMILIES] + [(f, False) for f in FAMILY_CONFIGS if f in RAN_ON_GPU]
 LORA = dict(rank=8, alpha=16, target_modules="all-linear",
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -287,7 +301,7 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
     res["device"] = str(dev)
     entries = res.setdefault("entries", [])
     res["lora"] = LORA
-    for fam, lora in [(f, False) for f in FAMILY_CONFIGS] + [(f, True) for f in LORA_FAMILIES]:
+    for fam, lora in section_a_order():
         label = fam + (" + LoRA" if lora else "")
         if time.perf_counter() > deadline:
             entries.append({"family": label, "ok": False, "error": "section budget spent before this family"})

@@ -4,6 +4,7 @@ script. Its figures on a CPU mean nothing and are not checked; its pass/fail ent
 against float64)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,30 @@ def test_decode_check_sees_a_wrong_decoder():
         other.layers[-1].ffn.down_proj.weight.mul_(1.5)
     wrong = gpu_check._decode_check(other, torch.device("cpu"), prompt, ref, 8)
     assert wrong["max_abs"] > 100 * gpu_check.TOLERANCES["float32"]["decode"]
+
+
+def test_section_a_runs_first_what_has_not_run_on_a_gpu():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check import FAMILY_CONFIGS, LORA_FAMILIES, RAN_ON_GPU, section_a_order
+
+    order = section_a_order()
+    assert sorted(order) == sorted([(f, False) for f in FAMILY_CONFIGS] + [(f, True) for f in LORA_FAMILIES])
+    assert set(RAN_ON_GPU) < set(FAMILY_CONFIGS)
+    ran = [i for i, (f, lora) in enumerate(order) if not lora and f in RAN_ON_GPU]
+    assert min(ran) > max(i for i, (f, lora) in enumerate(order) if lora or f not in RAN_ON_GPU)
+    assert order[0] == ("qwen3_moe", False) and ("kimi_linear", False) in order[:len(FAMILY_CONFIGS) - len(RAN_ON_GPU)]
+
+
+@pytest.mark.slow  # a subprocess
+def test_gpu_session_script_runs_the_check_and_leaves_json_and_log(tmp_path):
+    """benchmarks/gpu_session.sh (the device tool's one command) on this CPU, section c only (skipped without GPUs):
+    the versions, the check's JSON and the log land in $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path), "WHEELS": str(tmp_path / "no-wheels"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(SCRIPT.parent / "gpu_session.sh"), "60", "--sections", "c"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert f"torch {torch.__version__}" in log and "--budget-s 60 --a-s 150 --longest-s 40 --sections c" in log
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["sections"]["c"]["ok"] and "skipped" in res["sections"]["c"]
