@@ -34,7 +34,10 @@ a. Exactness on the device (``--a-s``, default 150 s). For every model family th
    adapters'. Order (``section_a_order``): the families not yet run on a GPU, then the LoRA entries, then those
    that passed on the H200 (RAN_ON_GPU), so that a budget cut short drops re-checks, not first runs (each entry
    skipped for time is reported as such). ``--smoke`` runs bfloat16 for SMOKE_BF16 and the LoRA entries only,
-   float32 for all. Last, the
+   float32 for all. First, fla's backward (``fla_backward``, CUDA with fla only; added 2026-12-07, not yet run on a
+   GPU): fla's kernels, per-head and per-channel, forward and backward in bfloat16 against the torch rule on the
+   device at the engine's shapes (FLA_SHAPES), the check the dispatcher now runs once per shape before trusting
+   fla's backward (``ops.deltanet.fla_backward_check``); reported, not part of the pass. Last, the
    DeltaNet state scan of context parallelism on one device (``deltanet_scan``): a Qwen3.5-shaped mixer (heads of
    128) over 256 tokens from a random state, through the scan prefix of a one-rank group
    (``cp_recurrent.rehearsal_prefix``: the rule called with ``Dv + Dk`` value columns and an identity initial state,
@@ -301,6 +304,8 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
     res["device"] = str(dev)
     entries = res.setdefault("entries", [])
     res["lora"] = LORA
+    res["fla_backward"] = _fla_backward(dev, say)
+    flush()
     for fam, lora in section_a_order():
         label = fam + (" + LoRA" if lora else "")
         if time.perf_counter() > deadline:
@@ -390,6 +395,46 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
     res["ok"] = bool(entries) and all(e.get("ok") for e in entries) and scan["ok"]
     res["passed"] = sum(bool(e.get("ok")) for e in entries)
     res["total"] = len(entries)
+
+
+# a: fla's backward checked at the engine's shapes (fla's heads after repetition, Dk, Dv): section a's tiny hybrids
+# and Kimi-Linear, the scan check's widened calls (Dv + Dk), the ~1.1B hybrid of b and Kimi-Linear-48B's layers
+FLA_SHAPES = {"chunk_gated_delta_rule": ((4, 32, 32), (4, 128, 256), (32, 128, 128)),
+              "chunk_kda": ((2, 32, 32), (4, 128, 256), (32, 128, 128))}
+
+
+def _fla_backward(dev, say, require_cuda: bool = True) -> dict:
+    """fla's kernels, forward and backward, against the torch rule on the device in bfloat16
+    (``ops.deltanet.fla_backward_errors``: the check the dispatcher runs once per shape before a pass that needs a
+    gradient takes fla's backward, and takes the torch rule where it fails) at FLA_SHAPES: per (kernel, shape) the
+    relative errors of the output, final state and every input gradient, pass at ``FLA_CHECK_TOL``. Facts for the
+    record, not part of the section's pass (the dispatcher routes around a failure); fla's Hopper guard refusing
+    the per-head backward is reported as its error. Added 2026-12-07, not yet run on a GPU."""
+    import torch
+
+    from longstraw.ops import deltanet as dn
+
+    try:
+        if require_cuda and (dev.type != "cuda" or not dn.fla_available()):
+            return {"skipped": "needs CUDA and fla"}
+        tol = dn.FLA_CHECK_TOL[torch.bfloat16]
+        out: dict = {"tolerance": tol, "tokens": dn.FLA_CHECK_TOKENS, "guard": dn.fla_backward_refusal()}
+    except Exception as e:
+        return _error(e)
+    for kernel, shapes in FLA_SHAPES.items():
+        for heads, dk, dv in shapes:
+            key = f"{kernel} {heads}x{dk}x{dv}"
+            try:
+                t0 = time.perf_counter()
+                errs = dn.fla_backward_errors(dev, torch.bfloat16, kernel == "chunk_kda", heads, dk, dv)
+                out[key] = {"errors": errs, "ok": max(errs.values()) <= tol, "seconds": time.perf_counter() - t0}
+                worst = max(errs, key=errs.get)
+                say(f"  a fla backward {key}: worst {errs[worst]:.1e} ({worst}) -> "
+                    + ("pass" if out[key]["ok"] else "FAIL (the dispatcher takes the torch rule there)"))
+            except Exception as e:
+                out[key] = _error(e)
+                say(f"  a fla backward {key}: error {out[key]['error']}")
+    return out
 
 
 def _scan_check(dev, smoke: bool) -> dict:

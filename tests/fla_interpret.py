@@ -86,5 +86,5 @@ def force_fla(monkeypatch: pytest.MonkeyPatch) -> None:
     from longstraw.ops import deltanet
 
     monkeypatch.setattr(deltanet, "_dispatch",
-                        lambda backend, device_type, dtype, needs_grad, channels=False:
+                        lambda backend, device_type, dtype, needs_grad, channels=False, where=None:
                         ("torch" if backend == "torch" else "fla", None))

@@ -164,3 +164,46 @@ def test_gpu_session_script_runs_the_check_and_leaves_json_and_log(tmp_path):
     assert f"torch {torch.__version__}" in log and "--budget-s 60 --a-s 150 --longest-s 40 --sections c" in log
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["sections"]["c"]["ok"] and "skipped" in res["sections"]["c"]
+
+
+def test_fla_backward_part_reports_each_shape(monkeypatch):
+    """Section a's ``fla_backward`` part, run here with the torch rule standing in for fla's kernels (CUDA and fla
+    are not at hand): each FLA_SHAPES entry reports its errors; the right kernel passes, one that halves dk (at
+    one shape) fails there, and one that raises (at another) is reported as an error while the rest still run."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check import FLA_SHAPES, _fla_backward
+
+    from longstraw.ops import deltanet as dn
+    from longstraw.ops.deltanet import chunk_gated_delta_rule
+
+    class HalfGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 0.5
+
+    def as_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm):
+        shape = (g.dim() == 4, *q.shape[2:], v.shape[3])
+        if shape == (True, 2, 32, 32):
+            raise RuntimeError("no config fits")
+        return chunk_gated_delta_rule(q, HalfGradient.apply(k) if shape == (False, 4, 128, 256) else k, v, g, beta,
+                                      scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+
+    monkeypatch.setattr(dn, "_fla_call", as_fla)
+    monkeypatch.setattr(dn, "fla_backward_refusal", lambda: None)
+    monkeypatch.setattr(dn, "FLA_CHECK_TOKENS", 40)
+    lines = []
+    out = _fla_backward(torch.device("cpu"), lines.append, require_cuda=False)
+    keys = [f"{k} {h}x{dk}x{dv}" for k, shapes in FLA_SHAPES.items() for h, dk, dv in shapes]
+    assert [k for k in out if k in keys] == keys and len(lines) == len(keys) and out["tokens"] == 40
+    assert out["chunk_kda 2x32x32"]["error"] == "RuntimeError: no config fits"
+    bad = out["chunk_gated_delta_rule 4x128x256"]
+    assert not bad["ok"] and bad["errors"]["dk"] == pytest.approx(0.5, abs=0.01)
+    assert "chunk_gated_delta_rule 4x128x256: worst 5.0e-01 (dk) -> FAIL" in "\n".join(lines)
+    good = [k for k in keys if k not in ("chunk_kda 2x32x32", "chunk_gated_delta_rule 4x128x256")]
+    assert all(out[k]["ok"] and set(out[k]["errors"]) >= {"dk", "dg", "dstate"} for k in good)
+    assert _fla_backward(torch.device("cpu"), lines.append) == {"skipped": "needs CUDA and fla"}

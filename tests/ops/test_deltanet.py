@@ -571,6 +571,109 @@ def test_backend_from_the_environment(monkeypatch):
         ops_dn.default_backend()
 
 
+def test_fla_backward_check_sends_a_failing_shape_to_the_torch_rule(monkeypatch):
+    """fla's backward is checked once per (device, dtype, gate kind, heads, Dk, Dv) before a pass that needs a
+    gradient takes it: a failed check sends "auto" to the torch rule (forward-only calls keep fla) and makes "fla"
+    raise, naming the tensor and the shape; a shape that passes keeps fla; a call without a shape (the planner's
+    question) is not checked; an exception in fla's kernels is a failed check."""
+    ops_dn = _fake_fla(monkeypatch, False, "3.7.1", None)  # an importable fla without a guard that fires
+    seen = []
+
+    def errors(device, dtype, channels, heads, dk, dv):
+        seen.append((device.type, dtype, channels, heads, dk, dv))
+        return {"out": 1e-3, "dk": 0.6 if dk == 128 else 1e-3, "dg": 2e-3}
+
+    monkeypatch.setattr(ops_dn, "fla_backward_errors", errors)
+    monkeypatch.setattr(ops_dn, "_on_own_thread", lambda device, fn: fn())  # no CUDA device to make current here
+    ops_dn.fla_backward_check.cache_clear()
+    try:
+        bf16, big = torch.bfloat16, (32, 128, 128)
+        assert ops_dn.delta_rule_kernel("cuda", bf16, True, shape=big) == "torch"
+        assert ops_dn.delta_rule_kernel("cuda", bf16, True, channels=True, shape=big) == "torch"
+        assert ops_dn.delta_rule_kernel("cuda", bf16, True, shape=(4, 64, 64)) == "fla"
+        assert ops_dn.delta_rule_kernel("cuda", bf16, False, shape=big) == "fla"  # forward-only: not checked
+        assert ops_dn.delta_rule_kernel("cuda", bf16, True) == "fla"  # no shape: not checked
+        assert ops_dn.delta_rule_kernel("cuda:0", bf16, True, shape=big) == "torch"
+        assert ops_dn.delta_rule_kernel("cuda", torch.float32, True, shape=big) == "torch"  # fla never takes fp32
+        assert seen == [("cuda", bf16, False, *big), ("cuda", bf16, True, *big), ("cuda", bf16, False, 4, 64, 64),
+                        ("cuda", bf16, False, *big)]  # cached per device ("cuda" and "cuda:0" are two)
+        why = ops_dn.fla_backward_check(torch.device("cuda"), bf16, True, *big)
+        assert why.startswith("fla's chunk_kda at 32 heads, Dk=128, Dv=128 in bfloat16 on cuda disagrees") and \
+            "dk 0.6 off" in why and "bound 0.05" in why and "dg" not in why
+        with pytest.raises(RuntimeError, match="cannot take a pass that needs a gradient here: fla's "
+                                               "chunk_gated_delta_rule at 32 heads, Dk=128"):
+            ops_dn.delta_rule_kernel("cuda", bf16, True, backend="fla", shape=big)
+        assert ops_dn.delta_rule_kernel("cuda", bf16, True, backend="fla", shape=(4, 64, 64)) == "fla"
+
+        def broken(*args):
+            raise RuntimeError("PTX assembly failed")
+
+        monkeypatch.setattr(ops_dn, "fla_backward_errors", broken)
+        ops_dn.fla_backward_check.cache_clear()
+        assert ops_dn.fla_backward_check(torch.device("cuda"), torch.float16, False, 2, 16, 16) == (
+            "fla's chunk_gated_delta_rule at 2 heads, Dk=16, Dv=16 in float16 on cuda raised RuntimeError in its "
+            "check: PTX assembly failed")
+    finally:
+        ops_dn.fla_backward_check.cache_clear()
+
+
+class _HalfGradient(torch.autograd.Function):
+    """Identity forward, half the gradient backward: a miscompiled kernel's wrong dk, for the check to see."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+def test_fla_backward_check_runs_apart_from_the_calling_context(monkeypatch):
+    """The check runs inside whatever model call first needs it: none of that call's thread-local state reaches it
+    (saved-tensor hooks that refuse every tensor, no_grad, autocast to bfloat16 here), and it still measures and
+    passes."""
+    from longstraw.ops import deltanet as ops_dn
+
+    monkeypatch.setattr(ops_dn, "_fla_call", lambda q, k, v, g, beta, **kw: chunk_gated_delta_rule(q, k, v, g, beta,
+                                                                                                    **kw))
+    monkeypatch.setattr(ops_dn, "FLA_CHECK_TOKENS", 40)
+
+    def refuse(t):
+        raise AssertionError("the check's tensors reached the caller's saved-tensor hooks")
+
+    ops_dn.fla_backward_check.cache_clear()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(refuse, refuse), torch.no_grad(), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            assert ops_dn.fla_backward_check(torch.device("cpu"), torch.float16, True, 2, 16, 8) is None
+    finally:
+        ops_dn.fla_backward_check.cache_clear()
+
+
+@pytest.mark.parametrize("channels", [False, True])
+def test_fla_backward_errors_see_a_wrong_gradient(monkeypatch, channels):
+    """The check's measurement on this CPU, with the torch rule standing in for fla (float16 inputs, the rule
+    computing in float32): every output and gradient within the bound; the same with k's gradient halved in the
+    "kernel": dk off by 0.5, the others still within it."""
+    from longstraw.ops import deltanet as ops_dn
+
+    def as_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, halve_dk=False):
+        assert g.dtype == torch.float32 and g.dim() == (4 if channels else 3) and initial_state.dtype == torch.float32
+        return chunk_gated_delta_rule(q, _HalfGradient.apply(k) if halve_dk else k, v, g, beta, scale=scale,
+                                      initial_state=initial_state, output_final_state=output_final_state,
+                                      use_qk_l2norm=use_qk_l2norm)
+
+    tol = ops_dn.FLA_CHECK_TOL[torch.float16]
+    monkeypatch.setattr(ops_dn, "_fla_call", as_fla)
+    errs = ops_dn.fla_backward_errors(torch.device("cpu"), torch.float16, channels, 2, 16, 8)
+    assert set(errs) == {"out", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate"}
+    assert max(errs.values()) <= tol / 3, errs
+    monkeypatch.setattr(ops_dn, "_fla_call", lambda *a, **kw: as_fla(*a, **kw, halve_dk=True))
+    errs = ops_dn.fla_backward_errors(torch.device("cpu"), torch.float16, channels, 2, 16, 8)
+    assert errs["dk"] == pytest.approx(0.5, abs=0.01) and max(v for n, v in errs.items() if n != "dk") <= tol / 3
+
+
 # --- parity with transformers' Kimi-Linear (per-channel gates) ------------------------------------------------------
 
 kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")

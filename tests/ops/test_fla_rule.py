@@ -2,7 +2,8 @@
 CPU (tests/fla_interpret.py; ``make test-fla``), against the float64 torch rule: the call's layout and head
 repetition, initial and final states and their gradients, widths that are not powers of two, K > 64 (several state
 tiles), and the context-parallel scan's transfer call (Dv + Dk value columns from an identity state); the same for
-per-channel gates (Kimi Delta Attention), where the branch takes fla's ``chunk_kda``.
+per-channel gates (Kimi Delta Attention), where the branch takes fla's ``chunk_kda``; and the dispatcher's
+check of fla's backward (``fla_backward_check``) passing on the real kernels.
 
 Tolerances are relative errors ``||x - ref|| / ||ref||`` against the rule in float64, for every output and every
 input gradient: float32 within 1e-5 (measured 6e-8 .. 1.0e-6, the torch rule's float32 1e-7 .. 7e-7), float16
@@ -129,3 +130,14 @@ def test_fla_backward_refusal_reads_flags_that_fla_has():
     deltanet.fla_backward_refusal.cache_clear()
     assert deltanet.fla_backward_refusal() is None
 
+
+
+@pytest.mark.parametrize("channels", [False, True])
+def test_fla_backward_check_passes_the_real_kernels(channels):
+    """``ops.deltanet.fla_backward_check``, the check a GPU runs once per shape before a pass that needs a gradient
+    trusts fla's backward, on fla's real kernels here (float16; one full chunk and a partial one, Dk = 32): every
+    output and gradient within FLA_CHECK_TOL of the torch rule, so the check passes."""
+    tol = deltanet.FLA_CHECK_TOL[torch.float16]
+    # 70 tokens for the interpreter's time (a GPU checks FLA_CHECK_TOKENS = 150)
+    errs = deltanet.fla_backward_errors(torch.device("cpu"), torch.float16, channels, 1, 32, 48, tokens=70)
+    assert max(errs.values()) <= tol / 3, errs

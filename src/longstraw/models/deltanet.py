@@ -374,7 +374,8 @@ class DeltaRuleMixer(nn.Module):
         # one token without a graph (decoding): the recurrence's single step, a few small ops; else the chunked
         # rule gated_delta_rule's "auto" picks (fla or torch)
         kernel = ("recurrent" if t == 1 and not grad
-                  else delta_rule_kernel(q.device, q.dtype, grad, channels=self.per_channel))
+                  else delta_rule_kernel(q.device, q.dtype, grad, channels=self.per_channel,
+                                         shape=(v.shape[2], q.shape[3], v.shape[3])))
         self.kernel_calls[kernel] = self.kernel_calls.get(kernel, 0) + 1
         if kernel == "recurrent":
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,

@@ -68,6 +68,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -77,13 +78,15 @@ from torch import Tensor
 from longstraw.ops import meta
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
-           "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV",
+           "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV", "fla_backward_check",
+           "fla_backward_errors",
            "needs_grad", "per_channel", "torch_chunk_size", "transfer_inputs", "apply_initial", "compose_transfer",
            "transfer_output"]
 
 _L2NORM_EPS = 1e-6
 _BACKENDS = ("auto", "torch", "fla")
 BACKEND_ENV = "LONGSTRAW_DELTA_RULE"  # the chunked rule's backend when a call names none (the models' calls)
+_log = logging.getLogger(__name__)
 
 
 def default_backend() -> str:
@@ -477,32 +480,133 @@ def fla_backward_refusal() -> str | None:
             "Triton >= 3.7.1, or tilelang, needed)")
 
 
-def _dispatch(backend: str, device_type: str, dtype: torch.dtype, needs_grad: bool,
-              channels: bool = False) -> tuple[str, str | None]:
+# fla's backward, checked once per device, dtype, gate kind and shape before a pass that needs a gradient trusts it
+# (fla_backward_check): relative error bounds per output and gradient against the torch rule in float32. fla's own
+# error from its half-precision intermediates is far below them (under Triton's interpreter, float16 against float64:
+# <= 1.5e-3, tests/ops/test_fla_rule.py; bfloat16 carries 3 fewer mantissa bits); the miscompiles fla has found on
+# Hopper gave relative errors of 0.5 and more (fla issues #640, #984)
+FLA_CHECK_TOL = {torch.bfloat16: 5e-2, torch.float16: 1e-2}
+FLA_CHECK_TOKENS = 150  # two full chunks of 64 and a partial one
+
+
+def fla_backward_errors(device: torch.device, dtype: torch.dtype, channels: bool, heads: int, head_k_dim: int,
+                        head_v_dim: int, tokens: int | None = None) -> dict[str, float]:
+    """fla's kernel (``channels``: ``chunk_kda``), forward and backward, at one shape on ``device`` in ``dtype``,
+    against the torch chunked rule in float32 on the same device and the same (rounded) inputs: the relative errors
+    ``||x - ref|| / ||ref||`` of the output, the final state and the gradients of q, k, v, g, beta and the initial
+    state, for one random functional of (output, final state). Inputs: one row of ``tokens`` (default
+    FLA_CHECK_TOKENS) tokens,
+    ``heads`` heads (fla's, after any repetition of q/k heads) of ``head_k_dim`` / ``head_v_dim``, mild random decays
+    (about 0.92 per token), random initial state."""
+    gen = torch.Generator().manual_seed(0)
+    t, h, dk, dv = FLA_CHECK_TOKENS if tokens is None else tokens, heads, head_k_dim, head_v_dim
+
+    def draw(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    gate = (1, t, h, dk) if channels else (1, t, h)
+    inputs = [draw(1, t, h, dk).to(dtype), draw(1, t, h, dk).to(dtype), draw(1, t, h, dv).to(dtype),
+              -0.1 * F.softplus(draw(*gate)), torch.sigmoid(draw(1, t, h)).to(dtype), draw(1, h, dk, dv, scale=0.1)]
+    d_out, d_state = draw(1, t, h, dv), draw(1, h, dk, dv, scale=0.1)
+
+    def run(fn, xs):
+        xs = [x.to(device).detach().requires_grad_() for x in xs]
+        o, s = fn(*xs[:5], initial_state=xs[5])
+        loss = (o.float() * d_out.to(device)).sum() + (s.float() * d_state.to(device)).sum()
+        return [o.detach(), s.detach(), *torch.autograd.grad(loss, xs)]
+
+    def fla_fn(q, k, v, g, beta, initial_state):
+        return _fla_call(q, k, v, g, beta, scale=None, initial_state=initial_state, output_final_state=True,
+                         use_qk_l2norm=True)
+
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        got = run(fla_fn, inputs)
+        ref = run(chunk_gated_delta_rule, [x.float() for x in inputs])
+    names = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate")
+    return {n: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+            for n, a, b in zip(names, got, ref)}
+
+
+def _on_own_thread(device: torch.device, fn):
+    """``fn()`` on a fresh thread (``device`` its current CUDA device), its exception re-raised here: the check runs
+    inside whatever model call first needs it, and none of that call's thread-local state reaches it (autocast,
+    grad mode, the saved-tensor hooks of activation checkpointing or of the kept-graph accounting, dispatch modes)."""
+    result: dict = {}
+
+    def target():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="longstraw-fla-check")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@functools.lru_cache(maxsize=None)
+def fla_backward_check(device: torch.device, dtype: torch.dtype, channels: bool, heads: int, head_k_dim: int,
+                       head_v_dim: int) -> str | None:
+    """Why fla's backward is not trusted at this shape on ``device``, or None when it is: once per (device, dtype,
+    gate kind, heads, Dk, Dv), :func:`fla_backward_errors` within FLA_CHECK_TOL (the autotuner picks fla's kernel
+    configurations by these shapes, and a Triton miscompile is a property of a configuration on a GPU: fla found
+    such on Hopper, issues #640 and #984; its guard covers the first only, for the per-head rule). A failed
+    check or an exception in fla's kernels returns the reason, naming the worst tensor."""
+    what = (f"fla's {'chunk_kda' if channels else 'chunk_gated_delta_rule'} at {heads} heads, Dk={head_k_dim}, "
+            f"Dv={head_v_dim} in {str(dtype).removeprefix('torch.')} on {device}")
+    try:
+        errors = _on_own_thread(device, lambda: fla_backward_errors(device, dtype, channels, heads, head_k_dim,
+                                                                    head_v_dim))
+    except Exception as e:  # a kernel that fails to compile or launch here: the torch rule takes the call
+        return f"{what} raised {type(e).__name__} in its check: {str(e)[:300]}"
+    tol = FLA_CHECK_TOL.get(dtype, 1e-4)
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    if not bad:
+        _log.info("%s: forward and backward agree with the torch rule (worst %.1e, bound %g)", what,
+                  max(errors.values()), tol)
+        return None
+    return (f"{what} disagrees with the torch rule in its check ({', '.join(f'{n} {e:.2g}' for n, e in bad.items())}"
+            f" off, relative; bound {tol:g}): a miscompiled kernel (fla issues #640, #984 found such on Hopper)")
+
+
+def _dispatch(backend: str, device_type: str, dtype: torch.dtype, needs_grad: bool, channels: bool = False,
+              where: tuple[torch.device, int, int, int] | None = None) -> tuple[str, str | None]:
     """``(kernel, refusal)``: the kernel ``backend`` takes (:func:`choose_kernel`, imports fla only for CUDA half
-    inputs; ``channels``: per-channel gates, fla's ``chunk_kda``), and for a call that records a graph where fla's
-    backward refuses (:func:`fla_backward_refusal`, the per-head rule's guard: ``chunk_kda``'s backward has no
-    such guard in fla-core 0.6) the reason, "auto" then taking "torch" and "fla" raising RuntimeError."""
+    inputs; ``channels``: per-channel gates, fla's ``chunk_kda``), and for a call that records a graph the reason
+    fla's backward is not taken: fla's own refusal (:func:`fla_backward_refusal`, the per-head rule's guard;
+    ``chunk_kda``'s backward has no such guard in fla-core 0.6) or, given ``where`` (the call's device and its
+    (heads, Dk, Dv)), a failed :func:`fla_backward_check`; "auto" then takes "torch", "fla" raises RuntimeError."""
     fla_ok = (backend in ("auto", "fla") and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
               and fla_available(channels))
     kernel = choose_kernel(backend, device_type, dtype, fla_ok)
-    refusal = fla_backward_refusal() if kernel == "fla" and needs_grad and not channels else None
+    refusal = None
+    if kernel == "fla" and needs_grad:
+        refusal = None if channels else fla_backward_refusal()
+        if refusal is None and where is not None:
+            refusal = fla_backward_check(where[0], dtype, channels, *where[1:])
     if refusal is not None and backend == "fla":
         raise RuntimeError(f"backend='fla' cannot take a pass that needs a gradient here: {refusal}")
     return ("torch" if refusal is not None else kernel), refusal
 
 
 def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad: bool = False,
-                      backend: str | None = None, channels: bool = False) -> str:
+                      backend: str | None = None, channels: bool = False,
+                      shape: tuple[int, int, int] | None = None) -> str:
     """The kernel ``backend`` (default :func:`default_backend`) takes for inputs on ``device`` in ``dtype``
     (imports fla only for a CUDA device; ``channels``: per-channel gates); "auto" with ``needs_grad`` (the call's
-    output takes part in a backward): "torch" where fla's backward refuses (:func:`fla_backward_refusal`; "fla"
-    raises there)."""
+    output takes part in a backward): "torch" where fla's backward refuses (:func:`fla_backward_refusal`) or, given
+    the call's ``shape`` (value heads, Dk, Dv), fails its check there (:func:`fla_backward_check`); "fla" raises in
+    both cases."""
     backend = default_backend() if backend is None else backend
-    return _dispatch(backend, torch.device(device).type, dtype, needs_grad, channels)[0]
+    device = torch.device(device)
+    where = (device, *shape) if shape is not None else None
+    return _dispatch(backend, device.type, dtype, needs_grad, channels, where)[0]
 
-
-_log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -547,14 +651,15 @@ def gated_delta_rule(
     backend = default_backend() if backend is None else backend
     _check(q, k, v, g, beta, initial_state)
     kernel, refusal = _dispatch(backend, q.device.type, q.dtype, needs_grad(q, k, v, g, beta, initial_state),
-                                per_channel(g, q))
+                                per_channel(g, q), (q.device, v.shape[2], q.shape[3], v.shape[3]))
     if q.device.type != "meta":
         _log_kernel(kernel, q.device.type, q.dtype)
     if kernel == "torch" and q.is_cuda and backend == "auto":  # never silently: the torch path on a GPU is slow
         if refusal is not None:  # forward-only calls still take fla
             _warn_torch_on_cuda(q.dtype, f"in passes that need a gradient: {refusal}",
                                 "pip install 'triton>=3.7.1' or tilelang; until then GRPOConfig(checkpoint_layers="
-                                "True) holds one layer's graph at a time, or a smaller prefill_chunk")
+                                "True) holds one layer's graph at a time, or a smaller prefill_chunk; "
+                                f"{BACKEND_ENV}=torch takes the torch rule without this warning")
         else:
             _warn_torch_on_cuda(q.dtype, "fla does not import" if q.dtype in (torch.bfloat16, torch.float16)
                                 else "fla takes bf16/fp16 inputs only", "pip install 'longstraw[gpu]' for fla; "
