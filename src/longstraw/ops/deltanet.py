@@ -535,8 +535,8 @@ def _on_own_thread(device: torch.device, fn):
 
     def target():
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if device.type == "cuda" and device.index is not None:  # a tensor's device always has its index
+                torch.cuda.set_device(device.index)
             result["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             result["error"] = e
