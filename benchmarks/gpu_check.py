@@ -397,19 +397,24 @@ def section_a(args, dev, res: dict, deadline: float, say, flush) -> None:
     res["total"] = len(entries)
 
 
-# a: fla's backward checked at the engine's shapes (fla's heads after repetition, Dk, Dv): section a's tiny hybrids
-# and Kimi-Linear, the scan check's widened calls (Dv + Dk), the ~1.1B hybrid of b and Kimi-Linear-48B's layers
-FLA_SHAPES = {"chunk_gated_delta_rule": ((4, 32, 32), (4, 128, 256), (32, 128, 128)),
-              "chunk_kda": ((2, 32, 32), (4, 128, 256), (32, 128, 128))}
+# a: fla's backward checked at the engine's shapes (fla's heads after repetition, Dk, Dv), most wanted first:
+# section a's tiny Kimi-Linear and hybrids (their entries' calls check the same shapes), Kimi-Linear-48B's layers,
+# the ~1.1B hybrid of b, the scan check's widened calls (Dv + Dk). Each new shape compiles and autotunes fla's
+# kernels once (Triton specialises on the head sizes), so the part stops starting shapes after FLA_BUDGET_S
+FLA_SHAPES = (("chunk_kda", (2, 32, 32)), ("chunk_gated_delta_rule", (4, 32, 32)), ("chunk_kda", (32, 128, 128)),
+              ("chunk_gated_delta_rule", (32, 128, 128)), ("chunk_kda", (4, 128, 256)),
+              ("chunk_gated_delta_rule", (4, 128, 256)))
+FLA_BUDGET_S = 60.0
 
 
-def _fla_backward(dev, say, require_cuda: bool = True) -> dict:
+def _fla_backward(dev, say, require_cuda: bool = True, budget_s: float = FLA_BUDGET_S) -> dict:
     """fla's kernels, forward and backward, against the torch rule on the device in bfloat16
     (``ops.deltanet.fla_backward_errors``: the check the dispatcher runs once per shape before a pass that needs a
-    gradient takes fla's backward, and takes the torch rule where it fails) at FLA_SHAPES: per (kernel, shape) the
-    relative errors of the output, final state and every input gradient, pass at ``FLA_CHECK_TOL``. Facts for the
-    record, not part of the section's pass (the dispatcher routes around a failure); fla's Hopper guard refusing
-    the per-head backward is reported as its error. Added 2026-12-07, not yet run on a GPU."""
+    gradient takes fla's backward, and takes the torch rule where it fails) at FLA_SHAPES, in order, until
+    ``budget_s`` is spent: per (kernel, shape) the relative errors of the output, final state and every input
+    gradient, pass at ``FLA_CHECK_TOL``, and the seconds (compiling and autotuning included). Facts for the record,
+    not part of the section's pass (the dispatcher routes around a failure); fla's Hopper guard refusing the
+    per-head backward is reported as its error. Added 2026-12-07, not yet run on a GPU."""
     import torch
 
     from longstraw.ops import deltanet as dn
@@ -421,19 +426,23 @@ def _fla_backward(dev, say, require_cuda: bool = True) -> dict:
         out: dict = {"tolerance": tol, "tokens": dn.FLA_CHECK_TOKENS, "guard": dn.fla_backward_refusal()}
     except Exception as e:
         return _error(e)
-    for kernel, shapes in FLA_SHAPES.items():
-        for heads, dk, dv in shapes:
-            key = f"{kernel} {heads}x{dk}x{dv}"
-            try:
-                t0 = time.perf_counter()
-                errs = dn.fla_backward_errors(dev, torch.bfloat16, kernel == "chunk_kda", heads, dk, dv)
-                out[key] = {"errors": errs, "ok": max(errs.values()) <= tol, "seconds": time.perf_counter() - t0}
-                worst = max(errs, key=errs.get)
-                say(f"  a fla backward {key}: worst {errs[worst]:.1e} ({worst}) -> "
-                    + ("pass" if out[key]["ok"] else "FAIL (the dispatcher takes the torch rule there)"))
-            except Exception as e:
-                out[key] = _error(e)
-                say(f"  a fla backward {key}: error {out[key]['error']}")
+    end = time.perf_counter() + budget_s
+    for kernel, (heads, dk, dv) in FLA_SHAPES:
+        key = f"{kernel} {heads}x{dk}x{dv}"
+        if time.perf_counter() > end:
+            out[key] = {"skipped": f"the part's {budget_s:.0f} s were spent"}
+            say(f"  a fla backward {key}: skipped for time")
+            continue
+        try:
+            t0 = time.perf_counter()
+            errs = dn.fla_backward_errors(dev, torch.bfloat16, kernel == "chunk_kda", heads, dk, dv)
+            out[key] = {"errors": errs, "ok": max(errs.values()) <= tol, "seconds": time.perf_counter() - t0}
+            worst = max(errs, key=errs.get)
+            say(f"  a fla backward {key}: worst {errs[worst]:.1e} ({worst}), {out[key]['seconds']:.1f} s -> "
+                + ("pass" if out[key]["ok"] else "FAIL (the dispatcher takes the torch rule there)"))
+        except Exception as e:
+            out[key] = _error(e)
+            say(f"  a fla backward {key}: error {out[key]['error']}")
     return out
 
 

@@ -169,7 +169,8 @@ def test_gpu_session_script_runs_the_check_and_leaves_json_and_log(tmp_path):
 def test_fla_backward_part_reports_each_shape(monkeypatch):
     """Section a's ``fla_backward`` part, run here with the torch rule standing in for fla's kernels (CUDA and fla
     are not at hand): each FLA_SHAPES entry reports its errors; the right kernel passes, one that halves dk (at
-    one shape) fails there, and one that raises (at another) is reported as an error while the rest still run."""
+    one shape) fails there, and one that raises (at another) is reported as an error while the rest still run;
+    past its budget the part starts no shape."""
     sys.path.insert(0, str(SCRIPT.parent))
     from gpu_check import FLA_SHAPES, _fla_backward
 
@@ -198,12 +199,14 @@ def test_fla_backward_part_reports_each_shape(monkeypatch):
     monkeypatch.setattr(dn, "FLA_CHECK_TOKENS", 40)
     lines = []
     out = _fla_backward(torch.device("cpu"), lines.append, require_cuda=False)
-    keys = [f"{k} {h}x{dk}x{dv}" for k, shapes in FLA_SHAPES.items() for h, dk, dv in shapes]
+    keys = [f"{k} {h}x{dk}x{dv}" for k, (h, dk, dv) in FLA_SHAPES]
     assert [k for k in out if k in keys] == keys and len(lines) == len(keys) and out["tokens"] == 40
     assert out["chunk_kda 2x32x32"]["error"] == "RuntimeError: no config fits"
     bad = out["chunk_gated_delta_rule 4x128x256"]
     assert not bad["ok"] and bad["errors"]["dk"] == pytest.approx(0.5, abs=0.01)
-    assert "chunk_gated_delta_rule 4x128x256: worst 5.0e-01 (dk) -> FAIL" in "\n".join(lines)
+    assert "chunk_gated_delta_rule 4x128x256: worst 5.0e-01 (dk), " in "\n".join(lines) and "s -> FAIL" in lines[-1]
     good = [k for k in keys if k not in ("chunk_kda 2x32x32", "chunk_gated_delta_rule 4x128x256")]
     assert all(out[k]["ok"] and set(out[k]["errors"]) >= {"dk", "dg", "dstate"} for k in good)
     assert _fla_backward(torch.device("cpu"), lines.append) == {"skipped": "needs CUDA and fla"}
+    out = _fla_backward(torch.device("cpu"), lines.append, require_cuda=False, budget_s=0.0)  # out of time at once
+    assert all(out[k] == {"skipped": "the part's 0 s were spent"} for k in keys)
