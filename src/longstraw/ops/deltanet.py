@@ -486,7 +486,10 @@ def fla_backward_refusal() -> str | None:
 # <= 1.5e-3, tests/ops/test_fla_rule.py; bfloat16 carries 3 fewer mantissa bits); the miscompiles fla has found on
 # Hopper gave relative errors of 0.5 and more (fla issues #640, #984)
 FLA_CHECK_TOL = {torch.bfloat16: 5e-2, torch.float16: 1e-2}
-FLA_CHECK_TOKENS = 150  # two full chunks of 64 and a partial one
+# 15 full chunks of 64 and a partial one: fla autotunes a kernel at its first call per shape, and the check's calls
+# are the first that need the backward kernels, so it runs them at a length like the real calls' (a reverse-pass or
+# replay chunk of a few thousand tokens), not at a toy one whose best configuration could be slower there
+FLA_CHECK_TOKENS = 1000
 
 
 def fla_backward_errors(device: torch.device, dtype: torch.dtype, channels: bool, heads: int, head_k_dim: int,
