@@ -43,10 +43,12 @@ def test_step_names_every_kernel_its_passes_took(monkeypatch):
     computation itself stays the torch rule here)."""
     from longstraw.models import deltanet as model_dn
 
-    monkeypatch.setattr(model_dn, "delta_rule_kernel", lambda device, dtype, needs_grad=False, channels=False:
+    monkeypatch.setattr(model_dn, "delta_rule_kernel",
+                        lambda device, dtype, needs_grad=False, channels=False, shape=None:
                         "torch" if needs_grad else "fla")
     assert _step(tiny_config()).delta_rule_kernel == "fla+torch"
-    monkeypatch.setattr(model_dn, "delta_rule_kernel", lambda device, dtype, needs_grad=False, channels=False: "torch")
+    monkeypatch.setattr(model_dn, "delta_rule_kernel",
+                        lambda device, dtype, needs_grad=False, channels=False, shape=None: "torch")
     assert _step(tiny_config()).delta_rule_kernel == "torch"  # a fresh model each step; and per call below
     torch.manual_seed(0)
     model = longstraw.build_model(tiny_config())
