@@ -498,9 +498,8 @@ def fla_backward_errors(device: torch.device, dtype: torch.dtype, channels: bool
     against the torch chunked rule in float32 on the same device and the same (rounded) inputs: the relative errors
     ``||x - ref|| / ||ref||`` of the output, the final state and the gradients of q, k, v, g, beta and the initial
     state, for one random functional of (output, final state). Inputs: one row of ``tokens`` (default
-    FLA_CHECK_TOKENS) tokens,
-    ``heads`` heads (fla's, after any repetition of q/k heads) of ``head_k_dim`` / ``head_v_dim``, mild random decays
-    (about 0.92 per token), random initial state."""
+    FLA_CHECK_TOKENS) tokens, ``heads`` heads (fla's, after any repetition of q/k heads) of ``head_k_dim`` /
+    ``head_v_dim``, mild random decays (about 0.92 per token), random initial state."""
     gen = torch.Generator().manual_seed(0)
     t, h, dk, dv = FLA_CHECK_TOKENS if tokens is None else tokens, heads, head_k_dim, head_v_dim
 
@@ -609,7 +608,6 @@ def delta_rule_kernel(device: torch.device | str, dtype: torch.dtype, needs_grad
     device = torch.device(device)
     where = (device, *shape) if shape is not None else None
     return _dispatch(backend, device.type, dtype, needs_grad, channels, where)[0]
-
 
 
 @functools.lru_cache(maxsize=None)
