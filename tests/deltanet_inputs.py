@@ -44,3 +44,15 @@ def grads(o, s, inputs, seed=1, draw_dtype=None):
 def assert_all_close(got, want, **tol):
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"tensor {i}: {m}")
+
+
+class HalfGradient(torch.autograd.Function):
+    """Identity forward, half the gradient backward: a miscompiled kernel's wrong gradient, for fla's check to see."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5

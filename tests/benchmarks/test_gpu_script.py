@@ -174,17 +174,10 @@ def test_fla_backward_part_reports_each_shape(monkeypatch):
     sys.path.insert(0, str(SCRIPT.parent))
     from gpu_check import FLA_SHAPES, _fla_backward
 
+    from deltanet_inputs import HalfGradient
+
     from longstraw.ops import deltanet as dn
     from longstraw.ops.deltanet import chunk_gated_delta_rule
-
-    class HalfGradient(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 0.5
 
     def as_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm):
         shape = (g.dim() == 4, *q.shape[2:], v.shape[3])

@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from deltanet_inputs import D64, assert_all_close, grads, make_inputs, run
+from deltanet_inputs import D64, HalfGradient, assert_all_close, grads, make_inputs, run
 
 from longstraw.ops import deltanet
 from longstraw.ops.deltanet import chunk_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
@@ -617,18 +617,6 @@ def test_fla_backward_check_sends_a_failing_shape_to_the_torch_rule(monkeypatch)
         ops_dn.fla_backward_check.cache_clear()
 
 
-class _HalfGradient(torch.autograd.Function):
-    """Identity forward, half the gradient backward: a miscompiled kernel's wrong dk, for the check to see."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 0.5
-
-
 def test_fla_backward_check_runs_apart_from_the_calling_context(monkeypatch):
     """The check runs inside whatever model call first needs it: none of that call's thread-local state reaches it
     (saved-tensor hooks that refuse every tensor, no_grad, autocast to bfloat16 here), and it still measures and
@@ -660,7 +648,7 @@ def test_fla_backward_errors_see_a_wrong_gradient(monkeypatch, channels):
 
     def as_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, halve_dk=False):
         assert g.dtype == torch.float32 and g.dim() == (4 if channels else 3) and initial_state.dtype == torch.float32
-        return chunk_gated_delta_rule(q, _HalfGradient.apply(k) if halve_dk else k, v, g, beta, scale=scale,
+        return chunk_gated_delta_rule(q, HalfGradient.apply(k) if halve_dk else k, v, g, beta, scale=scale,
                                       initial_state=initial_state, output_final_state=output_final_state,
                                       use_qk_l2norm=use_qk_l2norm)
 
