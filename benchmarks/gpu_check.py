@@ -187,6 +187,9 @@ def family_config(model_type: str) -> dict:
 # logits; the gradients checked are the adapters' (the base is frozen). Rank 8: 16-byte rows in bf16.
 # gpt_oss (added 2026-12-05, last): adapters on transposed [E, in, out] experts with biases (grouped_mm + LoRA)
 LORA_FAMILIES = ("qwen3_5_moe_text", "deepseek_v3", "gpt_oss")
+LORA = dict(rank=8, alpha=16, target_modules="all-linear",
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
 # a: the families that passed on a GPU (H200, 2026-12-04). Section a runs the others first, then the LoRA entries,
 # then these, so that a budget cut short by a tight GPU session drops re-checks rather than first runs
 RAN_ON_GPU = ("llama", "qwen2", "qwen3", "mistral", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3",
@@ -198,8 +201,6 @@ def section_a_order() -> list[tuple[str, bool]]:
     the families that ran (RAN_ON_GPU); the config order within each."""
     fresh = [(f, False) for f in FAMILY_CONFIGS if f not in RAN_ON_GPU]
     return fresh + [(f, True) for f in LORA_FAMILIES] + [(f, False) for f in FAMILY_CONFIGS if f in RAN_ON_GPU]
-LORA = dict(rank=8, alpha=16, target_modules="all-linear",
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
