@@ -95,12 +95,13 @@ import json
 import math
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from longstraw.ops.attention import KVSegment
 from longstraw.state import Placement, PromptState, chunk_bounds
 from longstraw.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
@@ -424,33 +425,74 @@ def _meta_model(hf_config: dict, dtype: torch.dtype):
     return build_on_meta(hf_config).to(dtype)
 
 
-class _ScanRehearsal(Placement):
-    """A ``cp > 1`` plan's placement for models with Gated DeltaNet layers: the single-process prompt state (whose
-    bytes the plan divides by ``cp``), except that the DeltaNet layers' prompt steps (prefill and reverse pass) run
-    through ``cp_recurrent.rehearsal_prefix``, the scan of the group's last rank (the widened rule, the gathered
-    transfers of ``cp`` pieces, the fold, the output correction), so that the dry run counts what a CP rank
-    allocates there; the replay and decoding read the plain state, as on a CP rank."""
+class _CPRehearsal(Placement):
+    """A ``cp > 1`` plan's placement: the single-process prompt state (whose bytes the plan divides by ``cp``),
+    except that the prompt steps (prefill and reverse pass) run some layers as a CP rank does, so that the dry run
+    counts what a rank allocates there; the replay and decoding read the plain state, as on a CP rank.
+
+    * Gated DeltaNet layers: through ``cp_recurrent.rehearsal_prefix``, the scan of the group's last rank (the
+      widened rule, the gathered transfers of ``cp`` pieces, the fold, the output correction).
+    * MLA layers (``models.mla.LatentState``; not DSA's, whose long steps run the sparse path, counted by
+      ``cp_latent.dsa_step_bytes``): their stored latents handed in as :class:`_GroupCall` segments, so that
+      ``MLAttention.choose_form`` picks the form of the group's call, a CP step of ``cp`` pieces over every
+      rank's stored share (the run's ``group_shape``), not of one process's chunk. The two differ where the
+      step's ``cp`` pieces share the expansion of the stored latents and one chunk would not: a DeepSeek-V3-style
+      model at a 2,048-token prompt in chunks of 512 took the absorbed form in the dry run and the decompressed one
+      in the run, and the plan read 1.71x the measured peak (2026-12-07)."""
 
     def __init__(self, cp: int):
         self.cp = cp
 
     def prompt_state(self, model, ids, chunk_size, exact):
         n = int(ids.shape[0])
-        return _RehearsedPromptState(model.new_prompt_states(n, exact), ids, chunk_bounds(n, chunk_size), self.cp)
+        return _RehearsedPromptState(model.new_prompt_states(n, exact), ids, chunk_bounds(n, chunk_size), self.cp,
+                                     chunk_size)
+
+
+@dataclass
+class _GroupCall(KVSegment):
+    """A plain stored segment that also answers ``group_shape`` (see :class:`_CPRehearsal`): the CP step's
+    ``tokens`` query positions over ``stored`` prompt positions."""
+
+    tokens: int = 0
+    stored: int = 0
+
+    def group_shape(self, tokens: int) -> tuple[int, int]:
+        return self.tokens, self.stored
 
 
 class _RehearsedPromptState(PromptState):
-    def __init__(self, layers, token_ids, chunks, cp: int):
+    def __init__(self, layers, token_ids, chunks, cp: int, chunk_size: int):
+        from longstraw.distributed.cp_state import shard_layout
+
         super().__init__(layers, token_ids, chunks)
         self.cp = cp
+        n = int(token_ids.shape[0])
+        self.cp_steps = ([(st[0][0], st[-1][1]) for st in shard_layout(n, cp, chunk_size).steps] if n >= cp
+                         else [(0, n)])
+
+    def group_call(self, start: int) -> tuple[int, int]:
+        """``(query positions, stored positions)`` of the CP step that prompt position ``start`` falls in: what
+        a rank's MLA layers choose their form from there (``ShardedSegment.group_shape``)."""
+        s, e = next(((s, e) for s, e in self.cp_steps if s <= start < e), self.cp_steps[-1])
+        return e - s, s
 
     def step_prefix(self, step: int, grad: bool) -> list:
         from longstraw.distributed.cp_recurrent import rehearsal_prefix
         from longstraw.models.deltanet import RecurrentState
+        from longstraw.models.mla import LatentState
 
         s, e = self.chunks[step]
-        return [rehearsal_prefix(p, self.cp, e - s) if isinstance(ls, RecurrentState) else p
-                for ls, p in zip(self.layers, super().step_prefix(step, grad))]
+        out = []
+        for ls, p in zip(self.layers, super().step_prefix(step, grad)):
+            if isinstance(ls, RecurrentState):
+                p = rehearsal_prefix(p, self.cp, e - s)
+            elif type(ls) is LatentState:
+                tokens, stored = self.group_call(s)
+                p = [_GroupCall(**{f.name: getattr(seg, f.name) for f in fields(KVSegment)}, tokens=tokens,
+                                stored=stored) for seg in p]
+            out.append(p)
+        return out
 
 
 def _param_bytes(model) -> int:
@@ -1031,8 +1073,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     from longstraw.models.deltanet import DeltaRuleMixer
 
     deltanet = any(isinstance(layer.mixer, DeltaRuleMixer) for layer in model.layers)
-    if cp > 1 and deltanet:
-        model.placement = _ScanRehearsal(cp)  # the DeltaNet layers' prompt steps as a CP rank runs them
+    if cp > 1:  # the DeltaNet and MLA layers' prompt steps as a CP rank runs them
+        model.placement = _CPRehearsal(cp)
     if gpus > 1 and fsdp is not False:  # as apply_fsdp: the first layer's input needs a gradient (a frozen model's
         from longstraw.distributed.fsdp import input_needs_grad  # layers all compute their input gradients)
 

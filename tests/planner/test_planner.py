@@ -270,15 +270,17 @@ def _big_llama() -> tuple[dict, Path]:
 
 def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp: int, ep: int = 1,
                      lora_rank: int = 0, dtype: str = "float32", lora_params: tuple = (),
-                     weights_ratios: list | None = None) -> list[float]:
+                     weights_ratios: list | None = None, prompt_len: int = 2048, chunk: int = 512) -> list[float]:
     """planned / measured per-rank peak of one grpo_backward + AdamW step on ``world`` gloo ranks
     (tests/planner/sharded_probe.py: each rank's peak resident memory during a steady-state step above a baseline
-    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, a 4,096-token prompt, G = 4.
-    ``weights_ratios``: appended with planned ``weights`` / each rank's parameter bytes."""
+    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, G = 4, responses of 64 tokens, a
+    ``prompt_len``-token prompt in chunks of ``chunk`` (2,048 and 512 unless a test asks for more: half the time of
+    4,096 and 1,024, whose ratios docs/BENCHMARKS.md records beside these). ``weights_ratios``: appended with
+    planned ``weights`` / each rank's parameter bytes."""
     import socket
 
-    spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": dtype, "prompt_len": 4096,
-            "response_len": 64, "group": 4, "chunk": 1024, "mode": "exact", "out": str(tmp_path),
+    spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": dtype, "prompt_len": prompt_len,
+            "response_len": 64, "group": 4, "chunk": chunk, "mode": "exact", "out": str(tmp_path),
             "lora_rank": lora_rank, "lora_target_parameters": list(lora_params)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     with socket.socket() as sk:
@@ -295,8 +297,8 @@ def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     lora = {"rank": lora_rank, "alpha": 2 * lora_rank, "target_modules": "all-linear",
             "target_parameters": list(lora_params)} if lora_rank else None
-    pl = plan(model_cfg, prompt_len=4096, response_len=64, group=4, dtype=dtype, gpus=world, cp=cp, ep=ep,
-              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024), lora=lora)
+    pl = plan(model_cfg, prompt_len=prompt_len, response_len=64, group=4, dtype=dtype, gpus=world, cp=cp, ep=ep,
+              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=chunk), lora=lora)
     ratios = []
     for r, g in enumerate(got):
         ratios.append(pl.peak_bytes / g["peak_above_base"])
@@ -326,8 +328,9 @@ def test_per_rank_plan_within_fifteen_percent_of_measured_under_gloo(tmp_path):
 def test_deltanet_hybrid_per_rank_plan_under_context_parallelism(tmp_path):
     """A Qwen3.5-style hybrid (3 DeltaNet layers to 1 full attention) with cp = 2 and 4 over as many ranks: the
     plan runs the DeltaNet layers' prompt steps as a CP rank does (the state scan rehearsed: ``planner.
-    _ScanRehearsal``), and no rank's measured peak is above it by more than 5% or below it by more than 15%. (On
-    2026-12-05: 1.03-1.08x; the plan without the rehearsal under-planned at 0.89-0.93x.)"""
+    _CPRehearsal``), and no rank's measured peak is above it by more than 5% or below it by more than 15%. (At
+    4,096 tokens on 2026-12-05: 1.03-1.08x, at 2,048 on 2026-12-07: 1.02-1.08x; the plan without the rehearsal
+    under-planned at 0.89-0.93x.)"""
     from longstraw.models.qwen_hybrid import tiny_config
     from transformers import AutoConfig
 
@@ -415,15 +418,10 @@ def test_dsa_fp16_per_rank_plan_within_fifteen_percent(tmp_path):
             assert 0.85 <= ratio <= 1.15, (cp, lora_rank, ratio)
 
 
-@pytest.mark.slow  # 2 gloo ranks
-def test_mla_decompressed_per_rank_plan_within_fifteen_percent(tmp_path):
-    """A DeepSeek-V3-style model (dense MLA + MoE) whose CP steps take the decompressed form (the FLOP rule, at
-    these head sizes; 1,024 stored positions expanded at a time, as a rank's share expands them too) on FSDP2 over
-    2 ranks: cp = 1 and cp = 2, where the step's pieces go one at a time and the planner counts that exchange by
-    formula (``cp_latent.mla_step_bytes``)."""
+def _dsv3_config():
+    """A DeepSeek-V3-style model (dense MLA + MoE) with 64 heads of DeepSeek-V3's sizes but a narrow residual: long
+    prefill steps take the decompressed form."""
     from transformers import DeepseekV3Config
-
-    from hf_reference import save_tiny, tiny_hf
 
     hf_cfg = DeepseekV3Config(vocab_size=4000, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=8,
@@ -431,14 +429,59 @@ def test_mla_decompressed_per_rank_plan_within_fifteen_percent(tmp_path):
                               first_k_dense_replace=1, max_position_embeddings=8192, kv_lora_rank=512,
                               qk_rope_head_dim=16, qk_nope_head_dim=112, v_head_dim=128, q_lora_rank=96)
     hf_cfg._experts_implementation = "eager"
-    path = save_tiny(tiny_hf(hf_cfg, seed=0, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
+    return hf_cfg
+
+
+@pytest.mark.slow  # 2 gloo ranks
+def test_mla_decompressed_per_rank_plan_within_fifteen_percent(tmp_path):
+    """The DeepSeek-V3-style model (:func:`_dsv3_config`), whose CP steps take the decompressed form (the FLOP rule,
+    at these head sizes; 1,024 stored positions expanded at a time, as a rank's share expands them too) on FSDP2
+    over 2 ranks: cp = 1 and cp = 2, where the step's pieces go one at a time and the planner counts that exchange
+    by formula (``cp_latent.mla_step_bytes``). At a 4,096-token prompt in chunks of 1,024 (shorter prompts plan
+    further over: docs/BENCHMARKS.md, "Per rank under FSDP2, CP, EP and LoRA")."""
+    from hf_reference import save_tiny, tiny_hf
+
+    path = save_tiny(tiny_hf(_dsv3_config(), seed=0, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
     cfg = json.loads((path / "config.json").read_text())
     pl = plan(cfg, prompt_len=4096, response_len=64, group=4, dtype="float32", gpus=2, cp=2,
               cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=1024))
     assert pl.settings["assumptions"]["mla_attention"].startswith("cp=2: decompressed")
     for cp in (1, 2):
-        for ratio in _per_rank_ratios(tmp_path, cfg, path, 2, cp):
+        for ratio in _per_rank_ratios(tmp_path, cfg, path, 2, cp, prompt_len=4096, chunk=1024):
             assert 0.85 <= ratio <= 1.15, (cp, ratio)
+
+
+def test_cp_plans_run_mla_prompt_steps_in_the_groups_form(monkeypatch):
+    """A CP step's MLA layers take the form the group's call picks (``MLAttention.choose_form`` over the step's
+    ``cp`` pieces and every rank's stored share), which can differ from one process's chunk: the DeepSeek-V3-style
+    model at a 2,048-token prompt in chunks of 512 recomputes its reverse-pass chunks in the absorbed form in one
+    process and in the decompressed one under cp = 2, where the pieces share each expansion. The cp = 2 dry run's
+    prompt steps over stored latents take the group's form (``planner._CPRehearsal``; the first step, with none
+    stored, keeps one process's); they once took the chunk's, and the plan read 1.71x the measured peak."""
+    from longstraw.models.mla import MLAttention
+
+    cfg = {**_dsv3_config().to_dict(), "model_type": "deepseek_v3"}
+    calls = []
+    choose = MLAttention.choose_form
+
+    def spy(self, batch, tokens, prefix, grad=False):
+        form = choose(self, batch, tokens, prefix, grad)
+        calls.append((tokens, any(hasattr(s, "group_shape") for s in prefix), bool(prefix), grad, form))
+        return form
+
+    monkeypatch.setattr(MLAttention, "choose_form", spy)
+    kw = dict(prompt_len=2048, response_len=64, group=4, dtype="float32", gpus=2,
+              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=512))
+    plan(cfg, cp=1, **kw)
+    reverse = [form for t, _, stored, grad, form in calls if grad and t >= 511 and stored]
+    assert reverse and set(reverse) == {"absorbed"}
+    calls.clear()
+    two = plan(cfg, cp=2, **kw)
+    assert two.settings["assumptions"]["mla_attention"].startswith("cp=2: decompressed form")
+    steps = [(grouped, grad, form) for t, grouped, stored, grad, form in calls if t >= 511 and stored]
+    assert steps and all(grouped and form == "decompressed" for grouped, _, form in steps)
+    assert any(grad for _, grad, _ in steps)
+    assert not any(grouped for t, grouped, *_ in calls if t < 511)  # the replay and decoding: the plain state
 
 
 def _vocab_32k_llama(tied: bool) -> tuple[dict, Path]:
@@ -955,7 +998,7 @@ def test_cp_mla_step_prices_a_ranks_piece_not_a_whole_chunk():
 
 
 def test_cp_plans_of_deltanet_models_rehearse_the_state_scan(monkeypatch):
-    """Under cp > 1 the dry run runs the DeltaNet layers' prompt steps as a CP rank does (``_ScanRehearsal``): the
+    """Under cp > 1 the dry run runs the DeltaNet layers' prompt steps as a CP rank does (``_CPRehearsal``): the
     widened rule and the gathered transfers make the reverse-pass chunk term larger than the single-process code's,
     and the assumptions say so; cp = 1 plans are untouched."""
     import longstraw.planner as planner
@@ -966,7 +1009,7 @@ def test_cp_plans_of_deltanet_models_rehearse_the_state_scan(monkeypatch):
     kw = dict(prompt_len=1024, response_len=16, group=2, gpus=4, cp=4, cfg=GRPOConfig(prefill_chunk=128))
     scan = plan(cfg, **kw)
     assert "state scan over cp=4" in scan.settings["assumptions"]["deltanet_cp"]
-    monkeypatch.setattr(planner, "_ScanRehearsal", lambda cp: LOCAL)
+    monkeypatch.setattr(planner, "_CPRehearsal", lambda cp: LOCAL)
     plain = plan(cfg, **kw)
     assert scan.breakdown["prefill_chunk"] > plain.breakdown["prefill_chunk"]
     assert "deltanet_cp" not in plan(cfg, **{**kw, "gpus": 1, "cp": 1}).settings["assumptions"]

@@ -530,13 +530,16 @@ class MLAttention(nn.Module):
         A segment partitioned over processes (context parallelism) is counted as the whole group's call
         (:meth:`~longstraw.ops.partitioned.PartitionedSegment.group_shape`: in a prefill step every rank's piece
         queries every rank's stored share, so the step's tokens share each expansion), from numbers that are the
-        same on every process: the group takes one form."""
+        same on every process: the group takes one form. Any segment with a ``group_shape`` counts so: the memory
+        planner's dry run of a CP step in one process hands such plain segments in, so that its MLA layers take
+        the group's form (``planner._CPRehearsal``)."""
         if self.mode != "auto":
             return self.mode
         segs = []
         for s in prefix:
-            if isinstance(s, PartitionedSegment):
-                tokens, stored = s.group_shape(tokens)
+            shape = getattr(s, "group_shape", None)
+            if shape is not None:
+                tokens, stored = shape(tokens)
                 segs.append((1, stored))
             else:
                 segs.append((s.k.shape[0], s.length))
