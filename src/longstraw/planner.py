@@ -468,8 +468,7 @@ class _RehearsedPromptState(PromptState):
         super().__init__(layers, token_ids, chunks)
         self.cp = cp
         n = int(token_ids.shape[0])
-        self.cp_steps = ([(st[0][0], st[-1][1]) for st in shard_layout(n, cp, chunk_size).steps] if n >= cp
-                         else [(0, n)])
+        self.cp_steps = shard_layout(n, cp, chunk_size).step_bounds() if n >= cp else [(0, n)]
 
     def group_call(self, start: int) -> tuple[int, int]:
         """``(query positions, stored positions)`` of the CP step that prompt position ``start`` falls in: what
@@ -483,12 +482,12 @@ class _RehearsedPromptState(PromptState):
         from longstraw.models.mla import LatentState
 
         s, e = self.chunks[step]
+        tokens, stored = self.group_call(s)
         out = []
         for ls, p in zip(self.layers, super().step_prefix(step, grad)):
             if isinstance(ls, RecurrentState):
                 p = rehearsal_prefix(p, self.cp, e - s)
             elif type(ls) is LatentState:
-                tokens, stored = self.group_call(s)
                 p = [_GroupCall(**{f.name: getattr(seg, f.name) for f in fields(KVSegment)}, tokens=tokens,
                                 stored=stored) for seg in p]
             out.append(p)
@@ -1345,7 +1344,7 @@ def _sliding_cp_bytes(model, prompt_len: int, cfg, cp: int, dtype: torch.dtype) 
                if getattr(m, "window", None) is not None and hasattr(m, "num_kv_heads")]
     if not windows or n < cp:
         return 0, 0
-    steps = [(st[0][0], st[-1][1]) for st in shard_layout(n, cp, cfg.prefill_chunk).steps]
+    steps = shard_layout(n, cp, cfg.prefill_chunk).step_bounds()
     single = chunk_bounds(n, cfg.prefill_chunk)
     extra = sum(width * (sliding_kept(steps, w, cfg.exact) - sliding_kept(single, w, cfg.exact) / cp)
                 for w, width in windows)

@@ -61,6 +61,10 @@ class ShardLayout:
     def step_start(self, step: int) -> int:
         return self.steps[step][0][0]
 
+    def step_bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` global positions of each step (all ranks' pieces together), in order."""
+        return [(st[0][0], st[-1][1]) for st in self.steps]
+
     def step_lengths(self, step: int) -> tuple[int, ...]:
         return tuple(e - s for s, e in self.steps[step])
 
