@@ -74,7 +74,9 @@ layer's send and receive buffers of its inputs and outputs (``4 x tokens x top_k
 and in a graph (a branch batch, a recomputed chunk) the received inputs and returned outputs that every MoE layer
 keeps for its backward (``2 x tokens x top_k x hidden`` per MoE layer; one layer's with ``checkpoint_layers``),
 whichever is largest; routing imbalance scales the receive side (``expert_load`` in a run's metrics measures it).
-The dry run itself computes the experts as one process does.
+The dry run itself computes the experts as one process does, except that the contiguous copies of the adapters'
+factors that the grouped dispatch keeps in a graph (LoRA on the experts) are a rank's ``1/E`` of them
+(``ops.meta.expert_split``).
 
 LoRA: the meta model gets its adapters exactly as a run's does (``models.lora.add_adapters``: the same targets,
 shapes and frozen parameters for every family and target rule), and the dry run runs through them, so the
@@ -101,6 +103,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from longstraw.ops import meta as meta_ops
 from longstraw.ops.attention import KVSegment
 from longstraw.state import Placement, PromptState, chunk_bounds
 from longstraw.units import format_bytes, format_tokens, parse_bytes, parse_tokens
@@ -1124,7 +1127,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
 
     def at(p: int, state_only: bool = False) -> dict[str, int]:
         if (p, state_only) not in cache:
-            d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
+            with meta_ops.expert_split(ep):
+                d = sampled_dry_run(model, p, response_len, group, cfg, samples, state_only)
             for k in ("prompt_state", "prompt_state_grad", "grad_at_replay", "grad_host", "state_host",
                       "state_host_fwd"):
                 if k in d:

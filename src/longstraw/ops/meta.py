@@ -10,7 +10,10 @@ lifetimes) as the real path, and a test holds every tracked byte equal with the 
 ``expert_slot_outputs``
     MoE routing is data (which expert gets how many tokens): the real dispatch needs the counts on the host.
     On meta all ``N * k`` token slots go through one expert's weights, which allocates what the real dispatch
-    allocates in total; ``ops.moe.experts_forward`` then combines them as it combines real ones.
+    allocates in total; ``ops.moe.experts_forward`` then combines them as it combines real ones. With LoRA on the
+    fused weights the grouped dispatch also makes contiguous copies of the adapters' factors, which its graph keeps
+    (:func:`grouped_lora_copies`); under expert parallelism a rank copies only its experts' part
+    (:func:`expert_split`).
 ``skip_delta_rule_block``
     The torch gated delta rule processes a long input in blocks of chunks; without autograd each block frees its
     intermediates, so on meta the blocks between the first and the last only add their output (prefill dry runs of
@@ -45,14 +48,16 @@ documented in ``longstraw.planner``: those are choices of what to run, not diffe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-__all__ = ["SHORTCUTS", "is_meta", "value", "expert_slot_outputs", "skip_delta_rule_block", "skip_repeated_block",
-           "layout", "replicate"]
+__all__ = ["SHORTCUTS", "is_meta", "value", "expert_slot_outputs", "grouped_lora_copies", "expert_split",
+           "skip_delta_rule_block", "skip_repeated_block", "layout", "replicate"]
 
 SHORTCUTS = True  # tests switch this off to check that the shortcuts change no tracked byte
+_EXPERT_SPLIT = 1  # the ranks a dry run's routed experts are split over (:func:`expert_split`)
 
 
 def is_meta(t: Tensor) -> bool:
@@ -72,6 +77,34 @@ def expert_slot_outputs(x: Tensor, weights: Tensor, rows: Callable[[Tensor, int]
     n, k = weights.shape
     token_idx = torch.arange(n * k, device=x.device) // k
     return rows(x[token_idx], 0), token_idx
+
+
+def grouped_lora_copies(factors: tuple[Tensor, Tensor, float]) -> tuple[Tensor, Tensor, float]:
+    """The LoRA factors ``(A [E, r, in], B [E, out, r], s)`` of a fused expert weight as the grouped dispatch uses
+    them on meta: backed by the contiguous copies it makes (``ops.moe._grouped_lowrank``: ``A^T [E, in, r]``,
+    ``B^T [E, r, out]``, which its ``grouped_mm`` calls keep for their backward), of this rank's experts only under
+    :func:`expert_split` (``E / split`` of them; the meta dispatch runs every slot through expert 0). Differentiable
+    in the factors, as the real copies are."""
+    a, b, s = factors
+    m = max(1, a.shape[0] // _EXPERT_SPLIT)
+    a_c = a[:m].transpose(1, 2).contiguous().transpose(1, 2)  # [m, r, in] over a [m, in, r] copy
+    b_c = b[:m].transpose(1, 2).contiguous().transpose(1, 2)  # [m, out, r] over a [m, r, out] copy
+    return a_c, b_c, s
+
+
+@contextmanager
+def expert_split(ranks: int):
+    """Within: dry runs count the routed experts' per-rank copies (:func:`grouped_lora_copies`) as a rank of an
+    expert-parallel group of ``ranks`` makes them (its ``1 / ranks`` of the experts); the planner's ``plan(ep=)``.
+    The dry run itself still computes every expert's slots as one process does."""
+    global _EXPERT_SPLIT
+    if ranks < 1:
+        raise ValueError(f"expert_split(ranks={ranks}): ranks must be >= 1")
+    before, _EXPERT_SPLIT = _EXPERT_SPLIT, int(ranks)
+    try:
+        yield
+    finally:
+        _EXPERT_SPLIT = before
 
 
 def skip_delta_rule_block(inputs: tuple[Tensor | None, ...], t0: int, last_start: int) -> bool:

@@ -300,12 +300,19 @@ def _aligned16(t: Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s, d in zip(t.stride(), t.shape) if s != 1 and d != 1)
 
 
+_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+
 def _grouped_mm_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, form: ExpertForm = _PLAIN) -> bool:
     """Whether ``F.grouped_mm`` has a kernel here: CPU float32/bf16/fp16, CUDA bf16; 16-byte aligned strides."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    allowed = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
-    if x.dtype not in allowed.get(x.device.type, ()):
+    return x.dtype in _GROUPED_DTYPES.get(x.device.type, ()) and _grouped_mm_shapes_ok(x, gate_up_proj, down_proj,
+                                                                                      form)
+
+
+def _grouped_mm_shapes_ok(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, form: ExpertForm = _PLAIN) -> bool:
+    """:func:`_grouped_mm_ok` on any device that has a kernel for ``x``'s dtype (the dry run's question on meta:
+    whether a CPU or CUDA run of these shapes may take the grouped dispatch)."""
+    if not hasattr(F, "grouped_mm") or not any(x.dtype in d for d in _GROUPED_DTYPES.values()):
         return False
     es = x.element_size()
     e_h_2i = gate_up_proj.shape if form.transposed else gate_up_proj.transpose(1, 2).shape
@@ -364,6 +371,11 @@ def experts_forward(
 
     n, k = expert_ids.shape
     if meta.is_meta(x):  # the memory planner's dry run: routing is data (ops/meta.py)
+        # the grouped dispatch's factor copies, wherever a CPU or CUDA run of these shapes may take it (a CUDA
+        # float32/fp16 run takes the loop, which copies nothing: then an adapter's bytes per MoE layer over)
+        if _grouped_mm_shapes_ok(x, gate_up_proj, down_proj, form):
+            gu_lora, dn_lora = (meta.grouped_lora_copies(f) if f is not None and _grouped_lora_ok(f, x) else f
+                                for f in (gu_lora, dn_lora))
         ys, token_idx = meta.expert_slot_outputs(
             x, weights, lambda xs, e: _expert_rows(xs, e, gate_up_proj, down_proj, act_fn, gu_lora, dn_lora, form))
         return combine_slots(ys, weights.reshape(-1), token_idx, n, x.dtype)
