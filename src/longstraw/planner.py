@@ -97,14 +97,13 @@ import json
 import math
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw.ops import meta as meta_ops
-from longstraw.ops.attention import KVSegment
 from longstraw.state import Placement, PromptState, chunk_bounds
 from longstraw.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
@@ -430,48 +429,43 @@ def _meta_model(hf_config: dict, dtype: torch.dtype):
 
 class _CPRehearsal(Placement):
     """A ``cp > 1`` plan's placement: the single-process prompt state (whose bytes the plan divides by ``cp``),
-    except that the prompt steps (prefill and reverse pass) run some layers as a CP rank does, so that the dry run
-    counts what a rank allocates there; the replay and decoding read the plain state, as on a CP rank.
+    except that the prompt steps (prefill and reverse pass) run some layers as the group's last rank does, over a
+    stand-in group (``distributed.rehearsal.RehearsalComm``), so that the dry run counts what a rank allocates there;
+    the replay and decoding read the plain state, as on a CP rank.
 
     * Gated DeltaNet layers: through ``cp_recurrent.rehearsal_prefix``, the scan of the group's last rank (the
       widened rule, the gathered transfers of ``cp`` pieces, the fold, the output correction).
-    * MLA layers (``models.mla.LatentState``; not DSA's, whose long steps run the sparse path, counted by
-      ``cp_latent.dsa_step_bytes``): their stored latents handed in as :class:`_GroupCall` segments, so that
-      ``MLAttention.choose_form`` picks the form of the group's call, a CP step of ``cp`` pieces over every
-      rank's stored share (the run's ``group_shape``), not of one process's chunk. The two differ where the
-      step's ``cp`` pieces share the expansion of the stored latents and one chunk would not: a DeepSeek-V3-style
-      model at a 2,048-token prompt in chunks of 512 took the absorbed form in the dry run and the decompressed one
-      in the run, and the plan read 1.71x the measured peak (2026-12-07)."""
+    * MLA layers (``models.mla.LatentState``; not DSA's, counted by formula in ``_mla_cp_step``): a rank's share of
+      the stored latents as a ``cp_latent.ShardedLatentSegment`` (``rehearsal.latent_share``), so the layer takes
+      the group's form (``MLAttention.choose_form`` over the step's ``cp`` pieces and every rank's share) and runs
+      its CP attention: the step's latents gathered, the pieces' queries and partials exchanged one at a time,
+      the earlier pieces' latent gradients sent back. Before (2026-12-07) the dry run ran one process's chunk in the
+      group's form and a formula (``cp_latent.mla_step_bytes``) added the exchange on top, which the run does not
+      hold together with that chunk's transient: a DeepSeek-V3-style model at a 2,048-token prompt in chunks of 512
+      planned 1.61x the measured peak at cp = 2 (1.71x while the dry run took one chunk's form)."""
 
     def __init__(self, cp: int):
         self.cp = cp
 
     def prompt_state(self, model, ids, chunk_size, exact):
+        from longstraw.models.mla import MLAttention
+
         n = int(ids.shape[0])
+        plain_mla = [isinstance(layer.mixer, MLAttention) and getattr(layer.mixer, "index_topk", None) is None
+                     for layer in model.layers]
         return _RehearsedPromptState(model.new_prompt_states(n, exact), ids, chunk_bounds(n, chunk_size), self.cp,
-                                     chunk_size)
-
-
-@dataclass
-class _GroupCall(KVSegment):
-    """A plain stored segment that also answers ``group_shape`` (see :class:`_CPRehearsal`): the CP step's
-    ``tokens`` query positions over ``stored`` prompt positions."""
-
-    tokens: int = 0
-    stored: int = 0
-
-    def group_shape(self, tokens: int) -> tuple[int, int]:
-        return self.tokens, self.stored
+                                     chunk_size, plain_mla)
 
 
 class _RehearsedPromptState(PromptState):
-    def __init__(self, layers, token_ids, chunks, cp: int, chunk_size: int):
+    def __init__(self, layers, token_ids, chunks, cp: int, chunk_size: int, plain_mla: list[bool]):
         from longstraw.distributed.cp_state import shard_layout
 
         super().__init__(layers, token_ids, chunks)
-        self.cp = cp
+        self.cp, self.plain_mla = cp, plain_mla  # per layer: a plain MLA layer (not DSA's), rehearsed
         n = int(token_ids.shape[0])
-        self.cp_steps = shard_layout(n, cp, chunk_size).step_bounds() if n >= cp else [(0, n)]
+        self.layout = shard_layout(n, cp, chunk_size) if n >= cp else None
+        self.cp_steps = self.layout.step_bounds() if self.layout is not None else [(0, n)]
 
     def group_call(self, start: int) -> tuple[int, int]:
         """``(query positions, stored positions)`` of the CP step that prompt position ``start`` falls in: what
@@ -481,18 +475,20 @@ class _RehearsedPromptState(PromptState):
 
     def step_prefix(self, step: int, grad: bool) -> list:
         from longstraw.distributed.cp_recurrent import rehearsal_prefix
+        from longstraw.distributed.rehearsal import latent_share
         from longstraw.models.deltanet import RecurrentState
         from longstraw.models.mla import LatentState
 
         s, e = self.chunks[step]
-        tokens, stored = self.group_call(s)
+        _, stored = self.group_call(s)
+        last = self.cp - 1  # the rank with the most earlier pieces in a step
         out = []
-        for ls, p in zip(self.layers, super().step_prefix(step, grad)):
+        for ls, p, mla in zip(self.layers, super().step_prefix(step, grad), self.plain_mla, strict=True):
             if isinstance(ls, RecurrentState):
                 p = rehearsal_prefix(p, self.cp, e - s)
-            elif type(ls) is LatentState:
-                p = [_GroupCall(**{f.name: getattr(seg, f.name) for f in fields(KVSegment)}, tokens=tokens,
-                                stored=stored) for seg in p]
+            elif mla and type(ls) is LatentState and self.layout is not None:
+                p = latent_share(ls.lat, ls.grad if grad else None, self.cp, self.layout.local_len(last, stored),
+                                 stored, e - s)
             out.append(p)
         return out
 
@@ -1356,11 +1352,13 @@ def _sliding_cp_bytes(model, prompt_len: int, cfg, cp: int, dtype: torch.dtype) 
 
 
 def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assumptions: dict) -> int:
-    """Bytes a CP step's MLA attention adds per rank beyond one process's chunk (the dry run runs one process):
-    the shipped queries and partials of one dense MLA layer (``distributed.cp_latent.mla_step_bytes``), or, where
-    the DSA layers' steps see more than ``index_topk`` keys, their sparse path's (``dsa_step_bytes``: one layer's
-    peak, plus what the other layers' graphs keep in an exact step without layer checkpointing). Writes the form and the
-    per-block transient into ``assumptions["mla_attention"]``; 0 without MLA layers."""
+    """Bytes a CP step's MLA attention adds per rank beyond what the dry run counts: 0 for plain MLA layers, whose
+    CP step the dry run runs as a rank does (:class:`_CPRehearsal`); for DSA layers on their dense path (steps that
+    see at most ``index_topk`` keys) the shipped queries and partials of one layer by formula
+    (``distributed.cp_latent.mla_step_bytes``), and where their steps see more, their sparse path's
+    (``dsa_step_bytes``: one layer's peak, plus what the other layers' graphs keep in an exact step without layer
+    checkpointing). Writes the form and the per-block transient into ``assumptions["mla_attention"]``; 0 without
+    MLA layers."""
     from longstraw.models.mla import MLAttention
 
     mixers = [m.mixer for m in model.layers if isinstance(m.mixer, MLAttention)]
@@ -1392,12 +1390,15 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
             + " (by formula, in prefill_chunk)")
         return peak + kept
     form, step, block = mla_step_bytes(layer, cp, chunk, prompt_len, dtype, cfg.exact)
+    # plain MLA layers run a rank's CP step in the dry run (_CPRehearsal); DSA layers on their dense path do not
+    rehearsed = not any(getattr(m, "index_topk", None) is not None for m in dense)
     assumptions["mla_attention"] = (
         f"cp={cp}: {form} form for a step of {cp} x {chunk:,} tokens (FLOP rule); per rank and MLA layer the "
-        f"shipped queries and partials add {format_bytes(step)} (by formula, in prefill_chunk)"
+        + ("step's exchange (the shipped queries and partials, one piece at a time) rehearsed in the dry run"
+           if rehearsed else f"shipped queries and partials add {format_bytes(step)} (by formula, in prefill_chunk)")
         + (f"; per block {format_bytes(block)} ({layer.chunk_positions():,} stored positions expanded per chunk, "
            f"one piece's queries per call)" if form == "decompressed" else ""))
-    return step
+    return 0 if rehearsed else step
 
 
 def _forward_flops(model, start: int, end: int, chunk: int | None = None) -> float | None:

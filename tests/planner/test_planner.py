@@ -437,9 +437,10 @@ def _dsv3_config():
 def test_mla_decompressed_per_rank_plan_within_fifteen_percent(tmp_path):
     """The DeepSeek-V3-style model (:func:`_dsv3_config`), whose CP steps take the decompressed form (the FLOP rule,
     at these head sizes; 1,024 stored positions expanded at a time, as a rank's share expands them too) on FSDP2
-    over 2 ranks: cp = 1 and cp = 2, where the step's pieces go one at a time and the planner counts that exchange
-    by formula (``cp_latent.mla_step_bytes``). At a 4,096-token prompt in chunks of 1,024 (shorter prompts plan
-    further over: docs/BENCHMARKS.md, "Per rank under FSDP2, CP, EP and LoRA")."""
+    over 2 ranks: cp = 1 and cp = 2, where the step's pieces go one at a time and the dry run runs a rank's step
+    (``planner._CPRehearsal``; until 2026-12-07 a formula, ``cp_latent.mla_step_bytes``, added it: 1.14x, now
+    1.10-1.11x). At a 4,096-token prompt in chunks of 1,024 (shorter prompts plan further over, 1.17-1.28x at 2,048:
+    docs/BENCHMARKS.md, "Per rank under FSDP2, CP, EP and LoRA")."""
     from hf_reference import save_tiny, tiny_hf
 
     path = save_tiny(tiny_hf(_dsv3_config(), seed=0, dtype=torch.float32, init_std=0.02), dtype=torch.float32)
@@ -483,6 +484,50 @@ def test_cp_plans_run_mla_prompt_steps_in_the_groups_form(monkeypatch):
     assert steps and all(grouped and form == "decompressed" for grouped, _, form in steps)
     assert any(grad for _, grad, _ in steps)
     assert not any(grouped for t, grouped, *_ in calls if t < 511)  # the replay and decoding: the plain state
+
+
+def test_cp_plans_rehearse_a_ranks_mla_step(monkeypatch):
+    """A ``cp > 1`` dry run runs its plain MLA layers' prompt steps through the CP attention a rank runs, over a
+    stand-in group (``distributed.rehearsal``): the decompressed exchange (``cp_latent``) for the DeepSeek-V3-style
+    model's steps, the dense CP path (``cp_attention``) where the absorbed form is picked (a small MLA model), in
+    the prefill and in the reverse pass, from the first step (nothing stored: only the step's pieces) on; and the
+    plan adds no formula for them (it once added ``mla_step_bytes`` on top of one process's chunk: 1.61x the
+    measured peak at 2,048 tokens in chunks of 512)."""
+    from longstraw.distributed import cp_attention, cp_latent
+    from longstraw.distributed.rehearsal import RehearsalComm
+
+    seen = []
+    dec, dense = cp_latent.cp_decompressed_attention, cp_attention.cp_segment_attention
+
+    def spy_dec(sh, q, *args):
+        seen.append(("decompressed", type(sh.comm), sh.step.lengths, sh.global_length, q.requires_grad))
+        return dec(sh, q, *args)
+
+    def spy_dense(q, segments, *args, **kw):
+        sh = next(s for s in segments if isinstance(s, cp_attention.ShardedSegment))
+        seen.append(("absorbed", type(sh.comm), sh.step.lengths if sh.step else None, sh.global_length,
+                     q.requires_grad))
+        return dense(q, segments, *args, **kw)
+
+    monkeypatch.setattr(cp_latent, "cp_decompressed_attention", spy_dec)
+    monkeypatch.setattr(cp_attention, "cp_segment_attention", spy_dense)
+    kw = dict(prompt_len=2048, response_len=64, group=4, dtype="float32", gpus=2, cp=2,
+              cfg=GRPOConfig(prompt_grad="exact", prefill_chunk=512))
+    big = plan({**_dsv3_config().to_dict(), "model_type": "deepseek_v3"}, **kw)
+    assert "rehearsed in the dry run" in big.settings["assumptions"]["mla_attention"]
+    assert {f for f, *_ in seen} == {"decompressed"} and all(c is RehearsalComm for _, c, *_ in seen)
+    assert {lengths for _, _, lengths, *_ in seen} == {(512, 512), (511, 511)}  # 2,047 positions: a short last
+    assert {g for *_, g, _ in seen} == {0, 1023} and {True, False} == {grad for *_, grad in seen}  # 2 steps
+    seen.clear()
+    small = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+             "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+             "vocab_size": 300, "max_position_embeddings": 8192}
+    assert plan(small, **kw).settings["assumptions"]["mla_attention"].startswith("cp=2: absorbed")
+    steps = [x for x in seen if x[2] is not None]  # prompt steps (the replay's queries are replicated: None)
+    assert steps and {f for f, *_ in steps} == {"absorbed"} and all(c is RehearsalComm for _, c, *_ in steps)
+    assert {True, False} == {grad for *_, grad in steps}
 
 
 def _vocab_32k_llama(tied: bool) -> tuple[dict, Path]:

@@ -372,7 +372,9 @@ def cp_decompressed_attention(sh: ShardedLatentSegment, q: Tensor, w_uk: Tensor,
 def mla_step_bytes(layer, cp: int, piece: int, stored: int, dtype: torch.dtype, grad: bool) -> tuple[str, int, int]:
     """What one dense MLA layer (``models.mla.MLAttention``) allocates per rank in a CP prefill step (``grad``:
     a reverse-pass step, recomputation and backward) beyond one process's chunk of ``piece`` tokens: the shipped
-    queries of the ``cp`` pieces and their partials, by formula (the planner's dry run runs one process).
+    queries of the ``cp`` pieces and their partials, by formula. The planner adds it for DSA layers on their dense
+    path; a plain MLA layer's step it runs in its dry run instead (``distributed.rehearsal``), and takes only the
+    form and the per-block figure from here.
     Returns ``(form, step bytes, per-block transient bytes)``, the form being what :meth:`choose_form` picks for
     the step over ``stored`` prompt positions (``group_shape``).
 

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from longstraw.distributed.context import Comm
 from longstraw.distributed.cp_state import ShardLayout
+from longstraw.distributed.rehearsal import RehearsalComm
 from longstraw.models.deltanet import RecurrentDecoder, RecurrentPrefix, RecurrentState
 from longstraw.ops.deltanet import compose_transfer, transfer_inputs, transfer_output
 from longstraw.ops.host_memory import offloads as offloads_state
@@ -175,21 +176,6 @@ class _ScanPrefix(RecurrentPrefix):
         return y, conv, S_end
 
 
-class _RehearsalComm:
-    """A stand-in for a CP group of ``size`` ranks inside one process, as rank ``rank``: ``all_gather`` repeats this
-    rank's tensor ``size`` times and ``all_to_all`` returns a copy (the shapes, dtypes and allocations of the real
-    collectives; not their values)."""
-
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
-
-    def all_gather(self, t: Tensor) -> Tensor:
-        return t.contiguous()[None].repeat(self.size, *([1] * t.dim()))
-
-    def all_to_all(self, t: Tensor) -> Tensor:
-        return t.contiguous().clone()
-
-
 class _RehearsalLayout:
     def __init__(self, piece: int, ranks: int):
         self.lengths = (piece,) * ranks
@@ -200,7 +186,7 @@ class _RehearsalLayout:
 
 @dataclass
 class _RehearsalOwner:
-    comm: _RehearsalComm
+    comm: RehearsalComm
     layout: _RehearsalLayout
     rank: int
     device: torch.device = torch.device("cpu")
@@ -212,7 +198,7 @@ def rehearsal_prefix(prefix: RecurrentPrefix | None, ranks: int, piece: int) -> 
     gathered transfers (repeats of this piece's), the fold and the output correction; forward and backward, with
     the allocations of the real step and none of its communication. The memory planner's dry run takes it for the
     prompt steps of a ``cp > 1`` plan; ``benchmarks/deltanet_cp_scan.py`` times it against the plain prefix."""
-    comm = _RehearsalComm(ranks, ranks - 1)
+    comm = RehearsalComm(ranks, ranks - 1)
     owner = _RehearsalOwner(comm, _RehearsalLayout(piece, ranks), ranks - 1)
     conv, S = (prefix.conv, prefix.S) if prefix is not None else (None, None)
     return _ScanPrefix(conv, S, owner=owner, step=0)

@@ -530,9 +530,9 @@ class MLAttention(nn.Module):
         A segment partitioned over processes (context parallelism) is counted as the whole group's call
         (:meth:`~longstraw.ops.partitioned.PartitionedSegment.group_shape`: in a prefill step every rank's piece
         queries every rank's stored share, so the step's tokens share each expansion), from numbers that are the
-        same on every process: the group takes one form. Any segment with a ``group_shape`` counts so: the memory
-        planner's dry run of a CP step in one process hands such plain segments in, so that its MLA layers take
-        the group's form (``planner._CPRehearsal``)."""
+        same on every process: the group takes one form. Any segment with a ``group_shape`` counts so (the memory
+        planner's dry run of a CP step hands a rank's sharded segment in, over a stand-in group:
+        ``planner._CPRehearsal``)."""
         if self.mode != "auto":
             return self.mode
         segs = []
