@@ -10,13 +10,25 @@ What is written: this rank's peak resident bytes during the step above a baselin
 resident set just before the step less the bytes of the tensors alive then (local parameter shards and optimiser
 moments, which the step's peak holds as the planner counts them). Taking the baseline before loading instead would
 count the libraries and Python objects that loading and the first step bring in (~80 MiB of file-backed pages and
-heap in this process): host memory that a GPU's peak does not contain, which once hid a LoRA plan's true ratio."""
+heap in this process): host memory that a GPU's peak does not contain, which once hid a LoRA plan's true ratio.
 
+With ``"census": true`` in the spec, each rank then runs the same step once more under :class:`Census` and writes
+``rank{r}_census.json``: each phase's peak above the baseline (``GRPOStats.peak_memory``), the most bytes of FSDP
+units gathered at once and which, and the tensor storages alive at the step's largest tracked moment, summed by
+the op and the code that made them. It found two planner gaps on 2026-12-07 (docs/BENCHMARKS.md): the grouped
+expert dispatch's copies of LoRA factors, and (with a ``LiveBytes`` census of the dry run beside it) that a
+rehearsed MLA step allocates what a rank's does."""
+
+import collections
 import json
 import os
 import sys
+import traceback
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 torch.set_num_threads(1)
 
@@ -32,6 +44,68 @@ def _local_bytes(tensors) -> int:
         st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
         storages[st.data_ptr()] = st.nbytes()
     return sum(storages.values())
+
+
+class Census(TorchDispatchMode):
+    """The tensor storages an op creates under the mode, alive until freed or resized to nothing (FSDP frees its
+    gathered parameters so), and at the largest sum of them seen, that sum by ``(op, shape, code)``: the op's
+    name, the output's shape and the last three ``longstraw`` / ``torch.distributed`` frames that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.top = {}, 0, []
+
+    def _sum(self) -> int:
+        return sum(st.nbytes() for st in (r() for r, _ in list(self.live.values())) if st is not None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            st = t.untyped_storage()
+            key = id(st)  # one Python object per storage (its data pointer moves when FSDP resizes it)
+            if st.nbytes() == 0 or key in self.live:
+                continue
+            frames = [f for f in traceback.extract_stack(limit=20)
+                      if "longstraw" in f.filename or "torch/distributed" in f.filename][-3:]
+            where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}:{f.name}" for f in frames[::-1])
+            self.live[key] = (weakref.ref(st, lambda _, key=key: self.live.pop(key, None)),
+                              (str(func), tuple(t.shape), where))
+        total = self._sum()
+        if total > self.peak:
+            self.peak = total
+            agg = collections.Counter()
+            for r, w in list(self.live.values()):
+                st = r()
+                if st is not None and st.nbytes():
+                    agg[w] += st.nbytes()
+            self.top = [{"bytes": b, "op": w[0], "shape": list(w[1]), "code": w[2]} for w, b in agg.most_common(40)]
+        return out
+
+
+def _gathered_units():
+    """Patches FSDP2's parameter groups to record the most bytes of unsharded parameters at once and which units."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup as Group
+
+    live, rec = {}, {"max": 0, "units": []}
+    unshard, reshard = Group.unshard, Group.reshard
+
+    def on_unshard(self, *a, **k):
+        out = unshard(self, *a, **k)
+        live[id(self)] = (self._module_fqn, sum(p._orig_size.numel() * p.param_dtype.itemsize
+                                                if p.param_dtype is not None else p._orig_size.numel()
+                                                * p.sharded_param.element_size() for p in self.fsdp_params))
+        if sum(b for _, b in live.values()) > rec["max"]:
+            rec["max"], rec["units"] = sum(b for _, b in live.values()), sorted(live.values())
+        return out
+
+    def on_reshard(self, *a, **k):
+        live.pop(id(self), None)
+        return reshard(self, *a, **k)
+
+    Group.unshard, Group.reshard = on_unshard, on_reshard
+    return rec
 
 
 def main(spec_path: str) -> None:
@@ -58,9 +132,21 @@ def main(spec_path: str) -> None:
         longstraw.grpo_backward(model, prompt, responses, torch.randn(spec["group"], generator=g), cfg)
         opt.step()
         step_peak = peak()
-    out = {"peak_above_base": step_peak - base, "local_param_bytes": _local_bytes(model.parameters())}
+    out = {"peak_above_base": step_peak - base, "local_param_bytes": _local_bytes(model.parameters()),
+           "held_bytes": held}
     with open(os.path.join(spec["out"], f"rank{ctx.rank}.json"), "w") as f:
         json.dump(out, f)
+    if spec.get("census"):  # the same step again, looked into (the measured one above is not slowed by it)
+        opt.zero_grad(set_to_none=True)
+        trim_heap()
+        units, census = _gathered_units(), Census()
+        with census:
+            stats = longstraw.grpo_backward(model, prompt, responses, torch.randn(spec["group"], generator=g), cfg)
+        report = {"phase_peaks_above_base": {k: v - base for k, v in stats.peak_memory.items()},
+                  "fsdp_gathered_max": units["max"], "fsdp_gathered_units": units["units"],
+                  "tracked_peak": census.peak, "alive_at_tracked_peak": census.top}
+        with open(os.path.join(spec["out"], f"rank{ctx.rank}_census.json"), "w") as f:
+            json.dump(report, f, indent=1)
     longstraw.shutdown_distributed()
 
 

@@ -268,20 +268,11 @@ def _big_llama() -> tuple[dict, Path]:
     return json.loads((path / "config.json").read_text()), path
 
 
-def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp: int, ep: int = 1,
-                     lora_rank: int = 0, dtype: str = "float32", lora_params: tuple = (),
-                     weights_ratios: list | None = None, prompt_len: int = 2048, chunk: int = 512) -> list[float]:
-    """planned / measured per-rank peak of one grpo_backward + AdamW step on ``world`` gloo ranks
-    (tests/planner/sharded_probe.py: each rank's peak resident memory during a steady-state step above a baseline
-    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, G = 4, responses of 64 tokens, a
-    ``prompt_len``-token prompt in chunks of ``chunk`` (2,048 and 512 unless a test asks for more: half the time of
-    4,096 and 1,024, whose ratios docs/BENCHMARKS.md records beside these). ``weights_ratios``: appended with
-    planned ``weights`` / each rank's parameter bytes."""
+def _run_probe(tmp_path, spec: dict, world: int) -> list[dict]:
+    """Run tests/planner/sharded_probe.py on ``world`` gloo ranks with ``spec`` (written to ``tmp_path``); each
+    rank's ``rank{r}.json``."""
     import socket
 
-    spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": dtype, "prompt_len": prompt_len,
-            "response_len": 64, "group": 4, "chunk": chunk, "mode": "exact", "out": str(tmp_path),
-            "lora_rank": lora_rank, "lora_target_parameters": list(lora_params)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -294,7 +285,22 @@ def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _per_rank_ratios(tmp_path, model_cfg: dict, model_path: Path, world: int, cp: int, ep: int = 1,
+                     lora_rank: int = 0, dtype: str = "float32", lora_params: tuple = (),
+                     weights_ratios: list | None = None, prompt_len: int = 2048, chunk: int = 512) -> list[float]:
+    """planned / measured per-rank peak of one grpo_backward + AdamW step on ``world`` gloo ranks
+    (tests/planner/sharded_probe.py: each rank's peak resident memory during a steady-state step above a baseline
+    without tensors, with MALLOC_MMAP_THRESHOLD_=65536), exact mode, G = 4, responses of 64 tokens, a
+    ``prompt_len``-token prompt in chunks of ``chunk`` (2,048 and 512 unless a test asks for more: half the time of
+    4,096 and 1,024, whose ratios docs/BENCHMARKS.md records beside these). ``weights_ratios``: appended with
+    planned ``weights`` / each rank's parameter bytes."""
+    spec = {"path": str(model_path), "cp": cp, "ep": ep, "dtype": dtype, "prompt_len": prompt_len,
+            "response_len": 64, "group": 4, "chunk": chunk, "mode": "exact", "out": str(tmp_path),
+            "lora_rank": lora_rank, "lora_target_parameters": list(lora_params)}
+    got = _run_probe(tmp_path, spec, world)
     lora = {"rank": lora_rank, "alpha": 2 * lora_rank, "target_modules": "all-linear",
             "target_parameters": list(lora_params)} if lora_rank else None
     pl = plan(model_cfg, prompt_len=prompt_len, response_len=64, group=4, dtype=dtype, gpus=world, cp=cp, ep=ep,
@@ -380,6 +386,27 @@ def test_expert_adapters_per_rank_plan_under_expert_parallelism(tmp_path):
                                       lora_params=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             assert 0.85 <= ratio <= 1.15, (ep, ratio)
         assert all(0.99 <= w <= 1.01 for w in weights), (ep, weights)
+
+
+@pytest.mark.slow  # 2 gloo ranks, ~30 s
+def test_sharded_probe_census_accounts_for_a_ranks_peak(tmp_path):
+    """``sharded_probe.py``'s census (the diagnostic that found the grouped expert dispatch's LoRA copies,
+    docs/BENCHMARKS.md): on 2 ranks with FSDP2 and cp = 2 its tensor storages alive at the step's largest moment sum
+    to the rank's measured resident peak less the parameters and moments it holds, within 10% (nothing large lives
+    outside tensors), FSDP's gathered units are recorded, and the storages it lists name the code that made them."""
+    _, path = _big_llama()
+    spec = {"path": str(path), "cp": 2, "ep": 1, "dtype": "float32", "prompt_len": 1024, "response_len": 32,
+            "group": 2, "chunk": 256, "mode": "exact", "out": str(tmp_path), "lora_rank": 0, "census": True}
+    steps = _run_probe(tmp_path, spec, 2)
+    for r, step in enumerate(steps):
+        census = json.loads((tmp_path / f"rank{r}_census.json").read_text())
+        transient = step["peak_above_base"] - step["held_bytes"]
+        assert 0.9 <= census["tracked_peak"] / transient <= 1.1, (r, census["tracked_peak"], transient)
+        assert census["fsdp_gathered_max"] > 0 and census["fsdp_gathered_units"]
+        assert set(census["phase_peaks_above_base"]) == {"prefill", "replay", "prompt_backward"}
+        top = census["alive_at_tracked_peak"]
+        assert top and sum(e["bytes"] for e in top) <= census["tracked_peak"]
+        assert any(".py:" in e["code"] for e in top)
 
 
 @pytest.mark.slow  # 2 gloo ranks
