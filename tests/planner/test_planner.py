@@ -485,8 +485,9 @@ def test_cp_plans_run_mla_prompt_steps_in_the_groups_form(monkeypatch):
     ``cp`` pieces and every rank's stored share), which can differ from one process's chunk: the DeepSeek-V3-style
     model at a 2,048-token prompt in chunks of 512 recomputes its reverse-pass chunks in the absorbed form in one
     process and in the decompressed one under cp = 2, where the pieces share each expansion. The cp = 2 dry run's
-    prompt steps over stored latents take the group's form (``planner._CPRehearsal``; the first step, with none
-    stored, keeps one process's); they once took the chunk's, and the plan read 1.71x the measured peak."""
+    prompt steps take the group's form (``planner._CPRehearsal``: a rank's share as a sharded segment, also in the
+    first step, where nothing is stored yet); they once took the chunk's, and the plan read 1.71x the measured
+    peak."""
     from longstraw.models.mla import MLAttention
 
     cfg = {**_dsv3_config().to_dict(), "model_type": "deepseek_v3"}
