@@ -427,6 +427,12 @@ def _meta_model(hf_config: dict, dtype: torch.dtype):
     return build_on_meta(hf_config).to(dtype)
 
 
+def _rehearses(mla) -> bool:
+    """Whether a ``cp > 1`` dry run runs this MLA layer's CP step (:class:`_CPRehearsal`): plain MLA, not DSA's
+    (an indexer's ``index_topk``; counted by formula in :func:`_mla_cp_step`)."""
+    return getattr(mla, "index_topk", None) is None
+
+
 class _CPRehearsal(Placement):
     """A ``cp > 1`` plan's placement: the single-process prompt state (whose bytes the plan divides by ``cp``),
     except that the prompt steps (prefill and reverse pass) run some layers as the group's last rank does, over a
@@ -451,8 +457,7 @@ class _CPRehearsal(Placement):
         from longstraw.models.mla import MLAttention
 
         n = int(ids.shape[0])
-        plain_mla = [isinstance(layer.mixer, MLAttention) and getattr(layer.mixer, "index_topk", None) is None
-                     for layer in model.layers]
+        plain_mla = [isinstance(layer.mixer, MLAttention) and _rehearses(layer.mixer) for layer in model.layers]
         return _RehearsedPromptState(model.new_prompt_states(n, exact), ids, chunk_bounds(n, chunk_size), self.cp,
                                      chunk_size, plain_mla)
 
@@ -467,11 +472,9 @@ class _RehearsedPromptState(PromptState):
         self.layout = shard_layout(n, cp, chunk_size) if n >= cp else None
         self.cp_steps = self.layout.step_bounds() if self.layout is not None else [(0, n)]
 
-    def group_call(self, start: int) -> tuple[int, int]:
-        """``(query positions, stored positions)`` of the CP step that prompt position ``start`` falls in: what
-        a rank's MLA layers choose their form from there (``ShardedSegment.group_shape``)."""
-        s, e = next(((s, e) for s, e in self.cp_steps if s <= start < e), self.cp_steps[-1])
-        return e - s, s
+    def stored_before(self, start: int) -> int:
+        """The prompt positions stored before the CP step that prompt position ``start`` falls in."""
+        return next((s for s, e in self.cp_steps if s <= start < e), self.cp_steps[-1][0])
 
     def step_prefix(self, step: int, grad: bool) -> list:
         from longstraw.distributed.cp_recurrent import rehearsal_prefix
@@ -480,15 +483,12 @@ class _RehearsedPromptState(PromptState):
         from longstraw.models.mla import LatentState
 
         s, e = self.chunks[step]
-        _, stored = self.group_call(s)
-        last = self.cp - 1  # the rank with the most earlier pieces in a step
         out = []
         for ls, p, mla in zip(self.layers, super().step_prefix(step, grad), self.plain_mla, strict=True):
             if isinstance(ls, RecurrentState):
                 p = rehearsal_prefix(p, self.cp, e - s)
             elif mla and type(ls) is LatentState and self.layout is not None:
-                p = latent_share(ls.lat, ls.grad if grad else None, self.cp, self.layout.local_len(last, stored),
-                                 stored, e - s)
+                p = latent_share(ls, self.layout, self.cp, self.stored_before(s), e - s, grad)
             out.append(p)
         return out
 
@@ -1390,8 +1390,7 @@ def _mla_cp_step(model, dtype: torch.dtype, cfg, cp: int, prompt_len: int, assum
             + " (by formula, in prefill_chunk)")
         return peak + kept
     form, step, block = mla_step_bytes(layer, cp, chunk, prompt_len, dtype, cfg.exact)
-    # plain MLA layers run a rank's CP step in the dry run (_CPRehearsal); DSA layers on their dense path do not
-    rehearsed = not any(getattr(m, "index_topk", None) is not None for m in dense)
+    rehearsed = all(_rehearses(m) for m in dense)  # DSA layers on their dense path are not: the formula
     assumptions["mla_attention"] = (
         f"cp={cp}: {form} form for a step of {cp} x {chunk:,} tokens (FLOP rule); per rank and MLA layer the "
         + ("step's exchange (the shipped queries and partials, one piece at a time) rehearsed in the dry run"

@@ -16,7 +16,6 @@ absorbed form). DSA's sparse path is still counted by formula (``cp_latent.dsa_s
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["RehearsalComm", "latent_share"]
@@ -58,20 +57,16 @@ class RehearsalComm:
         return [t.contiguous().clone() for t in ts]
 
 
-def latent_share(stored: Tensor | None, grad: Tensor | None, ranks: int, share: int, global_length: int,
-                 piece: int):
+def latent_share(state, layout, ranks: int, stored: int, piece: int, grad: bool):
     """The prefix an MLA layer (``models.mla``, not DSA's) sees on the last rank of a CP group of ``ranks`` in a
-    prompt step whose pieces are ``piece`` tokens each: its ``share`` of the ``global_length`` stored positions
-    (views of ``stored [1, 1, >= share, r + dr]`` and of the gradient sink ``grad``, exact mode), as
-    ``cp_latent.ShardedLatentState.step_prefix`` hands it, over a :class:`RehearsalComm`. Runs the layer's CP
-    attention in the form the group picks, its step exchange included (also with nothing stored yet)."""
+    prompt step of ``piece``-token pieces over ``stored`` prompt positions: that rank's share (under ``layout``, a
+    ``cp_state.ShardLayout``) of one process's ``state`` (a ``models.mla.LatentState``: views of its latents and,
+    with ``grad``, its gradient sink), made by ``cp_latent.ShardedLatentState`` as a run's rank makes it, over a
+    :class:`RehearsalComm`. Runs the layer's CP attention in the form the group picks, its step exchange included
+    (also with nothing stored yet)."""
     from longstraw.distributed.cp_attention import StepPieces
-    from longstraw.distributed.cp_latent import _EMPTY_LAT, ShardedLatentSegment
+    from longstraw.distributed.cp_latent import ShardedLatentState
 
-    if stored is None or share == 0:
-        lat, g = _EMPTY_LAT, None
-    else:
-        lat = stored[:, :, :share]
-        g = grad[:, :, :share] if grad is not None else None
-    return [ShardedLatentSegment(lat, lat, k_grad=g, v_grad=g, comm=RehearsalComm(ranks, ranks - 1),
-                                 step=StepPieces((piece,) * ranks, ranks - 1), global_length=global_length)]
+    last = ranks - 1  # the rank with the most earlier pieces in a step
+    sharded = ShardedLatentState(state, layout, RehearsalComm(ranks, last))
+    return [sharded._segment(layout.local_len(last, stored), stored, grad, StepPieces((piece,) * ranks, last))]
