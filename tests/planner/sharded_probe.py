@@ -93,11 +93,11 @@ def _gathered_units():
 
     def on_unshard(self, *a, **k):
         out = unshard(self, *a, **k)
-        live[id(self)] = (self._module_fqn, sum(p._orig_size.numel() * p.param_dtype.itemsize
-                                                if p.param_dtype is not None else p._orig_size.numel()
-                                                * p.sharded_param.element_size() for p in self.fsdp_params))
-        if sum(b for _, b in live.values()) > rec["max"]:
-            rec["max"], rec["units"] = sum(b for _, b in live.values()), sorted(live.values())
+        live[id(self)] = (self._module_fqn, sum(p._orig_size.numel() * (p.param_dtype or p.sharded_param.dtype).itemsize
+                                                for p in self.fsdp_params))
+        total = sum(b for _, b in live.values())
+        if total > rec["max"]:
+            rec["max"], rec["units"] = total, sorted(live.values())
         return out
 
     def on_reshard(self, *a, **k):
