@@ -1050,6 +1050,8 @@ def plan(hf_config: dict, *, prompt_len: int, response_len: int, group: int, cfg
     if max_positions is not None:
         _check_positive(max_positions=max_positions)
         hf_config = {**hf_config, "max_position_embeddings": max_positions}
+        if isinstance(hf_config.get("text_config"), dict):  # a multimodal checkpoint: its text model's positions
+            hf_config["text_config"] = {**hf_config["text_config"], "max_position_embeddings": max_positions}
     dt = parse_dtype(dtype)
     lora_settings = None
     if lora is not None:

@@ -1,4 +1,4 @@
-"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa, glm4_moe_lite): logits and
+"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa, glm4_moe_lite; kimi_k2, kimi_k25): logits and
 gradients against transformers in float64 (both MLA forms), float32, chunked prefill + continuation, save/load
 through transformers with per-expert names, MTP layers skipped, prompt-state bytes per position, bad configs."""
 
@@ -202,6 +202,88 @@ def test_kimi_k2_text_checkpoints_are_deepseek_v3(tmp_path):
     longstraw.save_model(model, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k2"
     assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(load_file(src / "model.safetensors"))
+
+
+def kimi_k25(tied: bool, seed: int = 5):
+    """A tiny Kimi-K2.5 (``kimi_k25``: DeepSeek-V3's text model, named ``kimi_k2`` in its text config as the released
+    files name it, beside a one-block vision tower), float64, random weights and correction biases."""
+    from hf_reference import randomised
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = dict(**MOE, **MLA, q_lora_rank=10, model_type="kimi_k2")
+    vision = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                  num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+    cfg = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=16, image_token_id=V - 1,
+                         video_token_id=V - 2, vision_start_token_id=V - 3, vision_end_token_id=V - 4,
+                         tie_word_embeddings=tied)
+    cfg.text_config._experts_implementation = "eager"  # (float64)
+    hf = randomised(Kimi_K25ForConditionalGeneration(cfg), seed=seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for n, b in hf.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * 0.3)
+    return hf
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_kimi_k25_checkpoint_loads_as_its_deepseek_v3_text_model(tied, tmp_path):
+    """A Kimi-K2.5 / K2.6 checkpoint (``kimi_k25``) loads as its text model, a ``deepseek_v3``, with transformers'
+    logits on text, the vision tower and projector skipped with one warning; ``save_model`` writes a
+    ``deepseek_v3`` checkpoint that transformers loads with the same logits. transformers 5.23 saves the text
+    weights as ``language_model.model.blocks.N`` (its vision renames reversed everywhere); the released files'
+    ``language_model.model.layers.N`` (with ``kimi_k2`` in the text config, as they name it) and transformers'
+    in-memory ``model.language_model.layers.N`` load too."""
+    import json
+    import re
+
+    from hf_reference import check_multimodal_text_model
+
+    hf = kimi_k25(tied)
+    ids = torch.randint(0, V - 5, (2, 21))
+    model = check_multimodal_text_model(hf, tmp_path, "deepseek_v3", ids, experts_implementation="eager")
+    assert model.spec.tie_word_embeddings == tied
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["GatedMLP", "SparseMoeBlock",
+                                                                          "SparseMoeBlock"]
+    with torch.no_grad(), true_float64():
+        want = hf(input_ids=ids).logits
+    f = tmp_path / "mm" / "model.safetensors"
+    sd = load_file(f)
+    assert any(k.startswith("language_model.model.blocks.") for k in sd)  # what transformers writes
+    for layout, (pat, repl) in {"released": (r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+                                "in-memory": (r"^language_model\.model\.blocks\.", "model.language_model.layers.")
+                                }.items():
+        d = tmp_path / layout
+        d.mkdir()
+        cfg = json.loads((tmp_path / "mm" / "config.json").read_text())
+        assert cfg["text_config"]["model_type"] == "deepseek_v3"  # transformers' name for it
+        if layout == "released":
+            cfg["text_config"]["model_type"] = "kimi_k2"
+        (d / "config.json").write_text(json.dumps(cfg))
+        renamed = {re.sub(pat, repl, k): v for k, v in sd.items()}
+        if layout == "in-memory":
+            renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", k): v
+                       for k, v in renamed.items()}
+        save_file(renamed, d / "model.safetensors", metadata={"format": "pt"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the vision tower's, checked above)
+            other = longstraw.load_model(d)
+        with torch.no_grad():
+            assert (other(ids) - want).abs().max().item() <= 1e-10, layout
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+
+
+def test_kimi_k25_refuses_a_text_model_it_does_not_build(tmp_path):
+    import json
+
+    hf = kimi_k25(False)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "qwen3"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="kimi_k25 text_config model_type 'qwen3' is not supported; supported: "
+                                         "kimi_k2, deepseek_v3"):
+        longstraw.load_model(tmp_path)
 
 
 def test_mtp_layers_are_skipped_with_one_warning(tmp_path):

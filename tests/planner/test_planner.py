@@ -973,6 +973,19 @@ def test_cli_devices_reserve_max_positions_and_ep(tmp_path):
     assert ep.returncode == 2 and "ep=4: the model (llama) has no routed experts; plan ep=1" in ep.stderr
 
 
+def test_max_positions_reach_a_multimodal_checkpoints_text_model():
+    """``max_positions`` extends the text model's positions in a multimodal config (``text_config``: Qwen3.5's,
+    Kimi-K2.5's), where the model reads them: the plan equals the text-only config's."""
+    from longstraw.models.qwen_hybrid import tiny_config
+
+    text = tiny_config(max_position_embeddings=4096)
+    mm = {"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"}, "tie_word_embeddings": True}
+    kw = dict(prompt_len=32_768, response_len=64, group=2, dtype="bfloat16", max_positions=65_536)
+    with pytest.raises(ValueError, match="more than the model's max_position_embeddings=4096"):
+        plan(mm, **{**kw, "max_positions": None})
+    assert plan(mm, **kw).breakdown == plan(text, **kw).breakdown
+
+
 # ------------------------------------------------------------------------------------------- expert parallelism
 def test_expert_parallel_plan_splits_the_experts_and_adds_the_exchanges():
     """``ep=E``: the routed experts count 1/E per GPU with ``gpus == E`` (master weights, gradients, moments),

@@ -1,7 +1,10 @@
 """DeepSeek / GLM mixture-of-experts families: ``deepseek_v3``, ``glm4_moe`` (GLM-4.5), ``deepseek_v32``
 (DeepSeek-V3.2), ``glm_moe_dsa`` (GLM-5) and ``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's MLA with GLM's MoE).
 ``kimi_k2`` (Kimi-K2's text checkpoints, whose config names the DeepSeek-V3 architecture under its own model type;
-transformers reads such a text config as ``deepseek_v3``, ``Kimi_K25Config``) is built as ``deepseek_v3``.
+transformers reads such a text config as ``deepseek_v3``, ``Kimi_K25Config``) is built as ``deepseek_v3``, and so is
+the text model of ``kimi_k25`` (Kimi-K2.5 / K2.6: a vision tower and projector beside DeepSeek-V3's text model,
+whose ``text_config`` names ``kimi_k2`` or ``deepseek_v3``; the vision weights are skipped with one warning,
+:func:`~longstraw.models.weights.skip_kimi_vision`, and ``save_model`` writes the text model as ``deepseek_v3``).
 
 Attention:
 
@@ -47,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader
+from longstraw.models.config import ConfigReader, multimodal_text_config, text_reader
 from longstraw.models.dsa import Indexer, SparseMLAttention
 from longstraw.models.family import Family
 from longstraw.models.mla import MLAttention, mla_softmax_scale
@@ -56,10 +59,11 @@ from longstraw.models.moe_block import Experts, SparseMoeBlock
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
-from longstraw.models.weights import ExpertWeightMap
+from longstraw.models.weights import ExpertWeightMap, skip_kimi_vision
 from longstraw.ops.moe import router_logits, sigmoid_grouped_route
 
-MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "kimi_k2")
+MODEL_TYPES = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "kimi_k2", "kimi_k25")
+KIMI_TEXT_TYPES = ("kimi_k2", "deepseek_v3")  # what a kimi_k25 text_config may name (transformers: the same model)
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 INDEXER_TYPES = ("full", "shared")
 
@@ -217,10 +221,27 @@ def _glm_rope_config(cfg: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------- build
 
 
+def text_config(cfg: dict) -> dict:
+    """``cfg``, or for a multimodal ``kimi_k25`` checkpoint its text model's, as ``deepseek_v3`` (what transformers
+    builds from it, and what ``save_model`` writes). Whether the head is tied is the multimodal config's
+    ``tie_word_embeddings`` (its config class defaults it to true), as transformers reads it."""
+    if cfg.get("model_type") != "kimi_k25":
+        return dict(cfg)
+    tc = cfg.get("text_config")
+    kind = tc.get("model_type", "deepseek_v3") if isinstance(tc, dict) else "deepseek_v3"
+    if kind not in KIMI_TEXT_TYPES:
+        raise ValueError(f"config.json: kimi_k25 text_config model_type {kind!r} is not supported; supported: "
+                         f"{', '.join(KIMI_TEXT_TYPES)}")
+    return multimodal_text_config(cfg, {"kimi_k25": "deepseek_v3"}, {"deepseek_v3": "DeepseekV3ForCausalLM"},
+                                  tie_default=True)
+
+
 def build(cfg: dict) -> CausalLM:
-    """Build a randomly initialised model of one of :data:`MODEL_TYPES` from an HF config dict."""
+    """Build a randomly initialised model of one of :data:`MODEL_TYPES` from an HF config dict (a ``kimi_k25``
+    one: its text model)."""
+    text = text_config(cfg)
+    r, cfg = text_reader(text, cfg), text
     mt = cfg["model_type"]
-    r = ConfigReader(cfg)
     n = r.positive("num_hidden_layers")
     hidden = r.positive("hidden_size")
     spec = ModelSpec(
@@ -286,7 +307,7 @@ class DeepseekWeightMap(ExpertWeightMap):
     num_layers: int = 0
 
     def _mtp(self, name: str) -> bool:
-        m = _LAYER.match(name)
+        m = _LAYER.match(self.renamed(name))
         return m is not None and int(m.group(1)) >= self.num_layers
 
     def param_name(self, ckpt_name: str) -> str | None:
@@ -297,13 +318,14 @@ class DeepseekWeightMap(ExpertWeightMap):
         super().warn_skipped(names)
         hits = [n for n in names if self._mtp(n)]
         if hits:
-            layers = sorted({int(_LAYER.match(n).group(1)) for n in hits})
+            layers = sorted({int(_LAYER.match(self.renamed(n)).group(1)) for n in hits})
             warnings.warn(f"multi-token-prediction (MTP) layers {layers} (model.layers.{self.num_layers}+) are not "
                           f"used by LongStraw ({len(hits)} tensors skipped, e.g. {hits[0]})", stacklevel=3)
 
 
 def weights(cfg: dict) -> DeepseekWeightMap:
-    return DeepseekWeightMap(num_layers=int(cfg.get("num_hidden_layers") or 0))
+    wm = DeepseekWeightMap(num_layers=int(text_config(cfg).get("num_hidden_layers") or 0))
+    return skip_kimi_vision(wm) if cfg.get("model_type") == "kimi_k25" else wm
 
 
 FAMILY = Family("deepseek", MODEL_TYPES, build, weights)

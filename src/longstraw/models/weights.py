@@ -110,6 +110,10 @@ class WeightMap:
         for pat, _ in self.skip_with_warning:
             if re.fullmatch(pat, ckpt_name):
                 return None
+        return self.renamed(ckpt_name)
+
+    def renamed(self, ckpt_name: str) -> str:
+        """``ckpt_name`` after ``renames`` (in order), whether or not it is skipped."""
         name = ckpt_name
         for pat, repl in self.renames:
             name = re.sub(pat, repl, name)
@@ -175,6 +179,19 @@ def skip_vision_tower(wm: WeightMap) -> WeightMap:
     wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
                    (r"^language_model\.lm_head\.", "lm_head.")]
     wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*", _VISION_SKIPPED))
+    return wm
+
+
+def skip_kimi_vision(wm: WeightMap) -> WeightMap:
+    """``wm`` for a Kimi-K2.5 / K2.6 checkpoint (``kimi_k25``): the text weights under ``language_model.model.`` /
+    ``language_model.lm_head.`` (the released files) or ``model.language_model.`` (transformers' in-memory names)
+    renamed to the text model's; transformers 5's ``save_pretrained`` writes the released prefixes with every
+    ``layers`` as ``blocks`` (its load mapping turns the vision tower's ``blocks`` into ``layers`` and its save
+    reverses that everywhere), read back as ``layers``. The vision tower and ``mm_projector`` are skipped with one
+    warning."""
+    wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
+                   (r"^language_model\.lm_head\.", "lm_head."), (r"^model\.blocks\.", "model.layers.")]
+    wm.skip_with_warning.append((r"(model\.)?(vision_tower|mm_projector)\..*", _VISION_SKIPPED))
     return wm
 
 
