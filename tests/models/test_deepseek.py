@@ -1,6 +1,7 @@
-"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa, glm4_moe_lite; kimi_k2, kimi_k25): logits and
-gradients against transformers in float64 (both MLA forms), float32, chunked prefill + continuation, save/load
-through transformers with per-expert names, MTP layers skipped, prompt-state bytes per position, bad configs."""
+"""DeepSeek / GLM MoE families (deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa, glm4_moe_lite; kimi_k2, kimi_k25):
+logits and gradients against transformers in float64 (both MLA forms), float32, chunked prefill + continuation,
+save/load through transformers with per-expert names, MTP layers skipped, prompt-state bytes per position, bad
+configs."""
 
 import warnings
 
