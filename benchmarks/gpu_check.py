@@ -175,6 +175,16 @@ FAMILY_CONFIGS = {
                                            "kda_layers": [1, 3], "full_attn_layers": [2]},
                     "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
                     "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    # added 2026-12-07 (not yet run on a GPU): Ling 3.0's KDA with full-rank, bounded ("safe") gates (fla's chunk_kda
+    # on CUDA bf16, heads of 32), MLA with RoPE and a sigmoid gate per head, sigmoid-routed MoE in 2 groups
+    "bailing_hybrid": {"vocab_size": 61, "hidden_size": 48, "intermediate_size": 48, "moe_intermediate_size": 16,
+                       "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 32, "kv_lora_rank": 12,
+                       "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5, "model_max_length": 512,
+                       "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                       "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1,
+                       "num_expert_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                       "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                       "pad_token_id": None, "eos_token_id": None},
 }
 
 

@@ -169,6 +169,50 @@ def continuation_error(model, ids, p: int, chunk: int) -> tuple[float, list]:
         return (model.lm_head(hidden) - full[:, p:]).abs().max().item(), states
 
 
+MLA_FORMS = ("auto", "absorbed", "decompressed")
+
+
+def load_in_form(path, form: str | None = None, **kw):
+    """``longstraw.load_model(path, **kw)`` with every MLA layer in ``form`` (None: as loaded), decompressing 5
+    stored positions at a time (several chunks even on tiny prompts)."""
+    import longstraw
+    from longstraw.models.mla import set_mla_mode
+
+    model = longstraw.load_model(path, **kw)
+    if form is not None:
+        set_mla_mode(model, form, decompress_chunk=5)
+    return model
+
+
+def check_logits_in_every_form(path, want, ids) -> None:
+    """The model at ``path`` (float64) gives logits ``want`` of ``ids`` within 1e-10 in every MLA form."""
+    for form in MLA_FORMS:
+        model = load_in_form(path, form)
+        assert next(model.parameters()).dtype == torch.float64
+        with torch.no_grad():
+            assert (model(ids) - want).abs().max().item() <= 1e-10, form
+
+
+def check_continuation_in_every_form(path, ids, p: int, chunk: int) -> list:
+    """A chunked prefill of ``[0, p)`` then the rest equals a full forward (float64, 1e-10) in every MLA form;
+    returns the last form's prefilled states."""
+    for form in MLA_FORMS:
+        err, states = continuation_error(load_in_form(path, form), ids, p, chunk)
+        assert err <= 1e-10, form
+    return states
+
+
+def check_grads_in_every_form(hf, path, ids, w) -> dict:
+    """The gradients of ``sum(logits * w)`` equal transformers' (``weighted_logit_grads``; rtol 1e-9, atol 1e-11)
+    for every parameter, in every MLA form; returns transformers' gradients by name."""
+    for form in MLA_FORMS:
+        got, want = weighted_logit_grads(hf, load_in_form(path, form), ids, w)
+        assert set(got) == set(want)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=f"{form} {n}")
+    return want
+
+
 def weighted_logit_grads(hf, model, ids, w) -> tuple[dict, dict]:
     """The gradients of ``sum(logits * w)``: ours (``hf_grads``, transformers' names) and transformers' in float64,
     by parameter name; the HF model's ``.grad`` is cleared after."""

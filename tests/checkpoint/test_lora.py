@@ -25,14 +25,15 @@ import torch
 from hf_reference import cached_pairs, tiny_moe_hf, true_float64
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig, LlamaConfig, MiniMaxM2Config,
-                          Ministral3Config, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2MoeConfig,
-                          Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+from transformers import (AutoModelForCausalLM, BailingHybridConfig, DeepseekV3Config, Gemma3TextConfig,
+                          Glm4MoeConfig, Glm4MoeLiteConfig, GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig,
+                          LlamaConfig, MiniMaxM2Config, Ministral3Config, MixtralConfig, Olmo2Config, Olmo3Config,
+                          OlmoeConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
+from longstraw.models.bailing import tiny_config as ling_tiny_config
 from longstraw.models.kimi import tiny_config as kimi_tiny_config
 from longstraw.models.lora import LoRALinear, adapted_modules
 from longstraw.models.mla import set_mla_mode
@@ -145,6 +146,11 @@ FAMILIES = {
                                                 if k not in ("model_type", "architectures")}),
                     ATTN + ["f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "kv_a_proj_with_mqa",
                             "kv_b_proj"] + MLP, "absorbed"),
+    # Ling 3.0: KDA with full-rank forget and output gates (f_proj, g_proj) + MLA with RoPE and a head gate (g_proj
+    # too) + DeepSeek-style MoE; the released layout renames the mixers (attention, dense)
+    "bailing_hybrid": (lambda: BailingHybridConfig(**{k: v for k, v in ling_tiny_config(vocab_size=V).items()
+                                                      if k not in ("model_type", "architectures")}),
+                       ATTN + ["f_proj", "b_proj", "g_proj", "kv_a_proj_with_mqa", "kv_b_proj"] + MLP, "absorbed"),
 }
 REMAPPED = {"qwen3_next", "deepseek_v3", "deepseek_v3_q", "glm4_moe", "glm_moe_dsa", "qwen3_moe", "mixtral",
             "glm4_moe_lite", "minimax_m2", "olmoe"}
@@ -344,7 +350,8 @@ def test_peft_saved_adapter_loads_and_merges(name, tmp_path):
     if FAMILIES[name][2] is not None:
         set_mla_mode(merged, FAMILIES[name][2], decompress_chunk=4)
     assert max_err(our_logits(merged, x), want) <= 1e-10
-    if name in ("llama", "glm_moe_dsa", "kimi_linear"):  # kimi_linear: merged through the released layout's renames
+    if name in ("llama", "glm_moe_dsa", "kimi_linear", "bailing_hybrid"):  # the last two: merged through the
+        # released layout's renames
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64,
                                                   experts_implementation="eager")
         assert max_err(hf_logits(hf.eval(), x), want) <= 1e-10

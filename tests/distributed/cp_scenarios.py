@@ -583,6 +583,12 @@ SCENARIOS = {
     # the frozen KDA layer above scans its state's gradient back to the prompt's MLA outputs
     "kimi_exact_q_only": lambda p: grpo_two_groups(p, family="kimi_linear",
                                                    train_only="layers.2.self_attn.q_proj"),
+    # Ling 3.0 (bailing_hybrid): KDA with full-rank, bounded gates (the DeltaNet state scan), MLA with RoPE and a
+    # head gate (latents sharded), sigmoid-routed MoE; both MLA forms
+    "ling_exact": lambda p: grpo_two_groups(p, family="bailing_hybrid", mla_mode="absorbed"),
+    "ling_detached": lambda p: grpo_two_groups(p, family="bailing_hybrid", prompt_grad="detached", chunk=4,
+                                               branch_batch=2, mla_mode="decompressed"),
+    "ling_generate": lambda p: generate(p, family="bailing_hybrid"),
 }
 
 

@@ -31,14 +31,15 @@ import torch
 from cp_launcher import launch
 from cp_scenarios import SCENARIOS, V
 from hf_reference import save_tiny, tiny_hf
-from transformers import (DeepseekV3Config, DeepseekV32Config, Gemma3TextConfig, Glm4MoeConfig, Glm4MoeLiteConfig,
-                          GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig,
-                          OlmoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
+from transformers import (BailingHybridConfig, DeepseekV3Config, DeepseekV32Config, Gemma3TextConfig, Glm4MoeConfig,
+                          Glm4MoeLiteConfig, GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig, LlamaConfig,
+                          MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import longstraw
 from longstraw import distributed
+from longstraw.models.bailing import tiny_config as ling_tiny_config
 from longstraw.models.kimi import tiny_config as kimi_tiny_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -61,10 +62,11 @@ MOE2 = ["v3_exact", "v3_detached", "v3_exact_fsdp", "v3_generate", "v3_state_byt
         "next_exact", "next_detached", "q35moe_exact", "q35moe_detached", "dsa_exact_offload", "q3moe_exact",
         "q3moe_detached", "mixtral_exact", "mixtral_detached", "lite_exact", "lite_detached", "minimax_exact",
         "olmoe_detached", "gemma3_exact", "v3_exact_kept", "dsa_exact_kept", "next_exact_q_only", "kimi_exact",
-        "kimi_detached", "kimi_generate", "kimi_state_bytes", "kimi_exact_kept"]
+        "kimi_detached", "kimi_generate", "kimi_state_bytes", "kimi_exact_kept", "ling_exact", "ling_detached",
+        "ling_generate"]
 MOE4 = ["v3_exact", "v3_detached", "v3_state_bytes", "dsa_exact", "dsa_detached", "dsa_generate",
         "dsa_state_bytes", "dsa_ring_exact", "dsa_ring_score", "glm4_moe_exact", "glm4_moe_detached", "next_exact",
-        "next_detached", "kimi_exact", "kimi_detached"]
+        "next_detached", "kimi_exact", "kimi_detached", "ling_exact"]
 # MLA under CP with each form forced (the decompressed CP twin and the absorbed path, so neither goes untested
 # whatever "auto" picks), against one process forced alike: exact and detached (batched branches), FSDP2,
 # checkpointed layers with batched branches, score, generate (decoding over the generated tokens' latents), the
@@ -93,7 +95,7 @@ EP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "ep_experts", "
 EP2_CP2 = ["v3_exact", "v3_detached", "next_exact", "next_detached", "glm4_moe_exact", "glm4_moe_detached",
            "q35moe_exact", "q35moe_detached", "dsa_exact", "dsa_detached", "v32_exact", "dsa_exact_ckpt",
            "q3moe_exact", "mixtral_detached", "minimax_exact", "gpt_oss_exact", "gpt_oss_detached", "kimi_exact",
-           "kimi_detached",
+           "kimi_detached", "ling_exact",
            # frozen models but for the top attention: a MoE layer has work to differentiate on one CP rank only
            "next_exact_q_only", "q35moe_exact_q_only", "v3_exact_kept_top_only", "next_exact_kept",
            "kimi_exact_q_only"]
@@ -200,7 +202,10 @@ def paths():
                                               **_MLA),
            # KDA, KDA, NoPE MLA, KDA; sigmoid-routed MoE but for the first layer
            "kimi_linear": KimiLinearConfig(**{k: v for k, v in kimi_tiny_config(vocab_size=V).items()
-                                              if k not in ("model_type", "architectures")})}
+                                              if k not in ("model_type", "architectures")}),
+           # KDA, MLA, KDA, MLA (full-rank, bounded KDA gates; gated MLA with RoPE); MoE but for the first layer
+           "bailing_hybrid": BailingHybridConfig(**{k: v for k, v in ling_tiny_config(vocab_size=V).items()
+                                                   if k not in ("model_type", "architectures")})}
     out = {"llama": save_tiny(tiny_hf(llama, seed=11, init_std=0.15)),
            "qwen3": save_tiny(tiny_hf(qwen3, seed=12, init_std=0.15)),
            "hybrid": save_tiny(tiny_hf(hybrid, seed=31, init_std=0.15))}

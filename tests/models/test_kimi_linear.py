@@ -5,8 +5,8 @@ the prompt state per layer kind, config variants and bad configs."""
 
 import pytest
 import torch
-from hf_reference import (check_low_precision, continuation_error, save_tiny, tiny_moe_hf, true_float64,
-                          weighted_logit_grads)
+from hf_reference import (check_continuation_in_every_form, check_grads_in_every_form, check_logits_in_every_form,
+                          check_low_precision, load_in_form, save_tiny, tiny_moe_hf, true_float64)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, KimiLinearConfig
 
@@ -15,7 +15,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.models.deltanet import RecurrentState
 from longstraw.models.kda import KimiDeltaAttention
 from longstraw.models.kimi import tiny_config
-from longstraw.models.mla import MLAttention, set_mla_mode
+from longstraw.models.mla import MLAttention
 
 V = 64
 
@@ -46,27 +46,12 @@ def pair(request):
     return request.param, hf, save_tiny(hf)
 
 
-def _load(path, mode=None, **kw):
-    model = longstraw.load_model(path, **kw)
-    if mode is not None:
-        set_mla_mode(model, mode, decompress_chunk=5)
-    return model
-
-
-MODES = ["auto", "absorbed", "decompressed"]
-
-
 def test_logits_match_transformers_float64(pair):
     _, hf, path = pair
     ids = torch.randint(0, V, (2, 150))  # crosses the 64-token chunk twice, not a multiple of it
     with torch.no_grad(), true_float64():
         want = hf(ids).logits
-    for mode in MODES:
-        model = _load(path, mode)
-        assert next(model.parameters()).dtype == torch.float64
-        with torch.no_grad():
-            got = model(ids)
-        assert (got - want).abs().max().item() <= 1e-10, mode
+    check_logits_in_every_form(path, want, ids)
 
 
 def test_logits_match_transformers_float32_and_bfloat16(pair):
@@ -80,10 +65,7 @@ def test_logits_match_transformers_float32_and_bfloat16(pair):
 @pytest.mark.parametrize("chunk", [1, 7, 40])
 def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
     _, _, path = pair
-    ids = torch.randint(0, V, (1, 90))
-    for mode in MODES:
-        err, states = continuation_error(_load(path, mode), ids, 70, chunk)
-        assert err <= 1e-10, mode
+    states = check_continuation_in_every_form(path, torch.randint(0, V, (1, 90)), 70, chunk)
     kinds = [type(s).__name__ for s in states]
     assert "RecurrentState" in kinds and "LatentState" in kinds
 
@@ -91,12 +73,7 @@ def test_chunked_prefill_then_continuation_equals_full_forward(pair, chunk):
 def test_hf_grads_match_transformers(pair):
     _, hf, path = pair
     ids = torch.randint(0, V, (2, 70))
-    w = torch.randn(2, 70, V, dtype=torch.float64)
-    for mode in MODES:
-        got, want = weighted_logit_grads(hf, _load(path, mode), ids, w)
-        assert set(got) == set(want)
-        for n in want:
-            torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=f"{mode} {n}")
+    want = check_grads_in_every_form(hf, path, ids, torch.randn(2, 70, V, dtype=torch.float64))
     assert any(".forget_gate.A_log" in n for n in want) and any("conv1d" in n for n in want)
 
 
@@ -106,7 +83,7 @@ def test_save_writes_the_released_layout_that_transformers_loads(pair, tmp_path)
     tensors); transformers loads it with our logits, and we load transformers' own save (``block_sparse_moe`` for
     the dense layers too) and ours back to the same tensors."""
     _, hf, path = pair
-    model = _load(path)
+    model = load_in_form(path)
     longstraw.save_model(model, tmp_path / "out")
     saved = load_file(tmp_path / "out" / "model.safetensors")
     theirs = load_file(path / "model.safetensors")
@@ -127,7 +104,7 @@ def test_save_writes_the_released_layout_that_transformers_loads(pair, tmp_path)
         want = back(ids).logits
     with torch.no_grad():
         assert (model(ids) - want).abs().max().item() <= 1e-10
-    again = _load(tmp_path / "out")
+    again = load_in_form(tmp_path / "out")
     for (n, a), (m, b) in zip(model.named_weights(), again.named_weights()):
         assert n == m and torch.equal(a, b), n
 
@@ -152,7 +129,7 @@ def test_prompt_state_per_layer_kind(pair):
     """KDA layers keep an O(1) conv window + per-head [D, D] state; MLA layers kv_lora_rank + qk_rope_head_dim
     latents per position."""
     _, _, path = pair
-    model = _load(path)
+    model = load_in_form(path)
     state = prefill(model, torch.randint(0, V, (21,)), chunk_size=8)
     cfg = model.hf_config
     for layer, st in zip(model.layers, state.layers):

@@ -13,6 +13,7 @@ import torch
 
 from longstraw import GRPOConfig
 from longstraw.cli import main
+from longstraw.models.bailing import tiny_config as ling_config
 from longstraw.models.kimi import tiny_config as kimi_config
 from longstraw.planner import BREAKDOWN_KEYS, naive_step_bytes, plan
 
@@ -862,6 +863,10 @@ MINIMAX = {**MIXTRAL, "model_type": "minimax_m2", "head_dim": 16, "rotary_dim": 
 KIMI = kimi_config(num_hidden_layers=40, linear_attn_config={
     "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": list(range(4, 41, 4)),
     "kda_layers": [i for i in range(1, 41) if i % 4]})
+# Ling 3.0's pattern at 48 layers (a period of 6 needs about that many for sampling to save runs): 5 KDA (full-rank,
+# bounded gates), 1 gated MLA with RoPE, ...; the first 2 dense
+LING = ling_config(num_hidden_layers=48, layer_group_size=6, first_k_dense_replace=2, head_dim=16, vocab_size=300,
+                   model_max_length=8192)
 
 
 def _deep_hybrid(n=32):
@@ -876,7 +881,8 @@ def _deep_hybrid(n=32):
                                             ("mla_moe", "exact", False), ("dense", "exact", False),
                                             ("dense", "detached", True), ("qwen3_moe", "exact", False),
                                             ("mixtral", "detached", True), ("minimax_m2", "exact", True),
-                                            ("kimi", "exact", False), ("kimi", "detached", True)])
+                                            ("kimi", "exact", False), ("kimi", "detached", True),
+                                            ("ling", "exact", False)])
 def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     """The planner dry-runs a few layers (the first and the last, the prefix and suffix around a repeating period
     of layer kinds, and 2 or 3 of its periods) and combines the runs for the whole depth, each role's peak apart:
@@ -887,7 +893,7 @@ def test_sampled_layers_equal_a_full_dry_run(monkeypatch, name, mode, ckpt):
     import longstraw.planner as planner
 
     cfg = {"hybrid": _deep_hybrid(), "mla_moe": MLA_MOE, "dense": {**DENSE, "num_hidden_layers": 16},
-           "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "minimax_m2": MINIMAX, "kimi": KIMI}[name]
+           "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "minimax_m2": MINIMAX, "kimi": KIMI, "ling": LING}[name]
     kw = dict(prompt_len=1500, response_len=16, group=2, dtype="float32",
               cfg=GRPOConfig(prompt_grad=mode, prefill_chunk=512, checkpoint_layers=ckpt))
     assert planner.layer_samples(_meta_model(cfg, torch.float32)) is not None

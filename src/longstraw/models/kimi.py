@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -125,12 +126,12 @@ def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:
     return list(types)
 
 
-def sparse_layers(cfg: dict, r: ConfigReader, n: int) -> list[bool]:
+def sparse_layers(cfg: dict, r: ConfigReader, n: int, first_dense: int = 1) -> list[bool]:
     """Which layers have the MoE block: ``mlp_layer_types`` (``"dense"`` / ``"sparse"``), else the layers from
-    ``first_k_dense_replace`` (default 1) on."""
+    ``first_k_dense_replace`` (default ``first_dense``: Kimi-Linear's 1, Ling 3.0's 2) on."""
     types = cfg.get("mlp_layer_types")
     if types is None:
-        first = r.opt("first_k_dense_replace", 1, int)
+        first = r.opt("first_k_dense_replace", first_dense, int)
         return [i >= first for i in range(n)]
     if not isinstance(types, list) or len(types) != n or any(t not in ("dense", "sparse") for t in types):
         raise ValueError(f"{r.where}: mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, "
@@ -261,16 +262,21 @@ def _concat_source(param: str, names: list[str], reader: CheckpointReader) -> We
 @dataclass
 class KimiWeightMap(DeepseekWeightMap):
     """The released Kimi-Linear layout (module docstring) on load and save; experts fused and split as
-    :class:`~longstraw.models.weights.ExpertWeightMap` does, MTP layers skipped as DeepSeek's map does."""
+    :class:`~longstraw.models.weights.ExpertWeightMap` does, MTP layers skipped as DeepSeek's map does. A KDA
+    family whose released names differ (Ling 3.0: :mod:`longstraw.models.bailing`) gives its own ``load_renames``
+    (checkpoint -> in-memory names) and ``save_renames_released`` (parameters' own names only, back)."""
+
+    load_renames: ClassVar[list[tuple[str, str]]] = _LOAD
+    save_renames_released: ClassVar[list[tuple[str, str]]] = _SAVE
 
     def __post_init__(self):
-        self.renames.extend(_LOAD)
+        self.renames.extend(self.load_renames)
 
     def sources(self, ckpt_names: list[str], reader: CheckpointReader) -> list[WeightSource]:
         convs: dict[str, dict[str, str]] = {}
         rest = []
         for n in ckpt_names:
-            m = _CONV.fullmatch(n)
+            m = _CONV.fullmatch(self.renamed(n))
             if m and self.param_name(n) is not None:
                 convs.setdefault(m.group(1), {})[m.group(2)] = n
             else:
@@ -288,19 +294,18 @@ class KimiWeightMap(DeepseekWeightMap):
             m = _FUSED_CONV.fullmatch(name)
             if m and t is not None:
                 for c, part in zip("qkv", t.chunk(3, dim=0)):
-                    yield f"{m.group(1)}.{c}_conv1d.weight", part.clone()
+                    yield self._saved_name(f"{m.group(1)}.{c}_conv1d.weight"), part.clone()
             else:
-                yield _saved_name(name), t
+                yield self._saved_name(name), t
 
     def save_rows(self, name: str, rows: Tensor, first: int) -> Iterator[tuple[str, Tensor]]:
         for n, t in super().save_rows(name, rows, first):
-            yield _saved_name(n), t
+            yield self._saved_name(n), t
 
-
-def _saved_name(name: str) -> str:
-    for pat, repl in _SAVE:
-        name = re.sub(pat, repl, name)
-    return name
+    def _saved_name(self, name: str) -> str:
+        for pat, repl in self.save_renames_released:
+            name = re.sub(pat, repl, name)
+        return name
 
 
 def weights(cfg: dict) -> KimiWeightMap:

@@ -49,6 +49,7 @@ KNOWN_PROJECTIONS = frozenset({
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",  # attention, MLP, shared experts
     "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",  # Gated DeltaNet
     "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",  # Kimi Delta Attention (and q/k/v/o_proj)
+    "f_proj", "g_proj",  # Ling 3.0's KDA (full-rank gates) and its MLA's head gate
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
     "wq_b", "wk", "weights_proj", "shared_expert_gate"})
 """Projection names of the supported families. A target list may name ones this model lacks (as PEFT allows: one

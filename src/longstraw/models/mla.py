@@ -11,8 +11,10 @@ RoPE is interleaved (pairs ``(x0, x1), ...``) and returned de-interleaved (``rop
 DeepSeek-V3.2 / GLM-5); ``scale = qk_head_dim^-0.5 * mscale^2`` with ``mscale = 0.1 mscale_all_dim ln(factor) + 1``
 when the RoPE type is not ``default`` and ``mscale_all_dim`` is set (yarn checkpoints). ``rope=False``
 (Kimi-Linear's NoPE MLA) rotates nothing: ``kpe`` and ``q_pe`` are used as projected, and the layer reads no
-positions. The projection norms (``q_a_layernorm``, ``kv_a_layernorm``) use eps 1e-6 whatever ``rms_norm_eps`` says,
-as transformers does.
+positions. ``head_gate=True`` (Ling 3.0) scales each head's output by ``sigmoid(g_proj(x_t))_h`` before ``o_proj``
+(one scalar per head and token, after the attention: every attention form and CP path is unchanged). The
+projection norms (``q_a_layernorm``, ``kv_a_layernorm``) use eps 1e-6 whatever ``rms_norm_eps`` says, as
+transformers does.
 
 The prompt state (:class:`LatentState`) keeps ``lat_s = [c_s | kpe_s]`` per position: ``r + dr`` values, never the
 decompressed ``H (dn + dr + dv)`` (DeepSeek-V3: 576 vs 40,960 values per position and layer). New tokens attend to
@@ -383,7 +385,8 @@ class MLAttention(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float,
-                 bias: bool = False, rope_interleave: bool = True, mode: str = DEFAULT_MODE, rope: bool = True):
+                 bias: bool = False, rope_interleave: bool = True, mode: str = DEFAULT_MODE, rope: bool = True,
+                 head_gate: bool = False):
         super().__init__()
         for name, v in (("num_attention_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                         ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
@@ -413,6 +416,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden, bias=bias)
+        # Ling 3.0 (bailing_hybrid): each head's output times sigmoid(g_proj(x)), one scalar per head and token
+        self.g_proj = nn.Linear(hidden, num_heads, bias=False) if head_gate else None
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -554,13 +559,21 @@ class MLAttention(nn.Module):
             return self.attend_absorbed(q_nope, q_pe, lat, prefix)
         return self.attend_decompressed(q_nope, q_pe, lat, prefix)
 
-    def output(self, o: Tensor) -> Tensor:
+    def output(self, o: Tensor, x: Tensor | None = None) -> Tensor:
+        """The heads' outputs ``o [B, H, T, dv]`` -> ``[B, T, hidden]``; with a head gate (``g_proj``), each head
+        first times ``sigmoid(g_proj(x))`` (computed in float32, float64 in a float64 model, and cast back, as
+        transformers does)."""
         b, _, t, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.num_heads * self.dv))
+        o = o.transpose(1, 2)  # [B, T, H, dv]
+        if self.g_proj is not None:
+            g = self.g_proj(x)
+            g = torch.sigmoid(g if g.dtype == torch.float64 else g.float()).to(o.dtype)
+            o = o * g[..., None]
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.dv))
 
     def forward(self, x: Tensor, ctx: CallContext, prefix: list[KVSegment] | None):
         q_nope, q_pe, lat, _ = self.project(x, ctx)
-        return self.output(self.attend(q_nope, q_pe, lat, list(prefix or []))), lat
+        return self.output(self.attend(q_nope, q_pe, lat, list(prefix or [])), x), lat
 
     # ------------------------------------------------------------------ accounting
     def state_bytes_per_position(self, dtype: torch.dtype) -> int:
@@ -578,7 +591,7 @@ class MLAttention(nn.Module):
             q = hidden * h * qk
         else:
             q = hidden * self.q_a_proj.out_features + self.q_a_proj.out_features * h * qk
-        shared = q + hidden * (r + self.dr) + h * self.dv * hidden  # both forms
+        shared = q + hidden * (r + self.dr) + h * self.dv * hidden + (hidden * h if self.g_proj is not None else 0)
         if tokens is None:
             return 2.0 * (shared + h * self.dn * r + h * r * self.dv) + 2.0 * h * (2 * r + 2 * self.dr) * context
         f = self.attention_flops(1, tokens, [(1, context)])

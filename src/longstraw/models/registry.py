@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.models import deepseek, dense, gemma3, gpt_oss, gqa_moe, kimi, olmo, qwen_hybrid
+from longstraw.models import bailing, deepseek, dense, gemma3, gpt_oss, gqa_moe, kimi, olmo, qwen_hybrid
 from longstraw.models.family import Family
 from longstraw.models.transformer import CausalLM
 
 FAMILIES: tuple[Family, ...] = (dense.FAMILY, gqa_moe.FAMILY, qwen_hybrid.FAMILY, deepseek.FAMILY, gpt_oss.FAMILY,
-                                gemma3.FAMILY, olmo.FAMILY, kimi.FAMILY)
+                                gemma3.FAMILY, olmo.FAMILY, kimi.FAMILY, bailing.FAMILY)
 
 
 def families() -> list[Family]:

@@ -214,7 +214,8 @@ class LoraSection(_Section):
                                            "module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                            "down_proj; in_proj_qkvz, in_proj_ba, in_proj_qkv, in_proj_z, in_proj_b, "
                                            "in_proj_a, out_proj of Gated DeltaNet; f_a_proj, f_b_proj, b_proj, "
-                                           "g_a_proj, g_b_proj of Kimi Delta Attention; q_a_proj, q_b_proj, "
+                                           "g_a_proj, g_b_proj of Kimi Delta Attention (f_proj, g_proj in "
+                                           "Ling 3.0's); q_a_proj, q_b_proj, "
                                            "kv_a_proj_with_mqa, kv_b_proj of MLA), or [\"all-linear\"]: every "
                                            "linear layer but the LM head")
     dropout: float = _key(0.0, "dropout on the adapters' input, in [0, 1) (needs algorithm.prompt_grad = "
