@@ -303,3 +303,14 @@ def test_qwen3_vl_checkpoint_loads_as_its_qwen3_text_model(tied, tmp_path):
     model = check_multimodal_text_model(hf, tmp_path, "qwen3", torch.randint(0, V - 5, (2, 27)))
     assert model.spec.tie_word_embeddings == tied
     assert all(layer.self_attn.q_norm is not None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("multimodal,kind,allowed", [("mistral3", "qwen3", "mistral, ministral3"),
+                                                     ("kimi_k25", "llama", "kimi_k2, deepseek_v3")])
+def test_a_multimodal_config_naming_another_text_model_is_refused(multimodal, kind, allowed):
+    """Mistral 3's and Kimi-K2.5's text_config may name only the text models they are built as; anything else is one
+    line naming it and what is allowed."""
+    cfg = {"model_type": multimodal, "text_config": {"model_type": kind, "vocab_size": 8, "hidden_size": 8}}
+    with pytest.raises(ValueError, match=f"config.json: {multimodal} text_config model_type '{kind}' is not "
+                                         f"supported; supported: {allowed}"):
+        longstraw.build_model(cfg)

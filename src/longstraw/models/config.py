@@ -61,6 +61,22 @@ def multimodal_text_config(cfg: dict, multimodal: dict[str, str], architectures:
     return text
 
 
+def known_text_config(cfg: dict, multimodal_type: str, kinds: dict[str, str], default_kind: str,
+                      architectures: dict[str, str], tie_default: bool = False) -> dict:
+    """:func:`multimodal_text_config` for a multimodal type whose ``text_config`` may name one of a few text models:
+    ``cfg`` itself unless its ``model_type`` is ``multimodal_type``; then the text config, built as
+    ``kinds[its model_type]`` (``default_kind`` where it names none); any other model type is refused in one
+    line."""
+    if cfg.get("model_type") != multimodal_type:
+        return dict(cfg)
+    tc = cfg.get("text_config")
+    kind = tc.get("model_type", default_kind) if isinstance(tc, dict) else default_kind
+    if kind not in kinds:
+        raise ValueError(f"config.json: {multimodal_type} text_config model_type {kind!r} is not supported; "
+                         f"supported: {', '.join(kinds)}")
+    return multimodal_text_config(cfg, {multimodal_type: kinds[kind]}, architectures, tie_default=tie_default)
+
+
 def text_reader(text: dict, cfg: dict) -> ConfigReader:
     """A reader of the text model's config ``text`` (:func:`multimodal_text_config` of ``cfg``) whose errors say
     where the keys are: ``config.json``, or its ``text_config`` for a multimodal checkpoint."""

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import ConfigReader, multimodal_text_config, text_reader
+from longstraw.models.config import ConfigReader, known_text_config, text_reader
 from longstraw.models.dsa import Indexer, SparseMLAttention
 from longstraw.models.family import Family
 from longstraw.models.mla import MLAttention, mla_softmax_scale
@@ -225,15 +225,8 @@ def text_config(cfg: dict) -> dict:
     """``cfg``, or for a multimodal ``kimi_k25`` checkpoint its text model's, as ``deepseek_v3`` (what transformers
     builds from it, and what ``save_model`` writes). Whether the head is tied is the multimodal config's
     ``tie_word_embeddings`` (its config class defaults it to true), as transformers reads it."""
-    if cfg.get("model_type") != "kimi_k25":
-        return dict(cfg)
-    tc = cfg.get("text_config")
-    kind = tc.get("model_type", "deepseek_v3") if isinstance(tc, dict) else "deepseek_v3"
-    if kind not in KIMI_TEXT_TYPES:
-        raise ValueError(f"config.json: kimi_k25 text_config model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(KIMI_TEXT_TYPES)}")
-    return multimodal_text_config(cfg, {"kimi_k25": "deepseek_v3"}, {"deepseek_v3": "DeepseekV3ForCausalLM"},
-                                  tie_default=True)
+    return known_text_config(cfg, "kimi_k25", {k: "deepseek_v3" for k in KIMI_TEXT_TYPES}, "deepseek_v3",
+                             {"deepseek_v3": "DeepseekV3ForCausalLM"}, tie_default=True)
 
 
 def build(cfg: dict) -> CausalLM:

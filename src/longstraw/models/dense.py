@@ -21,8 +21,8 @@ computes the eval-mode forward, what the sampler computes (transformers applies 
 from __future__ import annotations
 
 from longstraw.models.attention import Attention
-from longstraw.models.config import (ConfigReader, multimodal_text_config, narrowest_window, text_reader,
-                                     windows_of)
+from longstraw.models.config import (ConfigReader, known_text_config, multimodal_text_config, narrowest_window,
+                                     text_reader, windows_of)
 from longstraw.models.family import Family
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
@@ -40,14 +40,8 @@ def text_config(cfg: dict) -> dict:
     writes, and transformers loads as ``Qwen3ForCausalLM``)."""
     if cfg.get("model_type") == "qwen3_vl":
         return multimodal_text_config(cfg, {"qwen3_vl": "qwen3"}, {"qwen3": "Qwen3ForCausalLM"})
-    if cfg.get("model_type") != "mistral3":
-        return dict(cfg)
-    tc = cfg.get("text_config")
-    kind = tc.get("model_type", "mistral") if isinstance(tc, dict) else "mistral"
-    if kind not in _ARCHITECTURES:
-        raise ValueError(f"config.json: mistral3 text_config model_type {kind!r} is not supported; supported: "
-                         f"{', '.join(_ARCHITECTURES)}")
-    return multimodal_text_config(cfg, {"mistral3": kind}, _ARCHITECTURES, tie_default=True)
+    return known_text_config(cfg, "mistral3", {k: k for k in _ARCHITECTURES}, "mistral", _ARCHITECTURES,
+                             tie_default=True)
 
 
 def model_spec(cfg: dict, r: ConfigReader, windows: list[int | None]) -> ModelSpec:
