@@ -150,6 +150,10 @@ def test_config_reading_follows_transformers():
     theirs = hf_config(aliased)
     assert gate.weight.shape[0] == theirs.num_experts == 8 and gate.top_k == theirs.num_experts_per_token == 3
     assert model.spec.max_position_embeddings == theirs.model_max_length == 2048
+    both = tiny_config(num_local_experts=4, num_experts_per_tok=1)  # Ling's keys set too: they win, as there
+    gate = longstraw.build_model(both).layers[1].mlp.gate
+    theirs = hf_config(both)
+    assert gate.weight.shape[0] == theirs.num_experts == 8 and gate.top_k == theirs.num_experts_per_token == 2
 
 
 @pytest.mark.parametrize("changes,msg", [

@@ -18,8 +18,10 @@ Multi-head Latent Attention (``"full_attention"``), the others with Kimi Delta A
 Feed-forward: SwiGLU where ``mlp_layer_types`` says ``"dense"`` (else the first ``first_k_dense_replace``, default
 2), the others DeepSeek-V3's sigmoid-routed, group-limited MoE (:mod:`longstraw.models.deepseek`), its keys spelled
 as Ling's configs spell them (``num_experts``, ``num_experts_per_token``, ``num_shared_experts``,
-``num_expert_group``, ``moe_renormalize``; transformers' DeepSeek-style aliases read too), ``model_max_length``
-the context length. transformers' model never ties the head: ``tie_word_embeddings: true`` is refused.
+``num_expert_group``, ``moe_renormalize``; transformers' DeepSeek-style aliases read where Ling's key is not set,
+as transformers reads them), ``model_max_length`` the context length (``max_position_embeddings``, what
+``longstraw plan --max-positions`` sets, wins where both are, as for Kimi-Linear). transformers' model never ties
+the head: ``tie_word_embeddings: true`` is refused.
 
 Weights: our parameter names are transformers' in-memory ones. The released checkpoints (and what
 transformers' ``save_pretrained`` writes) name the embedding ``model.word_embeddings``, every mixer
@@ -38,7 +40,8 @@ from longstraw.models.config import ConfigReader
 from longstraw.models.deepseek import MoeKeys, _moe_block
 from longstraw.models.family import Family
 from longstraw.models.kda import KimiDeltaAttention
-from longstraw.models.kimi import KimiWeightMap, sparse_layers
+from longstraw.models.kimi import (KimiWeightMap, _key, _max_positions, _reader, checked_layer_types,
+                                  sparse_layers)
 from longstraw.models.mla import MLAttention, mla_softmax_scale
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.norms import RMSNorm
@@ -46,13 +49,9 @@ from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
 from longstraw.models.transformer import Backbone, CausalLM, DecoderLayer, ModelSpec
 
 MODEL_TYPES = ("bailing_hybrid",)
-LAYER_TYPES = ("linear_attention", "full_attention")
 
-# transformers' attribute_map: (Ling's key, the DeepSeek-style alias transformers also accepts)
-_ALIASES = {"num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
-            "num_shared_experts": "n_shared_experts", "num_expert_group": "n_group",
-            "moe_renormalize": "norm_topk_prob", "model_max_length": "max_position_embeddings"}
-# BailingHybridConfig's defaults for what a config may leave out
+# BailingHybridConfig's defaults for what a config may leave out (under Ling's key or transformers' alias for it,
+# as Kimi-Linear's: ``kimi._ALIASES``)
 _HF_DEFAULTS = {"num_experts": 512, "num_experts_per_token": 8, "num_shared_experts": 1, "num_expert_group": 8,
                 "topk_group": 4, "moe_renormalize": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 768,
                 "intermediate_size": 6144, "model_max_length": 262144, "kv_lora_rank": 512,
@@ -61,29 +60,13 @@ _HF_DEFAULTS = {"num_experts": 512, "num_experts_per_token": 8, "num_shared_expe
                 "short_conv_kernel_size": 4, "layer_group_size": 6, "rope_theta": 6_000_000.0}
 
 
-def _reader(cfg: dict) -> ConfigReader:
-    """A reader over ``cfg`` with transformers' defaults filled in where neither spelling of a key is set; where
-    both are, the alias (transformers' attribute name, set last) is the one read."""
-    filled = dict(cfg)
-    for key, alias in _ALIASES.items():
-        if filled.get(alias) is not None:
-            filled[key] = filled[alias]
-    for key, default in _HF_DEFAULTS.items():
-        if filled.get(key) is None:
-            filled[key] = default
-    return ConfigReader(filled)
-
-
 def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:
     """Each layer's mixer: ``layer_types``, else the last of every ``layer_group_size`` layers is MLA."""
     types = cfg.get("layer_types")
     if types is None:
         group = r.positive("layer_group_size")
         types = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-        raise ValueError(f"{r.where}: layer_types must give one of {list(LAYER_TYPES)} for each of the {n} layers, "
-                         f"got {types!r}")
-    return list(types)
+    return checked_layer_types(types, r, n)
 
 
 def _linear_attn(r: ConfigReader) -> dict:
@@ -124,14 +107,14 @@ def tiny_config(**overrides) -> dict:
 
 def build(cfg: dict) -> CausalLM:
     """Build a randomly initialised Ling 3.0 model from an HF config dict."""
-    r = _reader(cfg)
+    r = _reader(cfg, _HF_DEFAULTS)
     if cfg.get("tie_word_embeddings"):
         raise ValueError(f"{r.where}: tie_word_embeddings={cfg['tie_word_embeddings']!r} is not supported for "
                          "bailing_hybrid (transformers' BailingHybridForCausalLM never ties its head); supported: "
                          "false")
     n = r.positive("num_hidden_layers")
     hidden = r.positive("hidden_size")
-    positions = r.positive("model_max_length")
+    positions = _max_positions(r)
     spec = ModelSpec(
         model_type="bailing_hybrid", vocab_size=r.positive("vocab_size"), hidden_size=hidden, num_layers=n,
         max_position_embeddings=positions, tie_word_embeddings=False, eos_token_id=cfg.get("eos_token_id"),
@@ -149,8 +132,9 @@ def build(cfg: dict) -> CausalLM:
     mla = dict(q_lora_rank=None, kv_lora_rank=r.positive("kv_lora_rank"), qk_nope_head_dim=dn, qk_rope_head_dim=dr,
                v_head_dim=r.positive("v_head_dim"), bias=r.opt("attention_bias", False, bool),
                scale=mla_softmax_scale(rope, dn + dr), rope_interleave=True, head_gate=True)
-    keys = MoeKeys(experts="num_experts", top_k="num_experts_per_token", n_group="num_expert_group",
-                   shared="num_shared_experts", renormalize="moe_renormalize", scaling_default=2.5)
+    keys = MoeKeys(experts=_key(r.cfg, "num_experts"), top_k=_key(r.cfg, "num_experts_per_token"),
+                   n_group=_key(r.cfg, "num_expert_group"), shared=_key(r.cfg, "num_shared_experts"),
+                   renormalize=_key(r.cfg, "moe_renormalize"), scaling_default=2.5)
     layers = []
     for i in range(n):
         if types[i] == "linear_attention":

@@ -68,11 +68,11 @@ def _key(cfg: dict, key: str) -> str:
     return alias if cfg.get(key) is None and alias is not None and cfg.get(alias) is not None else key
 
 
-def _reader(cfg: dict) -> ConfigReader:
-    """A reader over ``cfg`` with transformers' defaults filled in for the keys it defaults (never over a value the
-    config sets, under either spelling)."""
+def _reader(cfg: dict, defaults: dict = _HF_DEFAULTS) -> ConfigReader:
+    """A reader over ``cfg`` with transformers' ``defaults`` filled in for the keys it defaults (never over a value
+    the config sets, under either spelling). Ling 3.0's config (``models/bailing.py``) spells its keys so too."""
     filled = dict(cfg)
-    for key, default in _HF_DEFAULTS.items():
+    for key, default in defaults.items():
         if filled.get(key) is None and filled.get(_ALIASES.get(key, key)) is None:
             filled[key] = default
     return ConfigReader(filled)
@@ -120,6 +120,12 @@ def layer_types(cfg: dict, r: ConfigReader, n: int) -> list[str]:
                              "full_attn_layers")
     if types is None:
         types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    return checked_layer_types(types, r, n)
+
+
+def checked_layer_types(types, r: ConfigReader, n: int) -> list[str]:
+    """``types`` as a list, refused in one line unless it gives one of :data:`LAYER_TYPES` for each of ``n``
+    layers."""
     if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise ValueError(f"{r.where}: layer_types must give one of {list(LAYER_TYPES)} for each of the {n} layers, "
                          f"got {types!r}")
@@ -141,7 +147,8 @@ def sparse_layers(cfg: dict, r: ConfigReader, n: int, first_dense: int = 1) -> l
 
 def _max_positions(r: ConfigReader) -> int:
     """``model_max_length``; ``max_position_embeddings`` (transformers' name for it) wins where both are set: it is
-    what ``longstraw plan --max-positions`` sets (NoPE and KDA read no positions, so nothing else depends on it)."""
+    what ``longstraw plan --max-positions`` sets (Kimi-Linear's NoPE and KDA read no positions; Ling 3.0's RoPE
+    reads the same number)."""
     return r.positive("max_position_embeddings" if r.cfg.get("max_position_embeddings") is not None
                       else "model_max_length")
 
