@@ -172,13 +172,14 @@ class WeightMap:
 _VISION_SKIPPED = "vision tower weights are not used: LongStraw trains the text model of this multimodal checkpoint"
 
 
-def skip_vision_tower(wm: WeightMap) -> WeightMap:
-    """``wm`` for a multimodal checkpoint of the llava layout (Gemma 3, Mistral 3): the text weights under
-    ``model.language_model.`` (transformers 5) or ``language_model.model.`` / ``language_model.lm_head.`` (the
-    released files) renamed to the text model's names, the vision tower and projector skipped with one warning."""
+def skip_vision_tower(wm: WeightMap, projector: str = "multi_modal_projector") -> WeightMap:
+    """``wm`` for a multimodal checkpoint of the llava layout (Gemma 3, Mistral 3; Kimi-K2.5's with ``projector``
+    ``mm_projector``): the text weights under ``model.language_model.`` (transformers 5) or
+    ``language_model.model.`` / ``language_model.lm_head.`` (the released files) renamed to the text model's
+    names, the vision tower and projector skipped with one warning."""
     wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
                    (r"^language_model\.lm_head\.", "lm_head.")]
-    wm.skip_with_warning.append((r"(model\.)?(vision_tower|multi_modal_projector)\..*", _VISION_SKIPPED))
+    wm.skip_with_warning.append((rf"(model\.)?(vision_tower|{projector})\..*", _VISION_SKIPPED))
     return wm
 
 
@@ -189,9 +190,7 @@ def skip_kimi_vision(wm: WeightMap) -> WeightMap:
     ``layers`` as ``blocks`` (its load mapping turns the vision tower's ``blocks`` into ``layers`` and its save
     reverses that everywhere), read back as ``layers``. The vision tower and ``mm_projector`` are skipped with one
     warning."""
-    wm.renames += [(r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
-                   (r"^language_model\.lm_head\.", "lm_head."), (r"^model\.blocks\.", "model.layers.")]
-    wm.skip_with_warning.append((r"(model\.)?(vision_tower|mm_projector)\..*", _VISION_SKIPPED))
+    skip_vision_tower(wm, projector="mm_projector").renames.append((r"^model\.blocks\.", "model.layers."))
     return wm
 
 
