@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from longstraw.models.config import ConfigReader
-from longstraw.models.deepseek import MoeKeys, _moe_block
+from longstraw.models.deepseek import _moe_block
 from longstraw.models.family import Family
 from longstraw.models.kda import KimiDeltaAttention
-from longstraw.models.kimi import (KimiWeightMap, _key, _max_positions, _reader, checked_layer_types,
+from longstraw.models.kimi import (KimiWeightMap, _max_positions, _reader, checked_layer_types, moe_keys,
                                   sparse_layers)
 from longstraw.models.mla import MLAttention, mla_softmax_scale
 from longstraw.models.mlp import GatedMLP
@@ -132,9 +132,7 @@ def build(cfg: dict) -> CausalLM:
     mla = dict(q_lora_rank=None, kv_lora_rank=r.positive("kv_lora_rank"), qk_nope_head_dim=dn, qk_rope_head_dim=dr,
                v_head_dim=r.positive("v_head_dim"), bias=r.opt("attention_bias", False, bool),
                scale=mla_softmax_scale(rope, dn + dr), rope_interleave=True, head_gate=True)
-    keys = MoeKeys(experts=_key(r.cfg, "num_experts"), top_k=_key(r.cfg, "num_experts_per_token"),
-                   n_group=_key(r.cfg, "num_expert_group"), shared=_key(r.cfg, "num_shared_experts"),
-                   renormalize=_key(r.cfg, "moe_renormalize"), scaling_default=2.5)
+    keys = moe_keys(r, scaling_default=2.5)
     layers = []
     for i in range(n):
         if types[i] == "linear_attention":

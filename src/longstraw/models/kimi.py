@@ -145,6 +145,13 @@ def sparse_layers(cfg: dict, r: ConfigReader, n: int, first_dense: int = 1) -> l
     return [t == "sparse" for t in types]
 
 
+def moe_keys(r: ConfigReader, scaling_default: float) -> MoeKeys:
+    """The MoE block's config keys as this config spells each (Kimi's / Ling's name, or transformers' alias)."""
+    return MoeKeys(experts=_key(r.cfg, "num_experts"), top_k=_key(r.cfg, "num_experts_per_token"),
+                   n_group=_key(r.cfg, "num_expert_group"), shared=_key(r.cfg, "num_shared_experts"),
+                   renormalize=_key(r.cfg, "moe_renormalize"), scaling_default=scaling_default)
+
+
 def _max_positions(r: ConfigReader) -> int:
     """``model_max_length``; ``max_position_embeddings`` (transformers' name for it) wins where both are set: it is
     what ``longstraw plan --max-positions`` sets (Kimi-Linear's NoPE and KDA read no positions; Ling 3.0's RoPE
@@ -205,9 +212,7 @@ def build(cfg: dict) -> CausalLM:
                kv_lora_rank=r.positive("kv_lora_rank"), qk_nope_head_dim=dn, qk_rope_head_dim=dr,
                v_head_dim=r.positive("v_head_dim"), bias=r.opt("attention_bias", False, bool), scale=(dn + dr) ** -0.5,
                rope=False)
-    keys = MoeKeys(experts=_key(r.cfg, "num_experts"), top_k=_key(r.cfg, "num_experts_per_token"),
-                   n_group=_key(r.cfg, "num_expert_group"), shared=_key(r.cfg, "num_shared_experts"),
-                   renormalize=_key(r.cfg, "moe_renormalize"), scaling_default=2.446)
+    keys = moe_keys(r, scaling_default=2.446)
     layers = []
     for i in range(n):
         if types[i] == "linear_attention":
