@@ -431,6 +431,31 @@ def master_weights(paths):
         out[name] = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                      "grad_dtypes": sorted({str(p.grad.dtype) for p in params}),
                      "changed": changed / sum(int(m.sum()) for m in moved)}
+    # a float16 DSA model keeps the indexer's weights_proj in float32 (as transformers does): with float16 masters
+    # it is an FSDP2 unit of its own (a unit takes one dtype; this step once raised FSDP's AssertionError), and the
+    # step's gradients are what float32 masters give, to float16 accuracy (the indexer itself gets none: its top-k
+    # is not differentiable; its head weights rank the keys every layer's attention reads)
+    from torch.distributed.fsdp import FSDPModule
+
+    from longstraw.models.dsa import HeadWeights
+
+    prompt, responses, adv = group(5, 23, [4, 1, 6])
+    grads = {}
+    for name, master in (("fp16_kept_fp32", None), ("fp16_kept_fp16", torch.float16)):
+        torch.manual_seed(0)
+        model = build_model(read_config(paths["glm_moe_dsa"])).to(torch.float16)
+        distributed.parallelize(model, ctx, fsdp=True, master_dtype=master)
+        longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+        heads = [m for m in model.modules() if isinstance(m, HeadWeights)]
+        grads[name] = torch.cat([p.grad.full_tensor().float().flatten() for p in model.parameters()
+                                 if p.grad is not None])
+        out[name] = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                     "head_dtypes": sorted({str(m.weight.dtype) for m in heads}),
+                     "head_units": [isinstance(m, FSDPModule) for m in heads],
+                     "finite": all(bool(p.grad.full_tensor().isfinite().all()) for p in model.parameters()
+                                   if p.grad is not None)}
+    a, b = grads["fp16_kept_fp32"], grads["fp16_kept_fp16"]
+    out["fp16_kept_grad_rel"] = float((a - b).norm() / a.norm())
     return out
 
 

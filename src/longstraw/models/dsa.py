@@ -167,6 +167,11 @@ class HeadWeights(nn.Linear):
 
     plain_linear = True  # a linear layer as PEFT sees it (``models.lora.linear_modules``: LoRA may target it)
 
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [..., hidden] -> [..., Hi]`` in ``x``'s dtype: the weight is taken in it (float32 for the float16
+        path of :func:`head_weights`, whose weight may arrive all-gathered in float16 under FSDP2)."""
+        return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
     def _apply(self, fn, recurse=True):
         """``Module._apply`` (``to``, ``half``, ``to_empty``, ...) with a cast to float16 made a cast to float32:
         ``fn`` is probed on an empty tensor for the device and dtype it gives."""
@@ -190,7 +195,7 @@ def head_weights(layer: nn.Linear, x: Tensor) -> Tensor:
         return layer(x).to(acc_dtype(x.dtype))
     with torch.autocast(dev, enabled=False) if amp else contextlib.nullcontext():
         x = x.float()
-        if all(p.dtype == torch.float32 for p in layer.parameters()):
+        if isinstance(layer, HeadWeights):  # called as a module: under FSDP2 it may be a unit of its own
             return layer(x)
         return nn.functional.linear(x, linear_weight(layer).float())
 
