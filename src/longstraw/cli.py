@@ -285,7 +285,7 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     device = resolve_device(args.device, "--device")
     model = longstraw.load_model(args.model, dtype=args.dtype, device=device, adapter=args.adapter)
-    tok = load_tokenizer(args.model)
+    tok = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     ids = _encode(tok, render_prompt(tok, prompt))
     stops = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     sp = longstraw.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -346,7 +346,7 @@ def cmd_score(args) -> int:
     device = resolve_device(args.device, "--device")
     groups = load_rollouts(args.data)
     model = longstraw.load_model(args.model, dtype=args.dtype, device=device, adapter=args.adapter)
-    tok = load_tokenizer(args.model)
+    tok = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     cfg = longstraw.GRPOConfig(prefill_chunk=args.prefill_chunk, temperature=args.temperature)
     work = []
     for g in groups:
@@ -497,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                        help="parameter dtype (default: the checkpoint's dtype, else float32)")
         g.add_argument("--device", default="cpu", help="where to run: cpu, cuda, cuda:N or mps")
+        g.add_argument("--trust-remote-code", action="store_true",
+                       help="import a tokenizer that is the checkpoint's own Python code (tokenizer_config.json's "
+                            "auto_map, e.g. Kimi's tokenization_kimi.py); without it such a tokenizer is refused")
         g.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill chunk")
         g.add_argument("--temperature", type=float, default=1.0,
                        help="sampling temperature" if name == "generate" else

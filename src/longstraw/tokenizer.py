@@ -30,7 +30,7 @@ Prompt = Union[str, list]  # a plain string, or a list of messages
 BYTE_TOKENIZER_FILE = "longstraw_tokenizer.json"
 # files whose presence marks a directory as holding an HF tokenizer
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                      "spiece.model")
+                      "spiece.model", "tiktoken.model")
 
 
 @runtime_checkable
@@ -205,13 +205,41 @@ class HFTokenizer:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, source={self.source!r})"
 
 
-def load_tokenizer(path: str | Path) -> ByteTokenizer | HFTokenizer:
+def custom_tokenizer_modules(directory: str | Path) -> list[str]:
+    """The Python modules of a checkpoint's own tokenizer code: what ``tokenizer_config.json``'s ``auto_map``
+    names for ``AutoTokenizer`` (``"tokenization_kimi.TikTokenTokenizer"`` -> ``"tokenization_kimi"``, as Kimi-K2,
+    K2.5/K2.6 and Kimi-Linear ship their tiktoken tokenizer), in that order; empty if there is none. Entries that
+    point into another repository (``"org/repo--module.Class"``) are not in the directory and are left out."""
+    f = Path(directory) / "tokenizer_config.json"
+    try:
+        auto = json.loads(f.read_text(encoding="utf-8")).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    refs = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    refs = [refs] if isinstance(refs, str) else refs if isinstance(refs, list) else []
+    out = []
+    for r in refs:
+        if isinstance(r, str) and "--" not in r and "." in r:
+            module = r.rsplit(".", 1)[0]
+            if module not in out:
+                out.append(module)
+    return out
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> ByteTokenizer | HFTokenizer:
     """The tokenizer saved in directory ``path``.
 
     ``longstraw_tokenizer.json`` present: the built-in byte tokenizer. Otherwise any HF tokenizer file
-    (``tokenizer.json``, ``tokenizer_config.json``, ...): ``AutoTokenizer.from_pretrained(path,
+    (``tokenizer.json``, ``tokenizer_config.json``, ``tiktoken.model``, ...): ``AutoTokenizer.from_pretrained(path,
     local_files_only=True)``, wrapped (nothing is downloaded). Anything else is a ValueError naming the path and the
     files looked for.
+
+    ``trust_remote_code``: a tokenizer that is the checkpoint's own Python code (``tokenizer_config.json``'s
+    ``auto_map``, e.g. Kimi's ``tokenization_kimi.TikTokenTokenizer``, which also needs ``pip install tiktoken``)
+    is imported from the directory only when this is true (``model.trust_remote_code``, the CLI's
+    ``--trust-remote-code``); without it such a tokenizer is a ValueError naming the module and the option. A
+    tokenizer that transformers can load without the code (a ``tokenizer.json`` beside an ``auto_map``) loads
+    without it either way.
     """
     d = Path(path)
     if not d.is_dir():
@@ -226,9 +254,16 @@ def load_tokenizer(path: str | Path) -> ByteTokenizer | HFTokenizer:
     except ImportError:
         raise ValueError(f"the tokenizer in {str(d)!r} is an HF tokenizer, which needs transformers: "
                          "pip install longstraw[hf]") from None
+    custom = custom_tokenizer_modules(d)
     try:
-        hf = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        hf = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True,
+                                                        trust_remote_code=bool(trust_remote_code))
     except Exception as e:  # transformers raises OSError/ValueError/KeyError... for broken directories
+        if custom and not trust_remote_code:
+            raise ValueError(f"the tokenizer in {str(d)!r} is the checkpoint's own code ({', '.join(m + '.py' for m in custom)}"
+                             ", named by tokenizer_config.json's auto_map): LongStraw imports it only when told to: "
+                             "model.trust_remote_code = true in a run config, --trust-remote-code on the command "
+                             "line, load_tokenizer(..., trust_remote_code=True); read that file first") from None
         raise ValueError(f"cannot load the HF tokenizer in {str(d)!r}: {type(e).__name__}: {e}") from None
     return HFTokenizer(hf, source=str(d))
 

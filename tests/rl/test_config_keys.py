@@ -93,6 +93,7 @@ def test_every_key_of_every_section_is_read_by_a_real_run(tmp_path, monkeypatch)
          "algorithm.prompts_per_step=2", "train.save_every=1", "train.progress=false", 'train.memory_limit="64G"',
          "data.num_prompts=2", "train.wandb=true", 'train.wandb_mode="offline"', "train.plots=true"],
         ['data.task=""', f'data.path="{prompts}"', 'data.prompt_key="q"', 'data.answer_key="a"',
+         f'model.path="{tmp_path / "0" / "initial_model"}"', "model.trust_remote_code=true",  # run 0's model
          'reward.fn="exact_match"', "reward.options={case_sensitive=false}", 'train.memory_check="off"',
          "train.progress=true", 'rollout.stop_strings=["\\n"]'],
         ['data.task=""', f'data.path="{rollouts}"', "data.offline=true", "train.progress=false",

@@ -42,7 +42,7 @@ PICKLED_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
 # what a tokenizer leaves in a checkpoint directory (HF tokenizers, their chat templates, LongStraw's byte tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
-                   "merges.txt", "chat_template.jinja", "chat_template.json", BYTE_TOKENIZER_FILE)
+                   "merges.txt", "chat_template.jinja", "chat_template.json", "tiktoken.model", BYTE_TOKENIZER_FILE)
 TOKENIZER_DIRS = ("additional_chat_templates",)
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
@@ -438,9 +438,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def tokenizer_files(directory: str | os.PathLike) -> dict[str, Path]:
-    """The tokenizer files in a checkpoint directory (name -> path; empty if it has none)."""
+    """The tokenizer files in a checkpoint directory (name -> path; empty if it has none): the known names, and the
+    Python modules of a tokenizer that is the checkpoint's own code (``tokenizer.custom_tokenizer_modules``: Kimi's
+    ``tokenization_kimi.py`` beside its ``tiktoken.model``), so an exported checkpoint keeps a working tokenizer."""
+    from longstraw.tokenizer import custom_tokenizer_modules
+
     d = Path(directory)
-    return {n: d / n for n in TOKENIZER_FILES if (d / n).is_file()}
+    names = [*TOKENIZER_FILES, *(m + ".py" for m in custom_tokenizer_modules(d) if "." not in m)]
+    return {n: d / n for n in names if (d / n).is_file()}
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -106,6 +106,9 @@ class ModelSection(_Section):
                                       "false: parameters, gradients and optimiser state all in model.dtype (half "
                                       "the memory; updates below its resolution are lost)")
     device: str = _key("cpu", "cpu, cuda, cuda:N or mps; checked against this machine when the config is loaded")
+    trust_remote_code: bool = _key(False, "import a tokenizer that is the checkpoint's own Python code "
+                                          "(tokenizer_config.json's auto_map, e.g. Kimi's tokenization_kimi.py, "
+                                          "which needs tiktoken); false: such a tokenizer is an error naming it")
 
 
 @dataclass(frozen=True)

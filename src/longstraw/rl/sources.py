@@ -50,7 +50,7 @@ def build_tokenizer(cfg: RunConfig):
 
     if cfg.model.path:
         check_model_path(cfg)
-        return load_tokenizer(cfg.model.path)
+        return load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     return ByteTokenizer()
 
 
