@@ -406,6 +406,27 @@ def test_generate_with_a_lora_adapter(dense_run, tmp_path):
     _one_error_line(bad, "is not a PEFT adapter directory")
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
+def test_a_tokenizer_of_the_checkpoints_own_code_needs_trust_remote_code(dense_run, tmp_path):
+    """A checkpoint whose tokenizer is its own code (Kimi's layout, ``tests/custom_tokenizer.py``): generate refuses
+    it with one line naming ``--trust-remote-code`` and samples with the flag."""
+    import shutil
+
+    from custom_tokenizer import write_char_tokenizer
+
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in (dense_run / "initial_model").iterdir():
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            shutil.copy(f, d / f.name)
+    write_char_tokenizer(d)
+    args = ["generate", "--model", d, "--prompt", "the pass key is ", "--max-new-tokens", 3, "--seed", 0, "--json"]
+    _one_error_line(cli(*args), "(tokenization_chars.py, named by tokenizer_config.json's auto_map)")
+    g = cli(*args, "--trust-remote-code")
+    assert g.returncode == 0, g.stderr
+    assert 1 <= len(json.loads(g.stdout)["token_ids"]) <= 3
+
+
 def test_an_os_error_that_reaches_main_is_one_line(monkeypatch, capsys):
     import errno
 

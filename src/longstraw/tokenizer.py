@@ -189,7 +189,11 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """Ids the tokenizer has no token for (``< 0`` or ``>= vocab_size``: a model's vocabulary padded past its
+        tokenizer's, as Kimi's 163,840 rows over 163,600 tokens, which a sampler can still draw) decode to nothing,
+        as fast tokenizers skip them; a Python tokenizer indexing its own table would raise."""
+        n = len(self.hf)
+        return self.hf.decode([int(i) for i in ids if 0 <= int(i) < n], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message]) -> str:
         _check_messages(messages)

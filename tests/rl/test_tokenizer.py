@@ -118,6 +118,7 @@ def test_hf_tokenizer(hf_dir):
     ids = tok.encode("The grass is green. 42")
     assert tok.decode(ids) == "The grass is green. 42"
     assert tok.decode(ids + [tok.eos_token_id]) == "The grass is green. 42"
+    assert tok.decode(ids + [tok.vocab_size, 10**6]) == "The grass is green. 42"  # no token: nothing
     assert render_prompt(tok, [{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
     out = hf_dir.parent / "resaved"
     tok.save(out)
@@ -157,60 +158,17 @@ def test_hf_needs_transformers(tmp_path, monkeypatch):
         load_tokenizer(tmp_path)
 
 
-CHAR_TOKENIZER = '''
-import json, os
-from transformers import PreTrainedTokenizer
-
-
-class CharTokenizer(PreTrainedTokenizer):
-    vocab_files_names = {"vocab_file": "tiktoken.model"}  # the file name Kimi's tokenizer reads its ranks from
-
-    def __init__(self, vocab_file, **kwargs):
-        with open(vocab_file, encoding="utf-8") as f:
-            self.chars = json.load(f)
-        self.ids = {c: i for i, c in enumerate(self.chars)}
-        super().__init__(**kwargs)
-
-    @property
-    def vocab_size(self):
-        return len(self.chars)
-
-    def get_vocab(self):
-        return {**self.ids, **self.added_tokens_encoder}
-
-    def _tokenize(self, text):
-        return list(text)
-
-    def _convert_token_to_id(self, token):
-        return self.ids.get(token, 0)
-
-    def _convert_id_to_token(self, index):
-        return self.chars[index]
-
-    def convert_tokens_to_string(self, tokens):
-        return "".join(tokens)
-
-    def save_vocabulary(self, save_directory, filename_prefix=None):
-        path = os.path.join(save_directory, (filename_prefix or "") + "tiktoken.model")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.chars, f)
-        return (path,)
-'''
-
-
 @pytest.fixture
 def custom_dir(tmp_path):
     """A checkpoint directory whose tokenizer is its own Python code, laid out as Kimi's (``tokenizer_config.json``
     naming ``tokenization_chars.CharTokenizer`` in ``auto_map``, the vocabulary in ``tiktoken.model``, no
     ``tokenizer.json``): a character tokenizer, so nothing but transformers is needed."""
     pytest.importorskip("transformers")
+    from custom_tokenizer import write_char_tokenizer
+
     d = tmp_path / "custom"
     d.mkdir()
-    (d / "tokenization_chars.py").write_text(CHAR_TOKENIZER)
-    (d / "tiktoken.model").write_text(json.dumps(["?", *"abcdefghijklmnopqrstuvwxyz 0123456789", "<eos>"]))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "CharTokenizer", "eos_token": "<eos>",
-        "auto_map": {"AutoTokenizer": ["tokenization_chars.CharTokenizer", None]}}))
+    write_char_tokenizer(d)
     return d
 
 
@@ -222,6 +180,7 @@ def test_a_tokenizer_of_the_checkpoints_own_code_loads_only_when_trusted(custom_
     ids = tok.encode("pass key 42")
     assert ids == [16, 1, 19, 19, 27, 11, 5, 25, 27, 32, 30] and tok.decode(ids) == "pass key 42"
     assert tok.eos_token_id == 38 and tok.vocab_size == 39
+    assert tok.decode([16, 1, 39, 19, 300, -1, 19]) == "pass"  # ids past its table (a padded model vocabulary)
     tok.save(tmp_path / "saved")  # save_pretrained writes the code beside the vocabulary: it loads from there too
     assert load_tokenizer(tmp_path / "saved", trust_remote_code=True).encode("pass key 42") == ids
 
