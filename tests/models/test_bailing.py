@@ -4,10 +4,13 @@ bfloat16, chunked prefill + continuation, the released checkpoint layout in and 
 dense, q/k/v convs, the forget gate under attention, expert_bias), the config as transformers reads it, bad
 configs, MTP layers skipped."""
 
+import json
+
 import pytest
 import torch
-from hf_reference import (check_continuation_in_every_form, check_grads_in_every_form, check_logits_in_every_form,
-                          check_low_precision, load_in_form, save_tiny, tiny_moe_hf, true_float64)
+from hf_reference import (MLA_FORMS, check_continuation_in_every_form, check_grads_in_every_form,
+                          check_logits_in_every_form, check_low_precision, load_in_form, save_tiny, tiny_moe_hf,
+                          true_float64, weighted_logit_grads)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, BailingHybridConfig
 
@@ -166,6 +169,9 @@ def test_config_reading_follows_transformers():
     ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types must list 'dense' or 'sparse'"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported for bailing_hybrid"),
     ({"qk_rope_head_dim": 5}, "qk_rope_head_dim=5 must be even"),
+    ({"gated_attention_proj_granularity_type": "element_wise"},
+     "gated_attention_proj_granularity_type='element_wise' is not supported"),
+    ({"q_lora_rank": 0}, "q_lora_rank=0 must be >= 1"),
 ])
 def test_bad_configs_name_the_value(changes, msg):
     with pytest.raises(ValueError, match=msg):
@@ -179,7 +185,91 @@ def test_mtp_layers_are_skipped(tmp_path):
     sd = load_file(d / "model.safetensors")
     for k in [k for k in sd if k.startswith("model.layers.3.")]:
         sd[k.replace("model.layers.3.", "model.layers.4.")] = sd[k].clone()
+    sd["model.mtp.layers.0.enorm.weight"] = torch.ones(32, dtype=torch.float64)  # where Ling 3.0's releases keep
+    sd["model.mtp.layers.0.eh_proj.weight"] = torch.ones(32, 64, dtype=torch.float64)  # theirs
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    with pytest.warns(UserWarning, match=r"multi-token-prediction \(MTP\) layers \[4\]"):
+    with pytest.warns(UserWarning, match=r"multi-token-prediction \(MTP\) layers \[4\] \(model.layers.4\+\), "
+                                         r"model.mtp.\* are not used"):
         model = longstraw.load_model(d)
     assert len(model.layers) == 4
+
+
+class _LowRankQuery(torch.nn.Module):
+    """The query path of Ling 3.0's released model code where ``q_lora_rank`` is set, ``q_b(RMSNorm(q_a(x)))``, put
+    in place of transformers' full-rank ``q_proj`` (transformers 5.23 ignores ``q_lora_rank``): the reference for
+    the low-rank-query variant."""
+
+    def __init__(self, hidden: int, rank: int, out: int):
+        from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridRMSNorm
+
+        super().__init__()
+        self.q_a_proj = torch.nn.Linear(hidden, rank, bias=False, dtype=torch.float64)
+        self.q_a_layernorm = BailingHybridRMSNorm(rank, eps=1e-6).to(torch.float64)
+        self.q_b_proj = torch.nn.Linear(rank, out, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            for t in (self.q_a_proj.weight, self.q_b_proj.weight):
+                t.normal_(0, 0.3)
+            self.q_a_layernorm.weight.normal_(1.0, 0.1)
+
+    def forward(self, x):
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+
+@pytest.fixture(scope="module")
+def low_rank_q():
+    """transformers' model of the tiny config with every MLA layer's queries low-rank (``q_lora_rank`` 12), and the
+    checkpoint of it in the released layout (``attention.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``)."""
+    hf = hf_model("tiny", seed=5)
+    torch.manual_seed(5)
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "kv_a_proj_with_mqa"):
+            attn.q_proj = _LowRankQuery(32, 12, attn.q_proj.out_features)
+    path = save_tiny(hf)
+    sd = load_file(path / "model.safetensors")
+    sd = {n.replace(".q_proj.q_", ".q_"): t for n, t in sd.items()}
+    assert any(".attention.q_a_layernorm.weight" in n for n in sd) and not any(".q_proj." in n and "conv" not in n
+                                                                               and ".layers.1." in n for n in sd)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "q_lora_rank": 12}))
+    return hf, path
+
+
+def test_low_rank_queries_match_the_released_model_code(low_rank_q, tmp_path):
+    """``q_lora_rank`` (Ling-3.0-tiny's config sets 256): the MLA layers take low-rank queries, and logits,
+    continuation and gradients equal transformers' model with that query path in float64, in both MLA forms; the
+    checkpoint round-trips in the released layout."""
+    hf, path = low_rank_q
+    model = load_in_form(path)
+    mla = next(layer.mixer for layer in model.layers if isinstance(layer.mixer, MLAttention))
+    assert mla.q_a_proj.weight.shape == (12, 32) and getattr(mla, "q_proj", None) is None
+    ids = torch.randint(0, V, (2, 90))
+    check_logits_in_every_form(path, _hf_logits(hf, ids), ids)
+    check_continuation_in_every_form(path, torch.randint(0, V, (1, 60)), 45, 7)
+    for form in MLA_FORMS:
+        got, want = weighted_logit_grads(hf, load_in_form(path, form), ids[:, :40],
+                                         torch.randn(2, 40, V, dtype=torch.float64))
+        want = {n.replace(".q_proj.q_", ".q_"): g for n, g in want.items()}
+        assert set(got) == set(want) and any(".q_a_layernorm." in n for n in got)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=f"{form} {n}")
+    longstraw.save_model(model, tmp_path / "out")
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(load_file(path / "model.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(load_in_form(tmp_path / "out")(ids), model(ids))
+
+
+def test_depthwise_conv_kernels_stored_without_their_middle_dimension_load(pair, tmp_path):
+    """q / k / v conv kernels stored ``[C, K]`` (as some ports of Ling 3.0 write them) load as ``[C, 1, K]``."""
+    _, hf, path = pair
+    d = tmp_path / "flat"
+    d.mkdir()
+    (d / "config.json").write_text((path / "config.json").read_text())
+    sd = load_file(path / "model.safetensors")
+    flat = {n: (t[:, 0] if "_conv1d." in n else t) for n, t in sd.items()}
+    assert sum("_conv1d." in n for n in flat) >= 3
+    save_file(flat, d / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, V, (1, 30))
+    with torch.no_grad():
+        assert torch.equal(load_in_form(d)(ids), load_in_form(path)(ids))

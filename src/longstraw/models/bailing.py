@@ -11,9 +11,13 @@ Multi-head Latent Attention (``"full_attention"``), the others with Kimi Delta A
   Kimi-Linear's ``-exp(A_log) * softplus(...)``). Heads: ``linear_num_heads`` (else ``num_attention_heads``), size
   ``linear_head_dim`` (else ``head_dim``, default 128), conv kernel ``linear_conv_kernel_dim`` (else
   ``short_conv_kernel_size``, default 4), as transformers' config derives them.
-* MLA (:mod:`longstraw.models.mla`) with full-rank queries (``q_proj``; no ``q_lora_rank``), interleaved RoPE
-  (``rope_theta`` default 6e6; yarn's mscale in the softmax scale as DeepSeek-V3's) and a sigmoid gate per head and
-  token on the attention output (``g_proj: hidden -> heads``).
+* MLA (:mod:`longstraw.models.mla`) with full-rank queries (``q_proj``), or low-rank ones where the config sets
+  ``q_lora_rank`` (``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``, as DeepSeek-V3's: Ling-3.0-tiny's config has
+  ``q_lora_rank: 256``, and the released model code reads it; transformers 5.23's port builds ``q_proj`` whatever
+  it says, so it cannot load such a checkpoint), interleaved RoPE (``rope_theta`` default 6e6; yarn's mscale in the
+  softmax scale as DeepSeek-V3's) and a sigmoid gate per head and token on the attention output (``g_proj: hidden
+  -> heads``; ``gated_attention_proj_granularity_type`` other than ``"head_wise"``, the released configs' value,
+  is refused).
 
 Feed-forward: SwiGLU where ``mlp_layer_types`` says ``"dense"`` (else the first ``first_k_dense_replace``, default
 2), the others DeepSeek-V3's sigmoid-routed, group-limited MoE (:mod:`longstraw.models.deepseek`), its keys spelled
@@ -129,7 +133,12 @@ def build(cfg: dict) -> CausalLM:
     rope_cfg = {"rope_theta": r.opt("rope_theta", 6_000_000.0, float), "max_position_embeddings": positions,
                 **{k: cfg[k] for k in ("rope_parameters", "rope_scaling") if cfg.get(k) is not None}}
     rope = rope_params_from_hf(rope_cfg, dr)
-    mla = dict(q_lora_rank=None, kv_lora_rank=r.positive("kv_lora_rank"), qk_nope_head_dim=dn, qk_rope_head_dim=dr,
+    gate = cfg.get("gated_attention_proj_granularity_type")
+    if gate not in (None, "head_wise"):
+        raise ValueError(f"{r.where}: gated_attention_proj_granularity_type={gate!r} is not supported; supported: "
+                         "\"head_wise\" (a sigmoid gate per head, what Ling 3.0 and transformers' model use)")
+    q_lora = r.positive("q_lora_rank") if cfg.get("q_lora_rank") is not None else None
+    mla = dict(q_lora_rank=q_lora, kv_lora_rank=r.positive("kv_lora_rank"), qk_nope_head_dim=dn, qk_rope_head_dim=dr,
                v_head_dim=r.positive("v_head_dim"), bias=r.opt("attention_bias", False, bool),
                scale=mla_softmax_scale(rope, dn + dr), rope_interleave=True, head_gate=True)
     keys = moe_keys(r, scaling_default=2.5)

@@ -295,13 +295,15 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 @dataclass
 class DeepseekWeightMap(ExpertWeightMap):
     """Per-expert checkpoint tensors fused on load and split on save (:class:`~longstraw.models.weights.ExpertWeightMap`), and the
-    multi-token-prediction layers (index ``>= num_layers``) skipped with one warning."""
+    multi-token-prediction layers (index ``>= num_layers``, or under ``model.mtp.``, where Ling 3.0's releases
+    keep theirs) skipped with one warning."""
 
     num_layers: int = 0
 
     def _mtp(self, name: str) -> bool:
-        m = _LAYER.match(self.renamed(name))
-        return m is not None and int(m.group(1)) >= self.num_layers
+        renamed = self.renamed(name)
+        m = _LAYER.match(renamed)
+        return (m is not None and int(m.group(1)) >= self.num_layers) or renamed.startswith("model.mtp.")
 
     def param_name(self, ckpt_name: str) -> str | None:
         return None if self._mtp(ckpt_name) else super().param_name(ckpt_name)
@@ -311,9 +313,12 @@ class DeepseekWeightMap(ExpertWeightMap):
         super().warn_skipped(names)
         hits = [n for n in names if self._mtp(n)]
         if hits:
-            layers = sorted({int(_LAYER.match(self.renamed(n)).group(1)) for n in hits})
-            warnings.warn(f"multi-token-prediction (MTP) layers {layers} (model.layers.{self.num_layers}+) are not "
-                          f"used by LongStraw ({len(hits)} tensors skipped, e.g. {hits[0]})", stacklevel=3)
+            layers = sorted({int(m.group(1)) for m in (_LAYER.match(self.renamed(n)) for n in hits) if m})
+            where = ", ".join(([f"layers {layers} (model.layers.{self.num_layers}+)"] if layers else [])
+                              + (["model.mtp.*"] if any(self.renamed(n).startswith("model.mtp.") for n in hits)
+                                 else []))
+            warnings.warn(f"multi-token-prediction (MTP) {where} are not used by LongStraw ({len(hits)} tensors "
+                          f"skipped, e.g. {hits[0]})", stacklevel=3)
 
 
 def weights(cfg: dict) -> DeepseekWeightMap:

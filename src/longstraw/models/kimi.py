@@ -251,19 +251,23 @@ _SAVE = [(r"\.mlp\.(gate\.weight|gate\.e_score_correction_bias)$", r".block_spar
 
 def _concat_source(param: str, names: list[str], reader: CheckpointReader) -> WeightSource:
     """A parameter that is ``cat([reader(n) for n in names], dim 0)`` (KDA's conv: q, k, v): rows ``[a, b)`` read
-    only the rows of each part that fall in them."""
+    only the rows of each part that fall in them. Parts stored ``[C, K]`` (a depthwise kernel without its
+    ``nn.Conv1d`` middle dimension, as some ports write it) are read as ``[C, 1, K]``, the parameter's shape."""
     shapes = [tuple(reader.shape(n)) for n in names]
     if any(s[1:] != shapes[0][1:] for s in shapes):
         raise ValueError(f"{param}: the tensors it concatenates differ beyond their rows: "
                          + ", ".join(f"{n} {s}" for n, s in zip(names, shapes)))
+    flat = len(shapes[0]) == 2
     starts = [sum(s[0] for s in shapes[:i]) for i in range(len(shapes) + 1)]
-    shape = (starts[-1], *shapes[0][1:])
+    shape = (starts[-1], *((1,) if flat else ()), *shapes[0][1:])
 
     def read(rows: Rows, out: Tensor | None) -> Tensor:
         a, b = rows if rows is not None else (0, shape[0])
         parts = [reader.read(n, (max(a, lo) - lo, min(b, hi) - lo))
                  for n, lo, hi in zip(names, starts, starts[1:]) if max(a, lo) < min(b, hi)]
         t = torch.cat(parts, dim=0) if parts else reader.read(names[0], (0, 0))
+        if flat:
+            t = t.unsqueeze(1)
         if out is None:
             return t
         return out.copy_(t)
