@@ -264,8 +264,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> ByteTok
                                                         trust_remote_code=bool(trust_remote_code))
     except Exception as e:  # transformers raises OSError/ValueError/KeyError... for broken directories
         if custom and not trust_remote_code:
-            raise ValueError(f"the tokenizer in {str(d)!r} is the checkpoint's own code ({', '.join(m + '.py' for m in custom)}"
-                             ", named by tokenizer_config.json's auto_map): LongStraw imports it only when told to: "
+            files = ", ".join(m + ".py" for m in custom)
+            raise ValueError(f"the tokenizer in {str(d)!r} is the checkpoint's own code ({files}, named by "
+                             "tokenizer_config.json's auto_map): LongStraw imports it only when told to: "
                              "model.trust_remote_code = true in a run config, --trust-remote-code on the command "
                              "line, load_tokenizer(..., trust_remote_code=True); read that file first") from None
         raise ValueError(f"cannot load the HF tokenizer in {str(d)!r}: {type(e).__name__}: {e}") from None

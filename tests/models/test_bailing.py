@@ -172,6 +172,8 @@ def test_config_reading_follows_transformers():
     ({"gated_attention_proj_granularity_type": "element_wise"},
      "gated_attention_proj_granularity_type='element_wise' is not supported"),
     ({"q_lora_rank": 0}, "q_lora_rank=0 must be >= 1"),
+    ({"moe_shared_expert_intermediate_size": 16}, "moe_shared_expert_intermediate_size=16 differs from "
+                                                  "moe_intermediate_size=8"),
 ])
 def test_bad_configs_name_the_value(changes, msg):
     with pytest.raises(ValueError, match=msg):
