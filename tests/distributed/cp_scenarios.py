@@ -416,12 +416,18 @@ def master_weights(paths):
     ctx = distributed.get_context()
     prompt, responses, adv = group(5, 23, [4, 1, 6])
     cfg = longstraw.GRPOConfig(prefill_chunk=4)
-    out = {}
-    for name, master in (("fp32", None), ("bf16", torch.bfloat16)):
+
+    def stepped(family: str, dtype: torch.dtype, master: torch.dtype | None):
+        """A random ``family`` model in ``dtype`` under FSDP2 with ``master`` shards, after one grpo_backward."""
         torch.manual_seed(0)
-        model = build_model(read_config(paths["llama"])).to(torch.bfloat16)
+        model = build_model(read_config(paths[family])).to(dtype)
         distributed.parallelize(model, ctx, fsdp=True, master_dtype=master)
         longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+        return model
+
+    out = {}
+    for name, master in (("fp32", None), ("bf16", torch.bfloat16)):
+        model = stepped("llama", torch.bfloat16, master)
         params = [p for p in model.parameters() if p.grad is not None]
         before = [p.detach().full_tensor().clone() for p in params]
         moved = [p.grad.full_tensor() != 0 for p in params]  # entries the update touches
@@ -439,21 +445,16 @@ def master_weights(paths):
 
     from longstraw.models.dsa import HeadWeights
 
-    prompt, responses, adv = group(5, 23, [4, 1, 6])
     grads = {}
     for name, master in (("fp16_kept_fp32", None), ("fp16_kept_fp16", torch.float16)):
-        torch.manual_seed(0)
-        model = build_model(read_config(paths["glm_moe_dsa"])).to(torch.float16)
-        distributed.parallelize(model, ctx, fsdp=True, master_dtype=master)
-        longstraw.grpo_backward(model, prompt, responses, adv, cfg)
+        model = stepped("glm_moe_dsa", torch.float16, master)
         heads = [m for m in model.modules() if isinstance(m, HeadWeights)]
         grads[name] = torch.cat([p.grad.full_tensor().float().flatten() for p in model.parameters()
                                  if p.grad is not None])
         out[name] = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                      "head_dtypes": sorted({str(m.weight.dtype) for m in heads}),
                      "head_units": [isinstance(m, FSDPModule) for m in heads],
-                     "finite": all(bool(p.grad.full_tensor().isfinite().all()) for p in model.parameters()
-                                   if p.grad is not None)}
+                     "finite": bool(grads[name].isfinite().all())}
     a, b = grads["fp16_kept_fp32"], grads["fp16_kept_fp16"]
     out["fp16_kept_grad_rel"] = float((a - b).norm() / a.norm())
     return out

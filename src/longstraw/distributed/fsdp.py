@@ -140,9 +140,9 @@ def kept_dtype_modules(root: torch.nn.Module, ignored: set = frozenset()) -> lis
     if len(counts) < 2:
         return []
     main = max(counts, key=counts.get)
-    out, taken = [], set()
+    out, below_taken = [], set()  # ids of the modules already taken and of everything under them
     for name, m in root.named_modules():
-        if any(m is t or any(m is c for c in t.modules()) for t in taken):
+        if id(m) in below_taken:
             continue
         own = {p.dtype for p in m.parameters(recurse=False) if p.requires_grad and p not in ignored}
         if not own - {main}:
@@ -153,7 +153,7 @@ def kept_dtype_modules(root: torch.nn.Module, ignored: set = frozenset()) -> lis
                              f"{sorted(str(d).removeprefix('torch.') for d in below)}, and a unit takes one dtype; "
                              "keep float32 master weights (master_dtype=float32) to train it")
         out.append(m)
-        taken.add(m)
+        below_taken.update(id(c) for c in m.modules())
     return out
 
 

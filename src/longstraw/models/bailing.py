@@ -139,9 +139,9 @@ def build(cfg: dict) -> CausalLM:
                          "\"head_wise\" (a sigmoid gate per head, what Ling 3.0 and transformers' model use)")
     q_lora = r.positive("q_lora_rank") if cfg.get("q_lora_rank") is not None else None
     shared_inter = cfg.get("moe_shared_expert_intermediate_size")
-    if shared_inter is not None and shared_inter != r.positive("moe_intermediate_size"):
+    if shared_inter is not None and shared_inter != (inter := r.positive("moe_intermediate_size")):
         raise ValueError(f"{r.where}: moe_shared_expert_intermediate_size={shared_inter!r} differs from "
-                         f"moe_intermediate_size={r.positive('moe_intermediate_size')}, which is not supported "
+                         f"moe_intermediate_size={inter}, which is not supported "
                          "(the shared experts are built moe_intermediate_size wide, as transformers builds them; "
                          "Ling 3.0's releases set both alike)")
     mla = dict(q_lora_rank=q_lora, kv_lora_rank=r.positive("kv_lora_rank"), qk_nope_head_dim=dn, qk_rope_head_dim=dr,

@@ -313,10 +313,10 @@ class DeepseekWeightMap(ExpertWeightMap):
         super().warn_skipped(names)
         hits = [n for n in names if self._mtp(n)]
         if hits:
-            layers = sorted({int(m.group(1)) for m in (_LAYER.match(self.renamed(n)) for n in hits) if m})
+            renamed = [self.renamed(n) for n in hits]
+            layers = sorted({int(m.group(1)) for m in map(_LAYER.match, renamed) if m})
             where = ", ".join(([f"layers {layers} (model.layers.{self.num_layers}+)"] if layers else [])
-                              + (["model.mtp.*"] if any(self.renamed(n).startswith("model.mtp.") for n in hits)
-                                 else []))
+                              + (["model.mtp.*"] if any(n.startswith("model.mtp.") for n in renamed) else []))
             warnings.warn(f"multi-token-prediction (MTP) {where} are not used by LongStraw ({len(hits)} tensors "
                           f"skipped, e.g. {hits[0]})", stacklevel=3)
 
