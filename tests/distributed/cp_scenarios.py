@@ -417,11 +417,22 @@ def master_weights(paths):
     prompt, responses, adv = group(5, 23, [4, 1, 6])
     cfg = longstraw.GRPOConfig(prefill_chunk=4)
 
-    def stepped(family: str, dtype: torch.dtype, master: torch.dtype | None):
-        """A random ``family`` model in ``dtype`` under FSDP2 with ``master`` shards, after one grpo_backward."""
+    def stepped(family: str, dtype: torch.dtype, master: torch.dtype | None, lora: bool = False, hook=None):
+        """A random ``family`` model in ``dtype`` under FSDP2 with ``master`` shards (``lora``: adapters on every
+        linear layer, the base frozen), after one grpo_backward; ``hook(model)`` runs before the step."""
         torch.manual_seed(0)
         model = build_model(read_config(paths[family])).to(dtype)
+        if lora:
+            from longstraw.models.lora import LoraSettings, add_adapters
+
+            add_adapters(model, LoraSettings(r=2, lora_alpha=4, target_modules="all-linear"),
+                         torch.Generator().manual_seed(1))
+            for m in model.modules():  # B = 0 would leave the base's gradient path alone: draw it too
+                if hasattr(m, "lora_B"):
+                    torch.nn.init.normal_(m.lora_B.weight, std=0.1, generator=torch.Generator().manual_seed(2))
         distributed.parallelize(model, ctx, fsdp=True, master_dtype=master)
+        if hook is not None:
+            hook(model)
         longstraw.grpo_backward(model, prompt, responses, adv, cfg)
         return model
 
@@ -457,6 +468,37 @@ def master_weights(paths):
                      "finite": bool(grads[name].isfinite().all())}
     a, b = grads["fp16_kept_fp32"], grads["fp16_kept_fp16"]
     out["fp16_kept_grad_rel"] = float((a - b).norm() / a.norm())
+    # a bf16 Ling 3.0 model keeps its short convs and forget-gate rates in float32 (transformers' strict list):
+    # each owner an FSDP2 unit gathered in float32 whatever the masters (its f_proj child a bf16 unit of its own),
+    # with a frozen base and LoRA too; the gathered dtypes are read by pre-forward hooks that run after FSDP's
+    from longstraw.models.kda import ForgetGate
+    from longstraw.models.deltanet import ShortConv
+
+    def watch(seen):
+        def hook(model):
+            for m in model.modules():
+                if isinstance(m, (ForgetGate, ShortConv)):
+                    m.register_forward_pre_hook(lambda mod, args: seen.update(
+                        (f"{type(mod).__name__.removeprefix('FSDP')}.{n}", str(p.dtype))
+                        for n, p in mod.named_parameters(recurse=False)))
+                    if isinstance(m, ForgetGate):
+                        proj = m.f_proj
+                        proj.register_forward_pre_hook(lambda mod, args: seen.update(
+                            {"f_proj": str(next(p for p in mod.parameters() if p.dim() == 2).dtype)}))
+        return hook
+
+    for name, master, lora in (("ling_fp32", None, False), ("ling_bf16", torch.bfloat16, False),
+                               ("ling_lora", None, True)):
+        seen = {}
+        model = stepped("bailing_hybrid", torch.bfloat16, master, lora, watch(seen))
+        owners = [m for m in model.modules() if isinstance(m, (ForgetGate, ShortConv))]
+        grads[name] = torch.cat([p.grad.full_tensor().float().flatten() for _, p in sorted(model.named_parameters())
+                                 if p.grad is not None])
+        out[name] = {"kept_dtypes": sorted({str(p.dtype) for m in owners for p in m.parameters(recurse=False)}),
+                     "owner_units": sorted({isinstance(m, FSDPModule) for m in owners}),
+                     "gathered": seen, "finite": bool(grads[name].isfinite().all())}
+    a, b = grads["ling_fp32"], grads["ling_bf16"]
+    out["ling_grad_rel"] = float((a - b).norm() / a.norm())
     return out
 
 

@@ -471,12 +471,12 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 
 def _export_dtypes(model: CausalLM, named: list, dtype: torch.dtype) -> list[torch.dtype | None]:
     """Per entry of ``named`` (in-memory names; EP slices share their parameter's name): ``dtype`` for a floating
-    parameter, None (as held) for buffers and for what transformers keeps float32 in a float16 model."""
-    from longstraw.models.dsa import HeadWeights
+    parameter, None (as held) for buffers and for what transformers keeps float32 in a ``dtype`` model
+    (:func:`~longstraw.models.keep_fp32.kept_float32_names`)."""
+    from longstraw.models.keep_fp32 import kept_float32_names
 
     buffers = {n for n, _ in model.named_buffers()}
-    fp32 = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, HeadWeights)} \
-        if dtype == torch.float16 else set()
+    fp32 = kept_float32_names(model, dtype)
     return [None if n in buffers or n in fp32 or not t.dtype.is_floating_point else dtype for n, t in named]
 
 
@@ -514,9 +514,10 @@ def save_model(model: CausalLM, path: str | os.PathLike, *, max_shard_size: int 
 
     ``dtype`` (e.g. ``"bfloat16"``): the floating-point parameters are written in it, each cast as it is written
     (a model trained with float32 master weights exported for serving in its compute dtype); what transformers keeps
-    in float32 whatever the model's dtype stays as it is held: persistent buffers (the router's
-    ``e_score_correction_bias``) and, in a float16 export, the DSA indexer's ``weights_proj``. ``config.json``
-    then names ``dtype``. Default: every tensor as it is held.
+    in float32 stays as it is held (``models/keep_fp32.py``): persistent buffers (the router's
+    ``e_score_correction_bias``), Ling 3.0's short conv and forget-gate ``dt_bias`` / ``A_log`` and, in a float16
+    export, the DSA indexer's ``weights_proj``. ``config.json`` then names ``dtype``. Default: every tensor as it
+    is held.
 
     Tensors are written one at a time as streams (:mod:`longstraw.checkpoint.export`): besides the model, one
     tensor's copy in host memory. On an FSDP-sharded model (``init_distributed(fsdp=True)``) this is a collective:

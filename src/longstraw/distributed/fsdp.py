@@ -72,6 +72,8 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
     memory; updates below its resolution are then lost). A float32/float64 model is sharded as it is."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    from longstraw.models.keep_fp32 import float32_owners
+
     layers = getattr(model, "layers", None)
     backbone = getattr(model, "model", None)
     if layers is None or backbone is None or not hasattr(model, "lm_head"):
@@ -109,9 +111,17 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
                         **({"ignored_params": adapters} if adapters else {}))
         ignored |= adapters if m.shard_edp else set(m.parameters())
     kw = {"ignored_params": ignored} if ignored else {}
+    # what transformers keeps in float32 (models/keep_fp32.py: Ling's short conv and forget-gate rates, GLM-5's
+    # indexer head weights in fp16 models): each owning module a unit of its own, gathered as held (float32), its
+    # children with parameters units in the compute dtype; a unit takes one dtype
+    if compute in LOW_PRECISION:
+        kept = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        for owner in float32_owners(model, compute):
+            for child in owner.children():
+                if any(p not in ignored for p in child.parameters()) and not isinstance(child, FSDPModule):
+                    fully_shard(child, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
+            fully_shard(owner, mesh=mesh, reshard_after_forward=True, mp_policy=kept, **kw)
     for layer in layers:
-        for m in kept_dtype_modules(layer, ignored):
-            fully_shard(m, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
     for unit in end_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True, mp_policy=mp, **kw)
@@ -123,38 +133,6 @@ def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, *, master_dtype: to
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM / AVG reductions
     mark_params(model)  # FSDP replaced the experts' parameters by DTensors: tag those
     return model
-
-
-def kept_dtype_modules(root: torch.nn.Module, ignored: set = frozenset()) -> list[torch.nn.Module]:
-    """The modules under ``root`` whose trained parameters are kept in a dtype other than the rest of ``root``'s
-    (by parameter count): each becomes an FSDP2 unit of its own, since a unit's trained parameters must share one
-    original dtype (torch 2.13 ``FSDPParamGroup._init_mp_dtypes`` asserts it). The case: a float16 model whose
-    master weights stay float16 (``master_dtype`` = the compute dtype) keeps the DSA indexer's ``weights_proj``
-    (:class:`~longstraw.models.dsa.HeadWeights`) in float32, as transformers does; with float32 masters every
-    trained parameter is float32 and nothing is split off. Frozen parameters and ``ignored`` (FSDP's ignored
-    parameters) do not count. A module holding both dtypes itself is refused (ValueError): no unit can take it."""
-    trained = [p for p in root.parameters() if p.requires_grad and p not in ignored]
-    counts: dict[torch.dtype, int] = {}
-    for p in trained:
-        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    if len(counts) < 2:
-        return []
-    main = max(counts, key=counts.get)
-    out, below_taken = [], set()  # ids of the modules already taken and of everything under them
-    for name, m in root.named_modules():
-        if id(m) in below_taken:
-            continue
-        own = {p.dtype for p in m.parameters(recurse=False) if p.requires_grad and p not in ignored}
-        if not own - {main}:
-            continue
-        below = {p.dtype for p in m.parameters() if p.requires_grad and p not in ignored}
-        if len(below) > 1:
-            raise ValueError(f"FSDP2 cannot shard {type(root).__name__}.{name}: its trained parameters are in "
-                             f"{sorted(str(d).removeprefix('torch.') for d in below)}, and a unit takes one dtype; "
-                             "keep float32 master weights (master_dtype=float32) to train it")
-        out.append(m)
-        below_taken.update(id(c) for c in m.modules())
-    return out
 
 
 def input_needs_grad(module: torch.nn.Module, args: tuple):

@@ -43,7 +43,7 @@ from typing import ClassVar
 from longstraw.models.config import ConfigReader
 from longstraw.models.deepseek import _moe_block
 from longstraw.models.family import Family
-from longstraw.models.kda import KimiDeltaAttention
+from longstraw.models.kda import KEPT_BY_LING, KimiDeltaAttention
 from longstraw.models.kimi import (KimiWeightMap, _max_positions, _reader, checked_layer_types, moe_keys,
                                   sparse_layers)
 from longstraw.models.mla import MLAttention, mla_softmax_scale
@@ -152,6 +152,7 @@ def build(cfg: dict) -> CausalLM:
     for i in range(n):
         if types[i] == "linear_attention":
             mixer = KimiDeltaAttention(hidden, norm_eps=eps, activation=act, **lin)
+            mixer.keep_float32 = KEPT_BY_LING  # float32 in bf16/fp16 models, as transformers keeps them
         else:
             mixer = MLAttention(hidden, r.positive("num_attention_heads"), **mla)
         ffn = _moe_block(hidden, r, act, keys) if sparse[i] else GatedMLP(hidden, r.positive("intermediate_size"), act)

@@ -53,6 +53,7 @@ from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader, known_text_config, text_reader
 from longstraw.models.dsa import Indexer, SparseMLAttention
 from longstraw.models.family import Family
+from longstraw.models.keep_fp32 import KeepsFloat32
 from longstraw.models.mla import MLAttention, mla_softmax_scale
 from longstraw.models.mlp import GatedMLP
 from longstraw.models.moe_block import Experts, SparseMoeBlock
@@ -71,7 +72,7 @@ INDEXER_TYPES = ("full", "shared")
 # ---------------------------------------------------------------------------------------------------- MoE
 
 
-class SigmoidGroupedRouter(nn.Module):
+class SigmoidGroupedRouter(KeepsFloat32, nn.Module):
     """DeepSeek-V3 / GLM router: ``weight [E, H]`` (logits in float32, float64 for float64 models) and the
     ``e_score_correction_bias [E]`` buffer; ``forward(x [N, H]) -> (weights [N, k] float32/64, expert_ids [N, k])``.
 
@@ -79,6 +80,8 @@ class SigmoidGroupedRouter(nn.Module):
     the model is cast to bf16/fp16, as transformers keeps it (``_keep_in_fp32_modules_strict``): it only ranks the
     experts, and DeepSeek-V3's biases differ in digits bf16 does not hold, so a bf16 bias would change which
     experts are chosen. A float64 model takes it in float64."""
+
+    keep_float32 = ("e_score_correction_bias",)  # strict: bf16 and fp16 models (models.keep_fp32)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float, upcast_logits: bool = True):
@@ -88,20 +91,6 @@ class SigmoidGroupedRouter(nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden).normal_(0, 0.02))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-
-    def _apply(self, fn, recurse=True):
-        """``Module._apply`` (``to``, ``half``, ``to_empty``, ...) with the bias moved but not cast below float32:
-        ``fn`` is probed on an empty tensor for the device and dtype it gives."""
-        bias = self._buffers.pop("e_score_correction_bias")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            if bias is not None:
-                probe = fn(torch.empty(0, dtype=bias.dtype, device=bias.device))
-                dtype = probe.dtype if probe.dtype.itemsize >= 4 or not probe.is_floating_point() else torch.float32
-                moved = fn(bias) if dtype == probe.dtype else bias.to(device=probe.device, dtype=dtype)
-                self._buffers["e_score_correction_bias"] = moved
-        return self
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return sigmoid_grouped_route(router_logits(x, self.weight, upcast=self.upcast_logits),

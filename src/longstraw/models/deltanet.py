@@ -298,13 +298,26 @@ def kernels_since(model: nn.Module, before: dict[str, int]) -> str:
     return "+".join(sorted(k for k, n in now.items() if n > before.get(k, 0)))
 
 
+class ShortConv(nn.Conv1d):
+    """The depthwise causal short conv over ``[q | k | v]`` (``weight [C, 1, K]``, no bias, SiLU), called as a module
+    so that a model keeping it in float32 (Ling 3.0: ``models.keep_fp32``) can make it an FSDP2 unit of its own.
+    ``forward(x [B, T, C], initial_state [B, C, K-1] | None) -> (y [B, T, C] in x's dtype, final_state)``, computed
+    in ``promote_types(x, weight)`` (``ops.conv.causal_conv1d``)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__(channels, channels, kernel, groups=channels, bias=False)
+
+    def forward(self, x: Tensor, initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return causal_conv1d(x, self.weight, self.bias, initial_state=initial_state, activation="silu")
+
+
 class DeltaRuleMixer(nn.Module):
     """What every delta-rule token mixer shares (Gated DeltaNet here, Kimi Delta Attention in
     :mod:`longstraw.models.kda`): project, short conv over ``[q | k | v]`` with its window carried in the state, the
     delta rule from the prefix's recurrent state (the prefix's hooks around both), gated output norm and projection.
     A subclass defines the projections and the gate: :meth:`_project`, :meth:`_decay`, :meth:`_output`, and sets
     ``num_k_heads, num_v_heads, head_k_dim, head_v_dim, key_dim, value_dim, conv_dim, conv_kernel``, ``conv1d``
-    (``[C, 1, K]``, no bias) and ``per_channel`` (the decay per key channel, KDA, or per head)."""
+    (a :class:`ShortConv`) and ``per_channel`` (the decay per key channel, KDA, or per head)."""
 
     state_type = RecurrentState
     per_channel = False
@@ -344,7 +357,7 @@ class DeltaRuleMixer(nn.Module):
             s0 = s0.contiguous()  # one [B, Hv, Dk, Dv] copy if expanded (kernels want a dense initial state)
         if prefix is not None:
             conv0 = prefix.window(mixed, conv0, self.conv_kernel - 1)
-        mixed, conv1 = causal_conv1d(mixed, self.conv1d.weight, None, initial_state=conv0, activation="silu")
+        mixed, conv1 = self.conv1d(mixed, conv0)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -434,7 +447,7 @@ class GatedDeltaNet(DeltaRuleMixer):
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.conv1d = ShortConv(self.conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         a = torch.empty(num_v_heads)  # HF's init: A in [0.01, 16]; nothing on meta (where log's kernel would
         self.A_log = nn.Parameter(a if a.is_meta else a.uniform_(0.01, 16).log())  # import torch._dynamo)

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw.models.context import CallContext
+from longstraw.models.keep_fp32 import KeepsFloat32
 from longstraw.models.lora import linear_weight
 from longstraw.models.mla import LatentDecoder, LatentState, MLAttention
 from longstraw.models.rope import apply_rope, apply_rope_interleaved
@@ -156,31 +157,21 @@ def _head_scores_low_precision(qb: Tensor, k: Tensor) -> Tensor:
     return hs.view(b, bt, hi, k.shape[1])
 
 
-class HeadWeights(nn.Linear):
+class HeadWeights(KeepsFloat32, nn.Linear):
     """The indexer's ``weights_proj`` (``[Hi, hidden]``, no bias): a ``Linear`` kept in float32 when the model is cast
     to float16, and computed in float32 for float16 inputs, as transformers does (``_keep_in_fp32_modules =
     ["indexer.weights_proj"]``: fp16 only, so that the bf16 values a checkpoint holds are not rounded to fp16's
     range; its forward casts the hidden states to the weight's dtype). bf16, float32 and float64 models keep and
     compute it in their own dtype; the output is taken in the score dtype either way. Under FSDP2 with an fp16
-    compute dtype the weight arrives all-gathered in fp16 from its float32 master (exact for values in fp16's normal
-    range) and is still computed in float32 (:func:`head_weights`)."""
+    compute dtype it is a unit of its own whose weight is all-gathered in float32 (``models.keep_fp32``)."""
 
+    keep_float32, keep_float32_strict = ("weight", "bias"), False  # float16 models only (models.keep_fp32)
     plain_linear = True  # a linear layer as PEFT sees it (``models.lora.linear_modules``: LoRA may target it)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., hidden] -> [..., Hi]`` in ``x``'s dtype: the weight is taken in it (float32 for the float16
-        path of :func:`head_weights`, whose weight may arrive all-gathered in float16 under FSDP2)."""
+        path of :func:`head_weights`)."""
         return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-    def _apply(self, fn, recurse=True):
-        """``Module._apply`` (``to``, ``half``, ``to_empty``, ...) with a cast to float16 made a cast to float32:
-        ``fn`` is probed on an empty tensor for the device and dtype it gives."""
-        w = self.weight
-        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
-        if probe.dtype != torch.float16:
-            return super()._apply(fn, recurse)
-        return super()._apply(lambda t: t.to(device=probe.device, dtype=torch.float32) if t.is_floating_point()
-                              else fn(t), recurse)
 
 
 def head_weights(layer: nn.Linear, x: Tensor) -> Tensor:

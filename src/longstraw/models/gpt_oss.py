@@ -14,7 +14,8 @@ As transformers' ``modeling_gpt_oss`` computes it:
   interleaved (gate at even columns), ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias
   [E, H]``, and ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = clamp(gate, max=limit)``
   (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7);
-* RMSNorms multiply by their weight in float32 before casting back (transformers keeps them in float32).
+* RMSNorms multiply by their weight in float32 before casting back (transformers keeps them in float32 in fp16
+  models, and so do we: ``models.keep_fp32``).
 
 Names and layouts are transformers' own, so saving and ``hf_grads`` need no mapping. The released checkpoints
 store the experts in MXFP4 (``quantization_config: {quant_method: mxfp4}``; ``mlp.experts.gate_up_proj_blocks
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 from longstraw.models.attention import Attention
 from longstraw.models.config import ConfigReader, interleaved_windows, narrowest_window, num_routed_experts
 from longstraw.models.family import Family
+from longstraw.models.keep_fp32 import keep_in_float32
 from longstraw.models.lora import expert_lora
 from longstraw.models.norms import RMSNorm
 from longstraw.models.rope import RotaryEmbedding, rope_params_from_hf
@@ -176,14 +178,19 @@ def build(cfg: dict) -> CausalLM:
             Attention(hidden, heads, kv_heads, head_dim, qkv_bias=bias, o_bias=bias, norm_eps=eps, window=w,
                       sinks=True),
             GptOssMoE(hidden, experts, top_k, inter, float(alpha), float(limit)),
-            RMSNorm(hidden, eps, weight_in_float32=True),
-            RMSNorm(hidden, eps, weight_in_float32=True),
+            _norm(hidden, eps),
+            _norm(hidden, eps),
         )
         for w in windows
     ]
     rotary = RotaryEmbedding(rope_params_from_hf(_rope_config(cfg), head_dim))
-    return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, RMSNorm(hidden, eps, weight_in_float32=True),
-                                        rotary))
+    return CausalLM(spec, cfg, Backbone(spec.vocab_size, hidden, layers, _norm(hidden, eps), rotary))
+
+
+def _norm(hidden: int, eps: float) -> RMSNorm:
+    """GPT-OSS's RMSNorm: the weight applied in float32, and kept in float32 in fp16 models (transformers'
+    ``_keep_in_fp32_modules``: the decoder norms and the final one; bf16 models keep it in bf16)."""
+    return keep_in_float32(RMSNorm(hidden, eps, weight_in_float32=True), "weight", strict=False)
 
 
 _PACKED = re.compile(r"(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")

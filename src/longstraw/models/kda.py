@@ -39,8 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longstraw.models.deltanet import DeltaRuleMixer, check_conv_activation
+from longstraw.models.deltanet import DeltaRuleMixer, ShortConv, check_conv_activation
+from longstraw.models.keep_fp32 import KeepsFloat32
 from longstraw.models.norms import GatedRMSNorm
+
+
+# what transformers' BailingHybridPreTrainedModel keeps in float32 (``_keep_in_fp32_modules_strict``: conv1d, dt_bias,
+# A_log; its e_score_correction_bias is the router's, kept everywhere) as this mixer names them
+KEPT_BY_LING = ("conv1d.weight", "forget_gate.dt_bias", "forget_gate.A_log")
 
 
 class ForgetGate(nn.Module):
@@ -87,8 +93,10 @@ class ForgetGate(nn.Module):
         return -rate * F.softplus(u)
 
 
-class KimiDeltaAttention(DeltaRuleMixer):
-    """The KDA token mixer (module docstring); parameter names are transformers' in-memory ones."""
+class KimiDeltaAttention(KeepsFloat32, DeltaRuleMixer):
+    """The KDA token mixer (module docstring); parameter names are transformers' in-memory ones. ``keep_float32``
+    (:mod:`longstraw.models.keep_fp32`): Ling 3.0 keeps the short conv and the forget gate's ``dt_bias`` / ``A_log``
+    in float32 in bf16/fp16 models, as transformers does (``KEPT_BY_LING``); Kimi-Linear keeps nothing."""
 
     per_channel = True
 
@@ -108,7 +116,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden, self.key_dim, bias=False)
         self.v_proj = nn.Linear(hidden, self.value_dim, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.conv1d = ShortConv(self.conv_dim, conv_kernel)
         self.forget_gate = ForgetGate(hidden, num_heads, head_dim, full_rank=full_rank_gates,
                                       lower_bound=gate_lower_bound)
         self.b_proj = nn.Linear(hidden, num_heads, bias=False)

@@ -3,7 +3,7 @@
 * ``RMSNorm`` (Llama/Qwen2/Qwen3/DeepSeek): normalise in float32, cast back to the input dtype, then multiply by
   ``weight`` (initialised to ones).
 * ``RMSNorm(weight_in_float32=True)`` (GPT-OSS): normalise in float32, multiply by ``weight`` in float32, then
-  cast back (transformers keeps these weights in float32).
+  cast back (transformers keeps these weights in float32 in fp16 models, and so do we).
 * ``RMSNorm(zero_centered=True)`` (Qwen3-Next / Qwen3.5): normalise in float32, multiply by ``1 + weight`` in
   float32 (weight initialised to zeros), then cast back.
 * ``GatedRMSNorm`` (the Gated DeltaNet output norm): ``weight * norm(x)`` then ``* silu(gate)`` in float32; plain
@@ -17,8 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from longstraw.models.keep_fp32 import KeepsFloat32
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(KeepsFloat32, nn.Module):
+    """A family may keep the weight in float32 in half-precision models (``models.keep_fp32``: GPT-OSS's, in fp16)."""
+
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False, weight_in_float32: bool = False):
         super().__init__()
         self.zero_centered, self.weight_in_float32 = zero_centered, weight_in_float32
