@@ -32,7 +32,9 @@ transformers' ``save_pretrained`` writes) name the embedding ``model.word_embedd
 ``attention`` with its output projection ``dense``, keep the forget gate's tensors directly under it and the short
 conv as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``, and the router's bias ``expert_bias``; the experts are stored
 one by one (``mlp.experts.{e}.{gate,up,down}_proj``). :class:`BailingWeightMap` reads both layouts and writes the
-released one; multi-token-prediction layers (``num_nextn_predict_layers``) are skipped with one warning.
+released one; multi-token-prediction layers (``num_nextn_predict_layers``) are skipped with one warning. In bf16
+and fp16 models the short convs and the forget gates' ``dt_bias`` / ``A_log`` stay float32, as transformers keeps
+them (``_keep_in_fp32_modules_strict``; :mod:`longstraw.models.keep_fp32`), and so does the router's bias.
 """
 
 from __future__ import annotations
