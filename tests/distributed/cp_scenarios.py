@@ -499,6 +499,25 @@ def master_weights(paths):
                      "gathered": seen, "finite": bool(grads[name].isfinite().all())}
     a, b = grads["ling_fp32"], grads["ling_bf16"]
     out["ling_grad_rel"] = float((a - b).norm() / a.norm())
+    # an fp16 GPT-OSS model keeps its RMSNorm weights in float32 (transformers' fp16-only list), the final norm
+    # (outside every layer) included: each a unit of its own, gathered in float32, with float16 masters
+    from longstraw.models.norms import RMSNorm
+
+    norms_seen = {}
+
+    def watch_norms(model):
+        for name, m in model.named_modules():
+            if isinstance(m, RMSNorm):
+                m.register_forward_pre_hook(
+                    lambda mod, args, name=name: norms_seen.update({name: str(mod.weight.dtype)}))
+
+    model = stepped("gpt_oss", torch.float16, torch.float16, hook=watch_norms)
+    norms = [m for n, m in model.named_modules() if n in norms_seen]
+    out["gpt_oss_fp16"] = {"gathered": sorted(set(norms_seen.values())), "count": len(norms_seen),
+                           "units": sorted({isinstance(m, FSDPModule) for m in norms}),
+                           "weights": sorted({str(p.dtype) for m in norms for p in m.parameters()}),
+                           "finite": all(p.grad.full_tensor().isfinite().all().item() for p in model.parameters()
+                                         if p.grad is not None)}
     return out
 
 

@@ -404,6 +404,10 @@ def check_master_weights(ranks):
                                         "ForgetGate.A_log": "torch.float32", "f_proj": "torch.bfloat16"}, (name, ling)
             assert ling["finite"], name
         assert got["ling_grad_rel"] < 1e-2, got["ling_grad_rel"]  # 3.3e-3 measured
+        # fp16 GPT-OSS under float16 masters: its 7 norms (2 per layer, the final one) float32 units
+        oss = got["gpt_oss_fp16"]
+        assert oss["count"] == 7 and oss["gathered"] == oss["weights"] == ["torch.float32"], oss
+        assert oss["units"] == [True] and oss["finite"], oss
 
 
 def check_bad_inputs(ranks, job):
