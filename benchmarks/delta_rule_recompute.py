@@ -55,10 +55,10 @@ def _op_inputs(args, torch, dev, dtype, seed=0):
     return [x.requires_grad_() for x in xs]
 
 
-def _op_call(xs, recompute):
+def _op_call(xs, recompute, chunk=None):
     from longstraw.ops.deltanet import chunk_gated_delta_rule
 
-    o, s = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], recompute=recompute)
+    o, s = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], recompute=recompute, chunk_size=chunk)
     return (o.float().square().mean() + s.square().mean()), o, s
 
 
@@ -79,19 +79,20 @@ def op_worker(args) -> dict:
         held.setdefault(st.data_ptr(), st.nbytes())
         return t
 
-    loss, o, s = _op_call(xs, recompute)  # forward once, counting what it keeps for the backward
+    loss, o, s = _op_call(xs, recompute, args.chunk)  # forward once, counting what it keeps for the backward
     del loss, o, s
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, o, s = _op_call(xs, recompute)
+        loss, o, s = _op_call(xs, recompute, args.chunk)
     inputs = {x.untyped_storage().data_ptr() for x in xs}
     held_bytes = sum(n for p, n in held.items() if p not in inputs)  # the inputs are the caller's anyway
     del loss, o, s
 
     def step():
-        loss, _, _ = _op_call(xs, recompute)
+        loss, _, _ = _op_call(xs, recompute, args.chunk)
         loss.backward()
 
-    peak, secs = profiling.measure_step(step, xs, dev, warmup=lambda: _op_call(small, recompute)[0].backward())
+    peak, secs = profiling.measure_step(step, xs, dev,
+                                        warmup=lambda: _op_call(small, recompute, args.chunk)[0].backward())
     return {"method": args.worker, "peak_bytes": peak, "seconds": secs, "held_bytes": held_bytes}
 
 
@@ -154,7 +155,7 @@ def grad_check(args) -> float:
     for recompute in (False, True):
         xs = [x.detach().double().requires_grad_() for x in _op_inputs(a, torch, torch.device("cpu"), torch.float64,
                                                                          seed=3)]
-        loss, _, _ = _op_call(xs, recompute)
+        loss, _, _ = _op_call(xs, recompute, a.chunk)
         got.append(torch.autograd.grad(loss, xs))
     return max(float((p - r).abs().max()) for p, r in zip(*got))
 
@@ -178,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--key-heads", type=int, default=16, help="op: query/key heads")
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="op: the rule's chunk (default: its own, 64; 16 per key channel is the rule before "
+                         "sub-chunks, 2026-12-07)")
     ap.add_argument("--gate", choices=("head", "channel"), default="head",
                     help="op: a log decay per head (Gated DeltaNet) or per key channel (Kimi Delta Attention)")
     ap.add_argument("--prompt-len", type=int, default=16384, help="step: prompt tokens")
@@ -228,7 +232,8 @@ def main(argv=None) -> int:
         results[part] = {"rounds": rounds, "best": best}
         if part == "op":
             print(f"op: {args.tokens:,} tokens, {args.heads} value / {args.key_heads} key heads, Dk {args.dk}, "
-                  f"Dv {args.dv}, {args.dtype}, a decay per {args.gate}, forward + backward")
+                  f"Dv {args.dv}, {args.dtype}, a decay per {args.gate}, chunk {args.chunk or 'default'}, "
+                  "forward + backward")
         else:
             r0 = best["plain"]
             print(f"step: exact GRPO step, hybrid {r0.get('params', 0):,} parameters {r0.get('layers')}, P "

@@ -198,7 +198,7 @@ def test_bad_shapes_raise():
 
 
 @pytest.mark.parametrize("T", [1, 5, 64, 65, 130])
-@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("chunk_size", [16, 48, 64])  # 48, 64: sub-chunks of 16 (3 and 4), matmuls across them
 @pytest.mark.parametrize("h0", [False, True])
 def test_per_channel_chunked_matches_recurrent(T, chunk_size, h0):
     inputs = make_inputs(T=T, h0=h0, seed=T, channels=True)
@@ -263,7 +263,7 @@ def test_per_channel_transfer_form_and_pieces(pieces, fn):
         assert_all_close(grads(po, final, inputs), want, **GTOL)
 
 
-@pytest.mark.parametrize("T,chunk_size,block_tokens", [(37, 8, 16), (130, 16, 32)])
+@pytest.mark.parametrize("T,chunk_size,block_tokens", [(37, 8, 16), (130, 16, 32), (150, 32, 64)])
 def test_per_channel_recomputed_backward_equals_plain_autograd(T, chunk_size, block_tokens):
     inputs = make_inputs(T=T, Hk=1, H=2, seed=T, channels=True)
     kw = dict(chunk_size=chunk_size, block_tokens=block_tokens)

@@ -51,8 +51,8 @@ from torch import Tensor, nn
 
 from longstraw.models.norms import GatedRMSNorm
 from longstraw.ops.conv import causal_conv1d
-from longstraw.ops.deltanet import (delta_rule_kernel, gated_delta_rule, needs_grad, recurrent_gated_delta_rule,
-                                    torch_chunk_size)
+from longstraw.ops.deltanet import (SUB_CHUNK, delta_rule_kernel, gated_delta_rule, needs_grad,
+                                    recurrent_gated_delta_rule, torch_chunk_size)
 from longstraw.ops.host_memory import offloads as offloads_state
 from longstraw.ops.host_memory import stage, to_host
 from longstraw.state import grad_dtype_for
@@ -393,10 +393,12 @@ class DeltaRuleMixer(nn.Module):
         if kernel == "recurrent":
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                               use_qk_l2norm=True)
-        # fla: its chunks of 64; the torch form: its default chunk (64, or 16 for per-channel decays), on CPU one
-        # smaller chunk for fewer new tokens (short branches)
+        # fla: its chunks of 64; the torch form: its default chunk (64), on CPU one smaller chunk for fewer new
+        # tokens (short branches): per key channel a whole number of sub-chunks, so that the pairwise decays stay
+        # within sub-chunks
         base = 64 if kernel == "fla" else torch_chunk_size(self.per_channel)
-        chunk = base if q.is_cuda or kernel == "fla" else max(1, min(base, t))
+        short = -(-t // SUB_CHUNK) * SUB_CHUNK if self.per_channel else t
+        chunk = base if q.is_cuda or kernel == "fla" else max(1, min(base, short))
         return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True,
                                 chunk_size=chunk)
 

@@ -39,9 +39,10 @@ a unit lower-triangular system ``(I + A) W = beta*V - (beta*e^G*K) S0`` with ``A
 
 With per-channel gates ``G`` is ``[C, Dk]`` and every ``e^{G}`` factor acts per key channel: ``A_tj = beta_t
 sum_d k_td k_jd e^{G_td - G_jd}``, ``P_tj = sum_d q_td k_jd e^{G_td - G_jd}``, ``e^G*K``, ``e^G*Q`` and ``Kd`` channel
-by channel, and ``e^{G_C} I`` becomes ``diag(e^{G_C})``. The pairwise decays are then a ``[C, C, Dk]`` tensor per
-chunk (exp of non-positive differences, as below: exact and overflow-free for any decay; the blocks are sized
-for it).
+by channel, and ``e^{G_C} I`` becomes ``diag(e^{G_C})``. The pairwise decays are explicit inside sub-chunks of 16
+(a ``[16, 16, Dk]`` tensor each, exp of non-positive differences, as below: exact and overflow-free for any decay;
+the blocks are sized for it), and across sub-chunks one matmul per sub-chunk splits each decay at the sub-chunk's
+last token into two such factors (:func:`_channel_scores`).
 
 Everything except the chunk-to-chunk product ``S <- M S + R`` is independent across chunks and computed batched
 over a block of chunks; the only Python loop is over chunks (one ``baddbmm`` each), then the states at chunk starts
@@ -80,7 +81,7 @@ from longstraw.ops import meta
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
            "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV", "fla_backward_check",
            "fla_backward_errors",
-           "needs_grad", "per_channel", "torch_chunk_size", "transfer_inputs", "apply_initial", "compose_transfer",
+           "needs_grad", "per_channel", "torch_chunk_size", "sub_chunk", "SUB_CHUNK", "transfer_inputs", "apply_initial", "compose_transfer",
            "transfer_output"]
 
 _L2NORM_EPS = 1e-6
@@ -128,11 +129,11 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
 
 
 def torch_chunk_size(channels: bool) -> int:
-    """The torch chunked form's default chunk: 64 for a decay per head (fla's); 16 for a decay per key channel,
-    whose pairwise ``[C, C, Dk]`` decays make the in-chunk work grow with ``C`` (at Kimi-Linear's layer shape, 32
-    heads of 128 over 4,096 tokens, forward + backward on 2 CPU cores: 63 s with chunks of 64, 35 s with 32, 12.8 s
-    with 16; 2026-12-07)."""
-    return 16 if channels else 64
+    """The torch chunked form's default chunk: 64 (fla's), for a decay per head or per key channel. Per key
+    channel the pairwise decays are explicit only inside sub-chunks of 16 (:func:`sub_chunk`), as fla's
+    ``chunk_kda`` does; before 2026-12-07 the whole chunk's ``[C, C, Dk]`` decays were, and the rule ran in chunks
+    of 16, its ``Dk x Dk`` state scan four times as often (docs/BENCHMARKS.md)."""
+    return 64
 
 
 def per_channel(g: Tensor, q: Tensor) -> bool:
@@ -194,6 +195,55 @@ def recurrent_gated_delta_rule(
     return o.to(out_dtype), (S if output_final_state else None)
 
 
+SUB_CHUNK = 16  # the per-channel rule's sub-chunk (fla's chunk_kda: 16 within chunks of 64)
+
+
+def sub_chunk(C: int) -> int:
+    """The sub-chunk of a per-channel chunk of ``C`` tokens: :data:`SUB_CHUNK` where it divides ``C``, else ``C``
+    itself (pairwise decays over the whole chunk)."""
+    return SUB_CHUNK if C > SUB_CHUNK and C % SUB_CHUNK == 0 else C
+
+
+def _channel_scores(q, k, kb, G, sub):
+    """Per-channel gates: ``A_tj = sum_d kb_td k_jd e^{G_td - G_jd}`` (strictly lower) and ``P_tj = sum_d q_td k_jd
+    e^{G_td - G_jd}`` (inclusive lower), ``[B,H,N,C,C]`` each, for q, k, kb ``[B,H,N,C,Dk]`` and the in-chunk
+    cumulative log decays ``G [B,H,N,C,Dk]``.
+
+    Inside each sub-chunk of ``sub`` tokens the pairwise decays are explicit (``[sub, sub, Dk]``, exp of
+    non-positive differences masked in log space). Across sub-chunks (``j`` in sub-chunk ``a``, ``t`` after it) the
+    decay splits at ``r``, the last token of ``a``: ``e^{G_t - G_j} = e^{G_t - G_r} e^{G_r - G_j}``, both factors
+    exps of non-positive differences (``G`` falls monotonically), so one matmul per sub-chunk ``a`` gives the whole
+    block column below it, overflow-free for any decay (an underflowing factor bounds a product smaller still). The
+    pairwise work per token is then ``sub * Dk`` at any chunk size, and the chunk-to-chunk state scan (the
+    ``Dk x Dk`` products, the rule's main cost) runs once per ``C`` tokens."""
+    B, H, N, C, Dk = q.shape
+    n = C // sub
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
+    Gs = G.reshape(B, H, N, n, sub, Dk)
+    ks = k.reshape(B, H, N, n, sub, Dk)
+    decay = torch.where(causal[..., None], Gs[..., :, None, :] - Gs[..., None, :, :], float("-inf")).exp()
+    kd = ks[..., None, :, :] * decay  # [B,H,N,n,sub(t),sub(j),Dk]: k_j e^{G_t - G_j} within a sub-chunk
+    A_in = (kb.reshape(B, H, N, n, sub, 1, Dk) * kd).sum(-1).tril(-1)  # [B,H,N,n,sub,sub]
+    P_in = (q.reshape(B, H, N, n, sub, 1, Dk) * kd).sum(-1)
+    del kd, decay
+    if n == 1:
+        return A_in[..., 0, :, :], P_in[..., 0, :, :]
+    a_cols, p_cols = [], []  # per sub-chunk a: its column strip [B,H,N,C,sub] (zeros above, its block, the rest)
+    for a in range(n):
+        above = q.new_zeros(B, H, N, a * sub, sub)
+        a_parts, p_parts = [above, A_in[..., a, :, :]], [above, P_in[..., a, :, :]]
+        if a < n - 1:
+            Gr = Gs[..., a, -1:, :]  # [B,H,N,1,Dk]: G at the sub-chunk's last token
+            right = (ks[..., a, :, :] * (Gr - Gs[..., a, :, :]).exp()).transpose(-1, -2)  # [B,H,N,Dk,sub]
+            rows = slice((a + 1) * sub, C)
+            left = (G[..., rows, :] - Gr).exp()  # [B,H,N,C-(a+1)sub,Dk]
+            a_parts.append((kb[..., rows, :] * left) @ right)
+            p_parts.append((q[..., rows, :] * left) @ right)
+        a_cols.append(torch.cat(a_parts, dim=-2))
+        p_cols.append(torch.cat(p_parts, dim=-2))
+    return torch.cat(a_cols, dim=-1), torch.cat(p_cols, dim=-1)
+
+
 def _chunk_block(q, k, v, g, beta, S, C):
     """One block of whole chunks. q, k ``[B,H,N,C,Dk]``, v ``[B,H,N,C,Dv]``, beta ``[B,H,N,C]``, g ``[B,H,N,C]``
     (per head) or ``[B,H,N,C,Dk]`` (per key channel), S ``[B,H,Dk,Dv]``.
@@ -207,12 +257,7 @@ def _chunk_block(q, k, v, g, beta, S, C):
     kb = k * beta[..., None]
     if channels:
         G = g.cumsum(dim=-2)  # [B,H,N,C,Dk] log decay per key channel from the chunk start through t (inclusive)
-        # e^{G_td - G_jd} for j <= t, 0 above the diagonal (masked in log space): [B,H,N,C,C,Dk]
-        decay = torch.where(causal[..., None], G[..., :, None, :] - G[..., None, :, :], float("-inf")).exp()
-        kd = k[..., None, :, :] * decay  # [B,H,N,C(t),C(j),Dk]: k_j e^{G_t - G_j}
-        A = (kb[..., :, None, :] * kd).sum(-1).tril(-1)  # strictly lower; the solve takes the diagonal as ones
-        P = (q[..., :, None, :] * kd).sum(-1)  # [B,H,N,C,C], inclusive lower
-        del kd, decay
+        A, P = _channel_scores(q, k, kb, G, sub_chunk(C))
         eG = G.exp()  # [B,H,N,C,Dk]
         G_last = G[..., -1:, :]  # [B,H,N,1,Dk]
         Kd = k * (G_last - G).exp()  # [B,H,N,C,Dk]
@@ -374,9 +419,9 @@ def chunk_gated_delta_rule(
     """Chunked (WY / UT-transform) gated delta rule in pure torch; any device, autograd.
 
     See the module docstring for the math, shapes and dtypes. ``chunk_size`` None: :func:`torch_chunk_size` (64;
-    16 for per-channel decays). ``block_tokens`` bounds how many tokens are
+    per-channel decays in sub-chunks of 16 where 16 divides it). ``block_tokens`` bounds how many tokens are
     processed at once (rounded to whole chunks; default: about 2^21 elements per block-sized intermediate, at least
-    4 chunks). ``recompute`` (default: whenever the call records a graph) keeps, for the backward, only the inputs
+    4 chunks, or for per-channel decays at least 64 tokens). ``recompute`` (default: whenever the call records a graph) keeps, for the backward, only the inputs
     and the state entering each block, and re-runs one block at a time there (:class:`_RecomputedBlocks`: one
     block's graph instead of every block's, for the forward's arithmetic once more, first derivatives only); False
     keeps plain autograd's whole graph.
@@ -393,9 +438,12 @@ def chunk_gated_delta_rule(
     cdt = _compute_dtype(q.dtype)
     scale = Dk**-0.5 if scale is None else scale
     C = chunk_size
-    if block_tokens is None:  # per-channel gates hold [C, C, Dk] pairwise decays per chunk
-        per_chunk = B * H * C * (C * (Dk if per_channel(g, q) else 1) + Dk + Dv)
-        chunks_per_block = max(4, (1 << 21) // per_chunk)
+    if block_tokens is None:  # per-channel gates hold [C, sub, Dk] pairwise decays per chunk
+        channels = per_channel(g, q)
+        per_chunk = B * H * C * ((sub_chunk(C) * Dk + C if channels else C) + Dk + Dv)
+        # at least 4 chunks; per-channel gates' memory-bound pairwise work runs fastest in blocks of about 64 tokens
+        # whose intermediates stay in cache (CPU, Kimi-Linear's layer shape: docs/BENCHMARKS.md)
+        chunks_per_block = max(-(-64 // C) if channels else 4, (1 << 21) // per_chunk)
     else:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be positive; got {block_tokens}")
