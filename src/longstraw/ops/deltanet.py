@@ -81,8 +81,8 @@ from longstraw.ops import meta
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_delta_rule", "fla_available", "l2norm",
            "choose_kernel", "delta_rule_kernel", "default_backend", "BACKEND_ENV", "fla_backward_check",
            "fla_backward_errors",
-           "needs_grad", "per_channel", "torch_chunk_size", "sub_chunk", "SUB_CHUNK", "transfer_inputs", "apply_initial", "compose_transfer",
-           "transfer_output"]
+           "needs_grad", "per_channel", "torch_chunk_size", "sub_chunk", "SUB_CHUNK", "transfer_inputs",
+           "apply_initial", "compose_transfer", "transfer_output"]
 
 _L2NORM_EPS = 1e-6
 _BACKENDS = ("auto", "torch", "fla")
@@ -214,8 +214,8 @@ def _channel_scores(q, k, kb, G, sub):
     decay splits at ``r``, the last token of ``a``: ``e^{G_t - G_j} = e^{G_t - G_r} e^{G_r - G_j}``, both factors
     exps of non-positive differences (``G`` falls monotonically), so one matmul per sub-chunk ``a`` gives the whole
     block column below it, overflow-free for any decay (an underflowing factor bounds a product smaller still). The
-    pairwise work per token is then ``sub * Dk`` at any chunk size, and the chunk-to-chunk state scan (the
-    ``Dk x Dk`` products, the rule's main cost) runs once per ``C`` tokens."""
+    pairwise work per token (memory-bound, the rule's main cost on a CPU) is then ``sub * Dk`` at any chunk size,
+    and the chunk-to-chunk state scan (a chain of dependent ``Dk x Dk`` products) takes a step per ``C`` tokens."""
     B, H, N, C, Dk = q.shape
     n = C // sub
     causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
