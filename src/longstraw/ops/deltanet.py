@@ -421,10 +421,10 @@ def chunk_gated_delta_rule(
     See the module docstring for the math, shapes and dtypes. ``chunk_size`` None: :func:`torch_chunk_size` (64;
     per-channel decays in sub-chunks of 16 where 16 divides it). ``block_tokens`` bounds how many tokens are
     processed at once (rounded to whole chunks; default: about 2^21 elements per block-sized intermediate, at least
-    4 chunks, or for per-channel decays at least 64 tokens). ``recompute`` (default: whenever the call records a graph) keeps, for the backward, only the inputs
-    and the state entering each block, and re-runs one block at a time there (:class:`_RecomputedBlocks`: one
-    block's graph instead of every block's, for the forward's arithmetic once more, first derivatives only); False
-    keeps plain autograd's whole graph.
+    4 chunks, or for per-channel decays at least 64 tokens). ``recompute`` (default: whenever the call records a
+    graph) keeps, for the backward, only the inputs and the state entering each block, and re-runs one block at a
+    time there (:class:`_RecomputedBlocks`: one block's graph instead of every block's, for the forward's arithmetic
+    once more, first derivatives only); False keeps plain autograd's whole graph.
     Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] in the compute dtype or None)``.
     """
     _check(q, k, v, g, beta, initial_state)
