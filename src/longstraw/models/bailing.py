@@ -46,6 +46,7 @@ from longstraw.models.config import ConfigReader
 from longstraw.models.deepseek import _moe_block
 from longstraw.models.family import Family
 from longstraw.models.kda import KEPT_BY_LING, KimiDeltaAttention
+from longstraw.models.keep_fp32 import keep_in_float32
 from longstraw.models.kimi import (KimiWeightMap, _max_positions, _reader, checked_layer_types, moe_keys,
                                   sparse_layers)
 from longstraw.models.mla import MLAttention, mla_softmax_scale
@@ -153,8 +154,8 @@ def build(cfg: dict) -> CausalLM:
     layers = []
     for i in range(n):
         if types[i] == "linear_attention":
-            mixer = KimiDeltaAttention(hidden, norm_eps=eps, activation=act, **lin)
-            mixer.keep_float32 = KEPT_BY_LING  # float32 in bf16/fp16 models, as transformers keeps them
+            # float32 in bf16/fp16 models, as transformers keeps them
+            mixer = keep_in_float32(KimiDeltaAttention(hidden, norm_eps=eps, activation=act, **lin), *KEPT_BY_LING)
         else:
             mixer = MLAttention(hidden, r.positive("num_attention_heads"), **mla)
         ffn = _moe_block(hidden, r, act, keys) if sparse[i] else GatedMLP(hidden, r.positive("intermediate_size"), act)

@@ -396,7 +396,7 @@ class DeltaRuleMixer(nn.Module):
         # fla: its chunks of 64; the torch form: its default chunk (64), on CPU one smaller chunk for fewer new
         # tokens (short branches): per key channel a whole number of sub-chunks, so that the pairwise decays stay
         # within sub-chunks
-        base = 64 if kernel == "fla" else torch_chunk_size(self.per_channel)
+        base = 64 if kernel == "fla" else torch_chunk_size()
         short = -(-t // SUB_CHUNK) * SUB_CHUNK if self.per_channel and t > SUB_CHUNK else t
         chunk = base if q.is_cuda or kernel == "fla" else max(1, min(base, short))
         return gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True,

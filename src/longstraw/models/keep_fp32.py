@@ -54,8 +54,8 @@ class KeepsFloat32:
         return out
 
     def _apply(self, fn: Callable, recurse: bool = True):
-        kept = {id(t) for _, t in self.kept_tensors()}
-        kept |= {id(t.grad) for _, t in self.kept_tensors() if t.grad is not None}
+        tensors = [t for _, t in self.kept_tensors()]
+        kept = {id(t) for t in tensors} | {id(t.grad) for t in tensors if t.grad is not None}
         if not kept:
             return super()._apply(fn, recurse)
         strict = self.keep_float32_strict

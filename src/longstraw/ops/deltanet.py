@@ -128,8 +128,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
         raise ValueError(f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, Dv)}; got {tuple(initial_state.shape)}")
 
 
-def torch_chunk_size(channels: bool) -> int:
-    """The torch chunked form's default chunk: 64 (fla's), for a decay per head or per key channel. Per key
+def torch_chunk_size() -> int:
+    """The torch chunked form's default chunk: 64 (fla's), for a decay per head or per key channel alike. Per key
     channel the pairwise decays are explicit only inside sub-chunks of 16 (:func:`sub_chunk`), as fla's
     ``chunk_kda`` does; before 2026-12-07 the whole chunk's ``[C, C, Dk]`` decays were, and the rule ran in chunks
     of 16, its ``Dk x Dk`` state scan four times as often (docs/BENCHMARKS.md)."""
@@ -252,10 +252,8 @@ def _chunk_block(q, k, v, g, beta, S, C):
     """
     B, H, N, _, Dk = q.shape
     Dv = v.shape[-1]
-    channels = per_channel(g, q)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     kb = k * beta[..., None]
-    if channels:
+    if per_channel(g, q):
         G = g.cumsum(dim=-2)  # [B,H,N,C,Dk] log decay per key channel from the chunk start through t (inclusive)
         A, P = _channel_scores(q, k, kb, G, sub_chunk(C))
         eG = G.exp()  # [B,H,N,C,Dk]
@@ -264,6 +262,7 @@ def _chunk_block(q, k, v, g, beta, S, C):
         last = torch.diag_embed(G_last[..., 0, :].exp())  # [B,H,N,Dk,Dk]
     else:
         G = g.cumsum(dim=-1)  # [B,H,N,C] log decay from the chunk start through t (inclusive)
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         # e^{G_t - G_j} for j <= t, 0 above the diagonal (masked in log space: the raw difference may be large > 0)
         decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B,H,N,C,C]
         # strictly lower part of A; the solve treats the diagonal as ones (unitriangular)
@@ -429,7 +428,7 @@ def chunk_gated_delta_rule(
     """
     _check(q, k, v, g, beta, initial_state)
     if chunk_size is None:
-        chunk_size = torch_chunk_size(per_channel(g, q))
+        chunk_size = torch_chunk_size()
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     B, T, _, Dk = q.shape
